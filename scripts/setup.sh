@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install kvmesh with its test extras. On a machine without CUDA the
+# CPU build of torch is installed first, so the project's torch range is already met
+# and pip never downloads a multi-GB CUDA wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        python -m pip install -q "torch>=2.4"
+    else
+        python -m pip install -q "torch==${KVMESH_TORCH_VERSION:-2.13.0}" \
+            || python -m pip install -q "torch==${KVMESH_TORCH_VERSION:-2.13.0}" --index-url https://download.pytorch.org/whl/cpu
+    fi
+fi
+python -m pip install -q -e ".[${KVMESH_EXTRAS:-test}]"
