@@ -12,8 +12,7 @@ if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         python -m pip install -q "torch>=2.4"
     else
-        python -m pip install -q "torch==${KVMESH_TORCH_VERSION:-2.13.0}" \
-            || python -m pip install -q "torch==${KVMESH_TORCH_VERSION:-2.13.0}" --index-url https://download.pytorch.org/whl/cpu
+        python -m pip install -q "torch==${KVMESH_TORCH_VERSION:-2.13.0}"
     fi
 fi
 python -m pip install -q -e ".[${KVMESH_EXTRAS:-test}]"
