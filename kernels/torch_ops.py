@@ -1,0 +1,148 @@
+"""Plain-torch implementations of V4's three hot attention ops; the reference for kernels.
+
+These are the CPU path and the ground truth the Triton kernels are tested against.
+All three take a *ragged batch*: T query tokens from B sequences, each token tagged with
+its sequence (`q_seq`) and absolute position (`q_pos`). The classical cache is *paged*:
+`cache[block, slot, dim]`, and sequence b's entry e lives at
+`cache[block_table[b, e // entries_per_block], e % entries_per_block]`.
+
+Visibility rules (identical to transformers' DeepseekV4):
+  * window key at position k is visible to query q iff  q - window < k <= q
+  * compressed entry e (covering tokens [e*ratio, (e+1)*ratio)) is visible iff
+    e < (q + 1) // ratio, and, when `topk_idx` is given, e is among the query's picks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[NB, EPB, D] paged cache -> [B, Emax, D] dense (rows past lengths[b] are garbage)."""
+    epb = cache.shape[1]
+    emax = int(lengths.max().item()) if lengths.numel() else 0
+    nblk = (emax + epb - 1) // epb
+    if nblk == 0:
+        return cache.new_zeros(block_table.shape[0], 0, cache.shape[-1])
+    blocks = block_table[:, :nblk].clamp(min=0).long()
+    return cache[blocks].reshape(block_table.shape[0], nblk * epb, -1)[:, :emax]
+
+
+def sparse_attention(
+    q: torch.Tensor,            # [T, H, D]
+    q_pos: torch.Tensor,        # [T] int64 absolute positions
+    q_seq: torch.Tensor,        # [T] int64 sequence index in [0, B)
+    win_kv: torch.Tensor,       # [B, W, D] window K=V per sequence (padded)
+    win_pos: torch.Tensor,      # [B, W] int64 positions of win_kv rows, -1 = empty
+    comp_cache: torch.Tensor | None,   # [NB, EPB, D] paged compressed entries, or None (SWA layer)
+    block_table: torch.Tensor | None,  # [B, MB] int32
+    comp_len: torch.Tensor | None,     # [B] int64 entries per sequence
+    topk_idx: torch.Tensor | None,     # [T, K] int64 picks (-1 = none); None = all visible
+    sinks: torch.Tensor,        # [H] fp32 per-head sink logit
+    scale: float,
+    window: int,
+    ratio: int,
+) -> torch.Tensor:
+    """Softmax attention over the SWA window plus the visible compressed entries, with a
+    per-head sink in the denominator. Returns [T, H, D] in q's dtype."""
+    keys = win_kv[q_seq]                                                   # [T, W, D]
+    kpos = win_pos[q_seq]
+    qp = q_pos.unsqueeze(1)
+    mask = (kpos >= 0) & (kpos <= qp) & (kpos > qp - window)
+    if comp_cache is not None and comp_len is not None and int(comp_len.max().item()) > 0:
+        comp = gather_paged(comp_cache, block_table, comp_len)              # [B, E, D]
+        e = torch.arange(comp.shape[1], device=q.device)
+        cmask = (e < comp_len[q_seq].unsqueeze(1)) & (e < (qp + 1) // ratio)
+        if topk_idx is not None:
+            picked = torch.zeros(q.shape[0], comp.shape[1] + 1, dtype=torch.bool, device=q.device)
+            picked.scatter_(1, torch.where(topk_idx >= 0, topk_idx, comp.shape[1]), True)
+            cmask &= picked[:, :-1]
+        keys = torch.cat([keys, comp[q_seq]], dim=1)
+        mask = torch.cat([mask, cmask], dim=1)
+    scores = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
+
+
+def compress_windows(
+    kv: torch.Tensor,           # [N, m, W]  projected tokens of N closed windows (W = 2d if overlap else d)
+    gate: torch.Tensor,         # [N, m, W]  gate projections (position bias not yet added)
+    ape: torch.Tensor,          # [m, W]     learned position bias
+    prev_kv: torch.Tensor | None,    # [m, d] Ca half of the window before the first one, or None
+    prev_gate: torch.Tensor | None,  # [m, d] its gate (bias included)
+    norm_weight: torch.Tensor,  # [d] RMSNorm weight (fp32)
+    eps: float,
+    cos: torch.Tensor,          # [N, R/2] rope at each window's start position
+    sin: torch.Tensor,
+    overlap: bool,
+) -> torch.Tensor:
+    """Softmax-gated pooling of each closed window -> RMSNorm -> RoPE. Returns [N, d].
+
+    With `overlap` (CSA), entry w pools | Ca of window w-1 (m slots) | Cb of window w (m slots) |
+    where Ca = channels [:d], Cb = channels [d:]; window 0 takes Ca from `prev_*`
+    (or gets zero weight when there is none).
+    """
+    from .rope import apply_rope
+
+    gate = gate + ape
+    n, m, width = kv.shape
+    if overlap:
+        d = width // 2
+        pool_kv = kv.new_zeros(n, 2 * m, d)
+        pool_gate = gate.new_full((n, 2 * m, d), float("-inf"))
+        pool_kv[:, m:], pool_gate[:, m:] = kv[..., d:], gate[..., d:]
+        pool_kv[1:, :m], pool_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+        if prev_kv is not None:
+            pool_kv[0, :m], pool_gate[0, :m] = prev_kv.to(kv.dtype), prev_gate.to(gate.dtype)
+        kv, gate = pool_kv, pool_gate
+    pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    x = pooled.float()
+    normed = (norm_weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
+    return apply_rope(normed, cos, sin)
+
+
+def indexer_scores(
+    q: torch.Tensor,            # [T, Hi, Di] rope'd indexer queries
+    weights: torch.Tensor,      # [T, Hi] per-head weights (already scaled by Hi^-0.5)
+    keys: torch.Tensor,         # [T, E, Di] keys visible to each query's sequence
+    scale: float,
+) -> torch.Tensor:
+    """sum_h w[t,h] * relu(q[t,h] . k[e]) * scale -> [T, E] fp32."""
+    s = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * scale
+    return (s * weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def indexer_topk(
+    q: torch.Tensor,            # [T, Hi, Di]
+    weights: torch.Tensor,      # [T, Hi]
+    q_pos: torch.Tensor,        # [T]
+    q_seq: torch.Tensor,        # [T]
+    key_cache: torch.Tensor,    # [NB, EPB, Di] paged indexer keys
+    block_table: torch.Tensor,  # [B, MB]
+    key_len: torch.Tensor,      # [B]
+    ratio: int,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """Lightning-indexer top-k: [T, topk] int64 entry indices, -1 where fewer are visible.
+
+    Ties are broken toward the lower entry index (a stable sort), so the picks do not
+    depend on batch composition or on how a prompt was chunked.
+    """
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    if q.shape[0] == 0 or int(key_len.max().item()) == 0:
+        return out
+    keys = gather_paged(key_cache, block_table, key_len)                   # [B, E, Di]
+    scores = indexer_scores(q, weights, keys[q_seq], scale)                # [T, E]
+    e = torch.arange(keys.shape[1], device=q.device)
+    limit = torch.minimum((q_pos + 1) // ratio, key_len[q_seq])
+    visible = e.unsqueeze(0) < limit.unsqueeze(1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    k = min(topk, keys.shape[1])
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    valid = order < limit.unsqueeze(1)
+    out[:, :k] = torch.where(valid, order, torch.full_like(order, -1))
+    return out

@@ -1,0 +1,110 @@
+"""The cache tensors: paged classical blocks and per-request state slots, per layer.
+
+Shapes (NB blocks, S slots, EPB = block_tokens / ratio entries per block):
+    ring[S, window, D]                          every layer (SWA K=V by position % window)
+    comp[NB, EPB, D]                            CSA and HCA layers (compressed entries)
+    idx[NB, EPB, Di]                            CSA layers (indexer keys)
+    tail_kv/tail_gate[S, m, W]                  CSA/HCA (W = 2D for CSA, D for HCA)
+    itail_kv/itail_gate[S, m, 2Di]              CSA indexer
+    ovl_kv/ovl_gate[S, m, D], iovl_*[S, m, Di]  CSA overlap state (gate -inf = no previous window)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import CSA, HCA, CacheLayout
+
+
+@dataclass
+class LayerCache:
+    ring: torch.Tensor
+    comp: torch.Tensor | None = None
+    idx: torch.Tensor | None = None
+    tails: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+BLOCK_FIELDS = ("comp", "idx")
+SLOT_FIELDS = ("tail_kv", "tail_gate", "itail_kv", "itail_gate", "ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate")
+
+
+class CacheTensors:
+    def __init__(self, layout: CacheLayout, num_blocks: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.layout, self.num_blocks, self.num_slots = layout, num_blocks, num_slots
+        p, bt = layout.params, layout.block_tokens
+        z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
+        ninf = lambda *s: torch.full(s, float("-inf"), dtype=dtype, device=device)  # noqa: E731
+        self.layers: list[LayerCache] = []
+        for t, spec in zip(p.layer_types, layout.specs):
+            lc = LayerCache(ring=z(num_slots, p.window, p.head_dim))
+            m, d, di = spec.ratio, p.head_dim, p.index_head_dim
+            if t in (CSA, HCA):
+                lc.comp = z(num_blocks, bt // m, d)
+                w = 2 * d if t == CSA else d
+                lc.tails.update(tail_kv=z(num_slots, m, w), tail_gate=z(num_slots, m, w))
+            if t == CSA:
+                lc.idx = z(num_blocks, bt // m, di)
+                lc.tails.update(itail_kv=z(num_slots, m, 2 * di), itail_gate=z(num_slots, m, 2 * di),
+                                ovl_kv=z(num_slots, m, d), ovl_gate=ninf(num_slots, m, d),
+                                iovl_kv=z(num_slots, m, di), iovl_gate=ninf(num_slots, m, di))
+            self.layers.append(lc)
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget any previous window: the next first window pools only its own half."""
+        for lc in self.layers:
+            for name in ("ovl_gate", "iovl_gate"):
+                if name in lc.tails:
+                    lc.tails[name][slot].fill_(float("-inf"))
+
+    def block_state(self, block: int) -> dict[str, torch.Tensor]:
+        """Copies of one block's tensors across layers, named '{layer}.{field}'."""
+        out = {}
+        for i, lc in enumerate(self.layers):
+            for name in BLOCK_FIELDS:
+                t = getattr(lc, name)
+                if t is not None:
+                    out[f"{i}.{name}"] = t[block].clone()
+        return out
+
+    def load_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
+        for i, lc in enumerate(self.layers):
+            for name in BLOCK_FIELDS:
+                t = getattr(lc, name)
+                if t is not None:
+                    t[block].copy_(tensors[f"{i}.{name}"])
+
+    def slot_state(self, slot: int, position: int) -> dict[str, torch.Tensor]:
+        """Copies of the state a snapshot at a block boundary needs: rings (ordered oldest
+        first, ending at `position`) and the overlap state. Tails are empty there."""
+        out = {}
+        for i, lc in enumerate(self.layers):
+            w = lc.ring.shape[1]
+            order = torch.arange(position - w, position) % w
+            out[f"{i}.ring"] = lc.ring[slot, order].clone()
+            for name in ("ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate"):
+                if name in lc.tails:
+                    out[f"{i}.{name}"] = lc.tails[name][slot].clone()
+        return out
+
+    def load_slot(self, slot: int, position: int, tensors: dict[str, torch.Tensor]) -> None:
+        for i, lc in enumerate(self.layers):
+            w = lc.ring.shape[1]
+            order = torch.arange(position - w, position) % w
+            lc.ring[slot, order] = tensors[f"{i}.ring"].to(lc.ring.dtype)
+            for name in ("ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate"):
+                if name in lc.tails:
+                    lc.tails[name][slot].copy_(tensors[f"{i}.{name}"])
+
+
+def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int, dtype_bytes: int,
+               min_blocks_per_slot: int = 1) -> tuple[int, int]:
+    """Split a memory budget into (num_blocks, num_slots): slots first (at most max_slots,
+    leaving room for at least one block each), the rest as blocks."""
+    slot_b = layout.slot_bytes * dtype_bytes // max(1, layout.specs[0].dtype_bytes)
+    block_b = max(1, layout.block_bytes * dtype_bytes // max(1, layout.specs[0].dtype_bytes))
+    per_slot = slot_b + min_blocks_per_slot * block_b
+    slots = max(1, min(max_slots, budget_bytes // per_slot))
+    blocks = max(min_blocks_per_slot, (budget_bytes - slots * slot_b) // block_b)
+    return int(blocks), int(slots)

@@ -1,0 +1,384 @@
+"""DeepSeek-V4 in torch, over a ragged batch with kvmesh's heterogeneous cache.
+
+Module and parameter names follow the upstream checkpoint (`layers.N.attn.wq_a`,
+`...attn.compressor.wkv`, `...attn.indexer.wq_b`, `...ffn.experts` (stacked), `hc_head_fn`,
+`head`), so loading is a rename-free copy. The attention, compressor-pooling and indexer
+math goes through `kernels` (torch or Triton, same API).
+
+Shapes: T = tokens in the step (all sequences concatenated), B = sequences, D = head_dim,
+H = attention heads, N = hc_mult streams, C = hidden_size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import KernelOps, get_ops
+from kernels.rope import apply_rope
+from kvstore.cache_tensors import CacheTensors, LayerCache
+
+from .config import CSA, HCA, SWA, ModelArgs, RopeArgs
+
+
+@dataclass
+class StepInput:
+    """One forward step over a ragged batch (built by the model runner)."""
+    tokens: torch.Tensor        # [T] int64
+    positions: torch.Tensor     # [T] int64 absolute positions
+    q_seq: torch.Tensor         # [T] int64 sequence index of each token
+    starts: torch.Tensor        # [B] int64 first position of each sequence's chunk
+    lengths: torch.Tensor       # [B] int64 tokens of each sequence in this step
+    slots: torch.Tensor         # [B] int64 state slot of each sequence
+    block_table: torch.Tensor   # [B, MB] int32 classical-cache blocks (entry e -> e // EPB)
+    ring_from: torch.Tensor     # [B] int64 window rows before this position are invalid (recompute)
+    keep_tokens: torch.Tensor   # [B] int64 compressed entries of windows ending <= this are restored: keep
+    logits_at: torch.Tensor     # [R] int64 rows of T whose logits are returned
+
+    @property
+    def cu(self) -> list[int]:
+        return [0] + torch.cumsum(self.lengths, 0).tolist()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y if weight is None else weight.float() * y).to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeArgs, dim: int) -> torch.Tensor:
+    """Inverse frequencies (one per pair); YaRN as transformers computes it, without mscale."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+class Rope(nn.Module):
+    def __init__(self, rope: RopeArgs, dim: int):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def linear(dim_in: int, dim_out: int) -> nn.Linear:
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+class Compressor(nn.Module):
+    """Projects tokens into windows of `ratio` and pools each closed window to one entry."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.ratio, self.head_dim, self.overlap, self.eps = ratio, head_dim, overlap, eps
+        self.wkv, self.wgate = linear(dim, width), linear(dim, width)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def update(self, x: torch.Tensor, step: StepInput, store: torch.Tensor, tails: dict[str, torch.Tensor],
+               prefix: str, rope: Rope, ops: KernelOps) -> None:
+        """Append this step's tokens to each sequence's tail, pool every window that closes,
+        write the entries into the paged `store` and update tails and overlap state."""
+        kv, gate = self.wkv(x), self.wgate(x)
+        m, epb = self.ratio, store.shape[1]
+        tail_kv, tail_gate = tails[f"{prefix}tail_kv"], tails[f"{prefix}tail_gate"]
+        cu = step.cu
+        for b in range(step.lengths.shape[0]):
+            start, n, slot = int(step.starts[b]), int(step.lengths[b]), int(step.slots[b])
+            if n == 0:
+                continue
+            have = start % m
+            first_window = start // m
+            closed = (start + n) // m - first_window
+            seg_kv, seg_gate = kv[cu[b]:cu[b + 1]], gate[cu[b]:cu[b + 1]]
+            if closed == 0:
+                tail_kv[slot, have:have + n] = seg_kv
+                tail_gate[slot, have:have + n] = seg_gate
+                continue
+            all_kv = torch.cat([tail_kv[slot, :have], seg_kv])
+            all_gate = torch.cat([tail_gate[slot, :have], seg_gate])
+            used = closed * m
+            win_kv = all_kv[:used].view(closed, m, -1)
+            win_gate = all_gate[:used].view(closed, m, -1)
+            rest = all_kv.shape[0] - used
+            tail_kv[slot, :rest], tail_gate[slot, :rest] = all_kv[used:], all_gate[used:]
+            prev_kv = prev_gate = None
+            if self.overlap:
+                ovl_kv, ovl_gate = tails[f"{prefix}ovl_kv"], tails[f"{prefix}ovl_gate"]
+                prev_kv, prev_gate = ovl_kv[slot].clone(), ovl_gate[slot].clone()
+                d = self.head_dim
+                ovl_kv[slot] = win_kv[-1, :, :d]
+                ovl_gate[slot] = win_gate[-1, :, :d] + self.ape[:, :d].to(win_gate.dtype)
+            windows = torch.arange(first_window, first_window + closed)
+            cos, sin = rope(windows * m, x.dtype)
+            entries = ops.compress_windows(win_kv, win_gate, self.ape, prev_kv, prev_gate,
+                                           self.norm.weight, self.eps, cos, sin, self.overlap)
+            keep = (windows + 1) * m > int(step.keep_tokens[b])
+            if keep.any():
+                w = windows[keep]
+                blocks = step.block_table[b, (w // epb)].long()
+                store[blocks, w % epb] = entries[keep].to(store.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own compressor at index_head_dim plus a scorer over its keys."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.wq_b = linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
+        self.weights_proj = linear(args.hidden_size, args.index_n_heads)
+        self.compressor = Compressor(args.hidden_size, args.index_head_dim, args.csa_ratio, True, args.rms_norm_eps)
+
+    def forward(self, x, q_res, step: StepInput, cache: LayerCache, rope: Rope, ops: KernelOps) -> torch.Tensor:
+        self.compressor.update(x, step, cache.idx, cache.tails, "i", rope, ops)
+        m = self.compressor.ratio
+        cos, sin = rope(step.positions, x.dtype)
+        q = apply_rope(self.wq_b(q_res).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
+        key_len = (step.starts + step.lengths) // m
+        return ops.indexer_topk(q, weights, step.positions, step.q_seq, cache.idx, step.block_table,
+                                key_len, m, self.topk, self.head_dim ** -0.5)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.layer_type, self.args = layer_type, args
+        h, d = args.num_attention_heads, args.head_dim
+        self.n_heads, self.head_dim, self.window = h, d, args.sliding_window
+        self.wq_a = linear(args.hidden_size, args.q_lora_rank)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = linear(args.q_lora_rank, h * d)
+        self.wkv = linear(args.hidden_size, d)
+        self.norm = RMSNorm(d, args.rms_norm_eps)
+        self.wo_a = linear(h * d // args.o_groups, args.o_groups * args.o_lora_rank)
+        self.wo_b = linear(args.o_groups * args.o_lora_rank, args.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.ratio = args.ratio(layer_type)
+        self.compressor = self.indexer = None
+        if layer_type in (CSA, HCA):
+            self.compressor = Compressor(args.hidden_size, d, self.ratio, layer_type == CSA, args.rms_norm_eps)
+        if layer_type == CSA:
+            self.indexer = Indexer(args)
+
+    def window_kv(self, kv: torch.Tensor, step: StepInput, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence: | ring rows for [start-W+1, start) | this step's rows | -> [B, W-1+n_max, D]."""
+        w, starts, slots = self.window, step.starts, step.slots
+        back = torch.arange(w - 1)
+        old_pos = starts.unsqueeze(1) - (w - 1) + back                       # [B, W-1]
+        old = ring[slots.unsqueeze(1), old_pos % w]
+        old_pos = torch.where(old_pos >= step.ring_from.unsqueeze(1), old_pos, -1)
+        n_max = int(step.lengths.max())
+        j = torch.arange(n_max)
+        cu = torch.tensor(step.cu[:-1])
+        rows = (cu.unsqueeze(1) + j).clamp(max=kv.shape[0] - 1)
+        new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
+        return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
+
+    def write_ring(self, kv: torch.Tensor, step: StepInput, ring: torch.Tensor) -> None:
+        ends = (step.starts + step.lengths)[step.q_seq]
+        last = step.positions >= ends - self.window          # only the newest W rows per sequence
+        ring[step.slots[step.q_seq[last]], step.positions[last] % self.window] = kv[last]
+
+    def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes: dict[str, Rope],
+                ops: KernelOps) -> torch.Tensor:
+        t = x.shape[0]
+        rope = ropes["main" if self.layer_type == SWA else "compress"]
+        cos, sin = rope(step.positions, x.dtype)
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(q_res).view(t, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
+        win_kv, win_pos = self.window_kv(kv, step, cache.ring)
+        self.write_ring(kv, step, cache.ring)
+        topk = comp_len = None
+        if self.compressor is not None:
+            self.compressor.update(x, step, cache.comp, cache.tails, "", ropes["compress"], ops)
+            comp_len = (step.starts + step.lengths) // self.ratio
+        if self.indexer is not None:
+            topk = self.indexer(x, q_res, step, cache, ropes["compress"], ops)
+        out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, cache.comp,
+                                   step.block_table, comp_len, topk, self.attn_sink,
+                                   self.head_dim ** -0.5, self.window, max(self.ratio, 1))
+        out = apply_rope(out, cos, -sin)
+        g = self.args.o_groups
+        grouped = out.reshape(t, g, -1).transpose(0, 1)                       # [G, T, H*D/G]
+        wo_a = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)
+        return self.wo_b(torch.bmm(grouped, wo_a.transpose(1, 2)).transpose(0, 1).reshape(t, -1))
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down)."""
+
+    def __init__(self, n: int, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
+        self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, k = torch.where(idx == e)
+            h = swiglu(F.linear(x[tok], self.w1[e]), F.linear(x[tok], self.w3[e]), self.limit)
+            out.index_add_(0, tok, (F.linear(h, self.w2[e]) * weights[tok, k, None]).to(out.dtype))
+        return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3, self.limit = linear(dim, inter), linear(inter, dim), linear(dim, inter), limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nn.Module):
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.hashed, self.topk, self.args = hashed, args.num_experts_per_tok, args
+        self.weight = nn.Parameter(torch.zeros(args.n_routed_experts, args.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.long))
+        else:
+            self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        fn = self.args.scoring_func
+        scores = (F.softplus(logits).sqrt() if fn == "sqrtsoftplus"
+                  else logits.softmax(-1) if fn == "softmax" else logits.sigmoid())
+        if self.hashed:
+            idx = self.tid2eid[tokens].long()
+        else:
+            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.args.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.gate = Gate(args, hashed)
+        self.experts = Experts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+        self.shared_experts = SharedExpert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x, tokens)
+        return self.experts(x, idx, w) + self.shared_experts(x)
+
+
+def hc_weights(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC: (pre [T,N], post [T,N], comb [T,N,N] doubly stochastic) from the N streams [T,N,C]."""
+    n, eps = args.hc_mult, args.hc_eps
+    flat = rms_norm(x.flatten(1).float(), None, args.rms_norm_eps)
+    mix = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(args.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.args = args
+        n, c = args.hc_mult, args.hidden_size
+        self.attn = Attention(args, args.layer_types[layer_id])
+        self.ffn = MoE(args, args.mlp_layer_types[layer_id] == "hash_moe")
+        self.attn_norm, self.ffn_norm = RMSNorm(c, args.rms_norm_eps), RMSNorm(c, args.rms_norm_eps)
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * c)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def mix(self, x: torch.Tensor, site: str, sublayer) -> torch.Tensor:
+        pre, post, comb = hc_weights(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                                     getattr(self, f"hc_{site}_scale"), self.args)
+        collapsed = (pre.unsqueeze(-1) * x).sum(1).to(x.dtype)
+        y = sublayer(collapsed)
+        return post.to(x.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.to(x.dtype).transpose(1, 2), x)
+
+    def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes, ops) -> torch.Tensor:
+        x = self.mix(x, "attn", lambda h: self.attn(self.attn_norm(h), step, cache, ropes, ops))
+        return self.mix(x, "ffn", lambda h: self.ffn(self.ffn_norm(h), step.tokens))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, kernel_backend: str = "auto"):
+        super().__init__()
+        self.args = args
+        n, c = args.hc_mult, args.hidden_size
+        self.embed = nn.Embedding(args.vocab_size, c)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(c, args.rms_norm_eps)
+        self.head = linear(c, args.vocab_size)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * c))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.ropes = nn.ModuleDict({"main": Rope(args.main_rope, args.rope_head_dim),
+                                    "compress": Rope(args.compress_rope, args.rope_head_dim)})
+        self.kernel_backend = kernel_backend
+
+    @property
+    def ops(self) -> KernelOps:
+        return get_ops(self.kernel_backend, self.head.weight.device.type)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, cache: CacheTensors) -> torch.Tensor:
+        """Runs one step, updating `cache` in place; returns fp32 logits [R, vocab] for step.logits_at."""
+        ops = self.ops
+        x = self.embed(step.tokens)
+        x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        for layer, lc in zip(self.layers, cache.layers):
+            x = layer(x, step, lc, self.ropes, ops)
+        x = x[step.logits_at]
+        flat = rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
+                            + self.hc_head_base.float()) + self.args.hc_eps
+        h = self.norm((pre.unsqueeze(-1) * x).sum(1).to(x.dtype))
+        return self.head(h).float()
