@@ -1,0 +1,88 @@
+"""`kvmesh generate`: a JSONL batch file through one engine, all lines concurrently.
+
+A bad line (malformed JSON, missing id or prompt, invalid sampling values, prompt too
+long) gets an `error` result; the other lines complete.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+FIELDS = {"id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
+          "ignore_eos", "stop_token_ids", "min_tokens"}
+
+
+def parse_line(line: str, lineno: int):
+    """-> (id, prompt, SamplingParams); raises InvalidRequestError naming the problem."""
+    from workers.sampling import InvalidRequestError, SamplingParams
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"line {lineno}: invalid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(f"line {lineno}: expected a JSON object")
+    unknown = set(obj) - FIELDS
+    if unknown:
+        raise InvalidRequestError(f"line {lineno}: unknown fields {sorted(unknown)}")
+    if not isinstance(obj.get("id"), str):
+        raise InvalidRequestError(f"line {lineno}: 'id' (string) is required")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise InvalidRequestError(f"line {lineno}: give exactly one of 'prompt' or 'prompt_token_ids'")
+    prompt = obj.get("prompt", obj.get("prompt_token_ids"))
+    if "prompt" in obj and not isinstance(prompt, str):
+        raise InvalidRequestError(f"line {lineno}: 'prompt' must be a string")
+    kw = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
+          if k in obj}
+    if "stop_token_ids" in obj:
+        kw["stop_token_ids"] = tuple(obj["stop_token_ids"])
+    return obj["id"], prompt, SamplingParams(**kw).validate()
+
+
+def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
+    from workers.engine import Engine
+    from workers.sampling import InvalidRequestError
+    try:
+        lines = input_path.read_text().splitlines()
+    except OSError as e:
+        print(f"kvmesh generate: cannot read {input_path}: {e}", file=sys.stderr)
+        return 2
+    engine = Engine(config)
+    results: dict[int, dict] = {}
+    order: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rid, prompt, params = parse_line(line, i + 1)
+            engine.add_request(rid, prompt, params)
+            order[rid] = i
+        except InvalidRequestError as e:
+            rid = _maybe_id(line)
+            results[i] = {"id": rid, "error": str(e), "finish_reason": "error"}
+    bar = tqdm(total=len(order), desc="requests", file=sys.stderr, disable=not order)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[order[out.request_id]] = {
+                    "id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                    "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+                    "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens}
+                bar.update(1)
+    bar.close()
+    text = "".join(json.dumps(results[i]) + "\n" for i in sorted(results))
+    if output_path:
+        output_path.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _maybe_id(line: str):
+    try:
+        obj = json.loads(line)
+        return obj.get("id") if isinstance(obj, dict) else None
+    except json.JSONDecodeError:
+        return None

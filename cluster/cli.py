@@ -1,0 +1,105 @@
+"""`kvmesh` command line: generate (offline batch), layout, store, serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny V4 model)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: checkpoint's)")
+    p.add_argument("--block-tokens", type=int, default=128, help="tokens per classical-cache block (default 128)")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV memory budget in MiB (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+
+
+def engine_config(args: argparse.Namespace):
+    from workers.engine import EngineConfig
+    return EngineConfig(model=args.model, dtype=args.dtype, block_tokens=args.block_tokens,
+                        kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
+                        max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .batch import run_batch_file
+    return run_batch_file(engine_config(args), Path(args.input), Path(args.output) if args.output else None)
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from kvstore.layout import CacheLayout, LayoutParams
+    from workers.config import ConfigError, ModelArgs
+    if not (args.model or args.config):
+        print("kvmesh layout: give --model DIR or --config config.json", file=sys.stderr)
+        return 2
+    try:
+        a = ModelArgs.from_file(Path(args.config) if args.config else Path(args.model) / "config.json")
+        layout = CacheLayout.build(LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio,
+                                                a.hca_ratio, a.sliding_window, args.dtype or "bfloat16"),
+                                   args.block_tokens)
+    except (ConfigError, ValueError) as e:
+        print(f"kvmesh layout: {e}", file=sys.stderr)
+        return 2
+    print(format_layout(layout, args.context))
+    return 0
+
+
+def format_layout(layout, context: int) -> str:
+    counts, per_type = layout.layer_count_by_type(), layout.bytes_per_token_by_type()
+    rows = [("layer type", "layers", "classical B/token")]
+    for t in ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"):
+        if t in counts:
+            rows.append((t, str(counts[t]), f"{per_type[t]:,.1f}"))
+    rows.append(("total", str(sum(counts.values())), f"{layout.bytes_per_token():,.1f}"))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}" for r in rows]
+    classical = layout.bytes_per_token() * context
+    lines += ["",
+              f"dtype {layout.params.dtype}, block_tokens {layout.block_tokens}: "
+              f"{layout.block_bytes:,} B per block",
+              f"state slot (SWA rings + tails + overlap): {layout.slot_bytes:,} B per request",
+              f"SWA K=V: {layout.swa_bytes_per_token():,.0f} B/token (what the `full` policy persists)",
+              f"footprint at {context:,} tokens: classical {classical:,.0f} B ({classical / 2**30:.2f} GiB), "
+              f"with one state slot {classical + layout.slot_bytes:,.0f} B"]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="run a JSONL batch of requests through one engine")
+    _add_engine_args(g)
+    g.add_argument("--input", required=True, help="requests.jsonl")
+    g.add_argument("--output", help="results.jsonl (default: stdout)")
+    lay = sub.add_parser("layout", help="cache sizes for a model config")
+    lay.add_argument("--model")
+    lay.add_argument("--config")
+    lay.add_argument("--context", type=int, default=1 << 20)
+    lay.add_argument("--block-tokens", type=int, default=128)
+    lay.add_argument("--dtype", default=None, help="cache dtype (default bfloat16)")
+    try:
+        from .store_cli import add_store_parser
+        add_store_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from .serve_cli import add_serve_parser
+        add_serve_parser(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "layout": cmd_layout}
+    if args.command in handlers:
+        return handlers[args.command](args)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

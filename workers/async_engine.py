@@ -1,0 +1,122 @@
+"""AsyncEngine: the engine loop on a background thread, results as async streams.
+
+    engine = AsyncEngine(EngineConfig())
+    async for out in engine.generate("r1", "hello", SamplingParams()):
+        print(out.new_token_ids)
+
+Requests cross into the loop thread through a lock-protected inbox; outputs come back
+to each request's asyncio queue with `loop.call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from .engine import Engine, EngineConfig
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; the message carries the cause."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | None = None):
+        self.engine = engine or Engine(config)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: list[tuple] = []
+        self._dead: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+            for kind, *payload in inbox:
+                self._apply(kind, payload)
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # the loop must never die silently
+                log.exception("engine step failed")
+                self._dead = e
+                for rid in list(self._streams):
+                    self._push(rid, e)
+                return
+            for out in outputs:
+                self._push(out.request_id, out)
+
+    def _apply(self, kind: str, payload: list) -> None:
+        if kind == "abort":
+            self.engine.abort(payload[0])
+            return
+        rid, prompt, params = payload
+        try:
+            self.engine.add_request(rid, prompt, params)
+        except Exception as e:
+            self._push(rid, e)
+
+    def _push(self, rid: str, item) -> None:
+        entry = self._streams.get(rid)
+        if entry:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per new token; the last has finished=True. Validation
+        errors (InvalidRequestError) are raised from the first iteration."""
+        if self._dead:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        params.validate()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        with self._lock:
+            self._inbox.append(("add", request_id, prompt, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        e = self.engine
+        return {**e.stats, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "free_blocks": e.blocks.num_free, "total_blocks": e.blocks.num_blocks,
+                "free_slots": e.slots.num_free, "preemptions": e.scheduler.preemptions}
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)

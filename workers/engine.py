@@ -1,0 +1,171 @@
+"""The engine: one process, one model, many requests (continuous batching).
+
+    engine = Engine(EngineConfig(model=DIR))
+    engine.add_request("r1", "hello", SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+`AsyncEngine` (workers.async_engine) wraps it with a background loop and async streams.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstore.block_pool import BlockPool
+from kvstore.cache_tensors import CacheTensors, size_pools
+from kvstore.layout import CacheLayout, LayoutParams
+from kvstore.state_slots import SlotPool
+
+from .default_model import ensure_default_model
+from .loader import load_model
+from .runner import ModelRunner
+from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator, sample
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence, Status
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None            # checkpoint directory; None = the built-in default model
+    dtype: str | None = None            # None = the checkpoint's dtype
+    device: str = "cpu"
+    block_tokens: int = 128
+    kv_cache_bytes: int = 256 << 20     # classical blocks + state slots
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 1024
+    max_model_len: int | None = None    # None = the model's max_position_embeddings
+    kernel_backend: str = "auto"
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        model_dir = Path(config.model) if config.model else ensure_default_model()
+        self.model_dir = model_dir
+        self.args, self.model = load_model(model_dir, config.dtype, config.device, config.kernel_backend)
+        self.tokenizer = load_tokenizer(model_dir)
+        dtype = self.model.head.weight.dtype
+        dtype_name = str(dtype).removeprefix("torch.")
+        a = self.args
+        self.layout = CacheLayout.build(
+            LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
+                         a.sliding_window, dtype_name), config.block_tokens)
+        num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs,
+                                           dtype.itemsize)
+        self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device)
+        self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
+        self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,
+                                   config.max_batched_tokens, on_admit=self._admit)
+        self.runner = ModelRunner(self.model, self.cache, config.device)
+        self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
+                                 num_blocks * config.block_tokens)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0}
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("prompt: must be a string or a list of integer token ids")
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        params.validate()
+        ids = self.encode(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's limit "
+                f"of {self.max_model_len} tokens")
+        seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic())
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(ids)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and seq.status != Status.FINISHED:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------------
+    def _admit(self, seq: Sequence) -> None:
+        """Hook run when a request gets a state slot (prefix reuse restores here)."""
+        self.cache.reset_slot(seq.slot)
+        seq.ring_from = seq.keep_tokens = 0
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, sampled = self.runner.run(batch)
+        self.stats["steps"] += 1
+        outputs = []
+        for seq, n in batch:
+            seq.num_computed += n
+        for row, b in enumerate(sampled):
+            seq = batch[b][0]
+            self._append_token(seq, logits[row])
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.args.eos_token_ids))
+        banned = tuple(stops) if len(seq.output) < p.min_tokens else ()
+        token, logprob = sample(logits, p, seq.generator, banned)
+        seq.output.append(token)
+        seq.logprobs.append(logprob)
+        self.stats["generated_tokens"] += 1
+        if token in stops and len(seq.output) >= p.min_tokens:
+            seq.finish_reason = "stop"
+        elif len(seq.output) >= p.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finish_reason:
+            self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output[seq.emitted:]
+        seq.emitted = len(seq.output)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt, token_ids=list(seq.output),
+            new_token_ids=new, logprobs=list(seq.logprobs), text=self.tokenizer.decode(seq.output),
+            finished=seq.status == Status.FINISHED, finish_reason=seq.finish_reason,
+            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens)
+
+    # ---- convenience ------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run all prompts concurrently to completion; results in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]

@@ -1,0 +1,67 @@
+"""A request's life in the engine: tokens, progress, cache handles, outputs."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]            # all generated so far
+    new_token_ids: list[int]        # generated since the previous output for this request
+    logprobs: list[float]
+    text: str
+    finished: bool
+    finish_reason: str | None       # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0           # tokens whose KV/state is in the cache
+    cached_tokens: int = 0          # prompt tokens restored instead of computed
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    hashed_blocks: int = 0          # leading blocks already named by their prefix hash
+    ring_from: int = 0              # window rows before this position are invalid (zero-policy recompute)
+    keep_tokens: int = 0            # compressed entries of windows ending <= this were restored
+    finish_reason: str | None = None
+    emitted: int = 0                # output tokens already reported
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.length - 1 or (self.num_computed < len(self.prompt))
+
+    def remaining_prefill(self) -> int:
+        """Tokens to run before the next sample (the whole known sequence)."""
+        return self.length - self.num_computed
