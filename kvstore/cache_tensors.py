@@ -98,6 +98,46 @@ class CacheTensors:
                     lc.tails[name][slot].copy_(tensors[f"{i}.{name}"])
 
 
+    # ---- what moves when a request changes worker (NIXL or the Ray fallback) ----------------
+    def named_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """[(name, kind, tensor)] for every cache tensor; kind is 'block' or 'slot'."""
+        out = []
+        for i, lc in enumerate(self.layers):
+            out.append((f"{i}.ring", "slot", lc.ring))
+            for name in BLOCK_FIELDS:
+                t = getattr(lc, name)
+                if t is not None:
+                    out.append((f"{i}.{name}", "block", t))
+            out += [(f"{i}.{name}", "slot", t) for name, t in lc.tails.items()]
+        return out
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        return [t for _, _, t in self.named_tensors()]
+
+    def block_regions(self, block_ids: list[int], slot: int) -> list[tuple[int, int, int]]:
+        """(tensor index in all_tensors(), byte offset, nbytes) of the given blocks and slot."""
+        out = []
+        for i, (_, kind, t) in enumerate(self.named_tensors()):
+            row = t.stride(0) * t.element_size()
+            out += [(i, r * row, row) for r in (block_ids if kind == "block" else [slot])]
+        return out
+
+    def gather(self, block_ids: list[int], slot: int) -> dict[str, torch.Tensor]:
+        """CPU copies of the blocks and the whole state slot (the Ray-object handoff payload)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        return {name: (t[idx] if kind == "block" else t[slot]).to("cpu", copy=True)
+                for name, kind, t in self.named_tensors()}
+
+    def scatter(self, block_ids: list[int], slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        for name, kind, t in self.named_tensors():
+            src = tensors[name].to(t.device, t.dtype)
+            if kind == "block":
+                t[idx] = src
+            else:
+                t[slot] = src
+
+
 def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int, dtype_bytes: int,
                min_blocks_per_slot: int = 1) -> tuple[int, int]:
     """Split a memory budget into (num_blocks, num_slots): slots first (at most max_slots,
@@ -108,3 +148,4 @@ def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int, dtype_byt
     slots = max(1, min(max_slots, budget_bytes // per_slot))
     blocks = max(min_blocks_per_slot, (budget_bytes - slots * slot_b) // block_b)
     return int(blocks), int(slots)
+

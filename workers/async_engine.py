@@ -10,11 +10,13 @@ to each request's asyncio queue with `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from typing import AsyncIterator
 
 from .engine import Engine, EngineConfig
+from .handoff import HeldKV, Resume
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 
@@ -65,12 +67,18 @@ class AsyncEngine:
     def _apply(self, kind: str, payload: list) -> None:
         if kind == "abort":
             self.engine.abort(payload[0])
-            return
-        rid, prompt, params = payload
-        try:
-            self.engine.add_request(rid, prompt, params)
-        except Exception as e:
-            self._push(rid, e)
+        elif kind == "call":
+            fut, fn, args = payload
+            try:
+                fut.set_result(fn(*args))
+            except Exception as e:
+                fut.set_exception(e)
+        else:
+            rid, prompt, params, kw = payload
+            try:
+                self.engine.add_request(rid, prompt, params, **kw)
+            except Exception as e:
+                self._push(rid, e)
 
     def _push(self, rid: str, item) -> None:
         entry = self._streams.get(rid)
@@ -78,8 +86,25 @@ class AsyncEngine:
             loop, queue = entry
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run `fn(*args)` on the engine thread between steps (engine state is not thread-safe)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._inbox.append(("call", fut, fn, args))
+        self._wake.set()
+        return fut
+
+    async def held_handle(self, request_id: str) -> HeldKV:
+        return await asyncio.wrap_future(self.call(self.engine.held_handle, request_id))
+
+    async def export_held(self, request_id: str) -> dict:
+        return await asyncio.wrap_future(self.call(self.engine.export_held, request_id))
+
+    async def release_held(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                       hold_kv: bool = False, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True. Validation
         errors (InvalidRequestError) are raised from the first iteration."""
         if self._dead:
@@ -88,7 +113,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         with self._lock:
-            self._inbox.append(("add", request_id, prompt, params))
+            self._inbox.append(("add", request_id, prompt, params, {"hold_kv": hold_kv, "resume": resume}))
         self._wake.set()
         finished = False
         try:

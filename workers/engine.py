@@ -26,6 +26,7 @@ from .loader import load_model
 from .runner import ModelRunner
 from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator, sample
 from .scheduler import Scheduler
+from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
 from .tokenizer import load_tokenizer
 
@@ -68,6 +69,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
         self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0}
 
     # ---- requests -------------------------------------------------------------------------
@@ -85,8 +87,12 @@ class Engine:
             raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        if request_id in self.seqs:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    hold_kv: bool = False, resume: Resume | None = None) -> Sequence:
+        """Queue a request. `hold_kv`: stop after the first token and keep its cache for a
+        handoff (prefill role). `resume`: the prompt's cache comes from another engine and
+        decoding continues after `resume.first_token` (decode role)."""
+        if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         params.validate()
         ids = self.encode(prompt)
@@ -94,7 +100,11 @@ class Engine:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's limit "
                 f"of {self.max_model_len} tokens")
-        seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic())
+        seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic(),
+                       hold_kv=hold_kv, resume=resume)
+        if resume is not None:
+            seq.output, seq.logprobs, seq.emitted = [resume.first_token], [resume.first_logprob], 1
+            seq.cached_tokens = resume.cached_tokens
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
@@ -110,10 +120,30 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- the step -------------------------------------------------------------------------
-    def _admit(self, seq: Sequence) -> None:
-        """Hook run when a request gets a state slot (prefix reuse restores here)."""
+    def _admit(self, seq: Sequence) -> bool:
+        """Hook run when a request gets a state slot; False = not enough memory, retry later."""
         self.cache.reset_slot(seq.slot)
         seq.ring_from = seq.keep_tokens = 0
+        if seq.resume is not None and seq.num_computed == 0:
+            if not self.scheduler.ensure_blocks(seq, len(seq.prompt)):
+                return False
+            seq.resume.load(self.cache, list(seq.blocks), seq.slot)
+            seq.num_computed = len(seq.prompt)
+        return True
+
+    # ---- handoff (prefill role) --------------------------------------------------------------
+    def held_handle(self, request_id: str) -> HeldKV:
+        seq = self.held[request_id]
+        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens))
+
+    def export_held(self, request_id: str) -> dict[str, torch.Tensor]:
+        seq = self.held[request_id]
+        return self.cache.gather(seq.blocks, seq.slot)
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.free(seq)
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -142,7 +172,12 @@ class Engine:
             seq.finish_reason = "stop"
         elif len(seq.output) >= p.max_tokens:
             seq.finish_reason = "length"
-        if seq.finish_reason:
+        if seq.hold_kv and not seq.finish_reason:
+            seq.finish_reason = "held"
+            self.scheduler.detach(seq)
+            self.held[seq.request_id] = seq
+            self.seqs.pop(seq.request_id, None)
+        elif seq.finish_reason:
             self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
 

@@ -19,7 +19,7 @@ from .sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: SlotPool, block_tokens: int, max_num_seqs: int,
-                 max_batched_tokens: int, on_admit: Callable[[Sequence], None] | None = None):
+                 max_batched_tokens: int, on_admit: Callable[[Sequence], bool] | None = None):
         self.blocks, self.slots, self.block_tokens = blocks, slots, block_tokens
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.on_admit = on_admit
@@ -61,6 +61,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.free(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Stop scheduling `seq` but keep its blocks and slot (held for a handoff)."""
+        self.running.remove(seq)
+        seq.status = Status.FINISHED
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.free(seq)
@@ -95,8 +100,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
             seq = self.waiting[0]
             seq.slot = self.slots.allocate()
-            if self.on_admit:
-                self.on_admit(seq)
+            if self.on_admit and not self.on_admit(seq):
+                self.free(seq)
+                break
             n = min(seq.remaining_prefill(), budget)
             if not self.ensure_blocks(seq, seq.num_computed + n):
                 self.free(seq)

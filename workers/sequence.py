@@ -47,6 +47,8 @@ class Sequence:
     hashed_blocks: int = 0          # leading blocks already named by their prefix hash
     ring_from: int = 0              # window rows before this position are invalid (zero-policy recompute)
     keep_tokens: int = 0            # compressed entries of windows ending <= this were restored
+    hold_kv: bool = False           # stop after the first token and keep blocks + slot (prefill role)
+    resume: object | None = None    # handoff.Resume: cache filled by another engine (decode role)
     finish_reason: str | None = None
     emitted: int = 0                # output tokens already reported
 
