@@ -1,0 +1,111 @@
+"""Shared pytest fixtures. Each section is owned by one area; keep sections self-contained."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------
+# kvstore: a private Redis server for the index tests.
+#
+# Never the system server on 127.0.0.1:6379: tests start their own redis-server on a
+# free port, with no persistence, in a temp dir, and kill it at the end of the session.
+# ---------------------------------------------------------------------------------
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REDIS_SERVER_BINARY = "/usr/bin/redis-server"
+REDIS_START_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrivateRedis:
+    """A redis-server subprocess on a fixed private port; can be stopped and restarted."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self._proc is None, "already running"
+        self._proc = subprocess.Popen(
+            [
+                self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--daemonize", "no",
+                "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._wait_until_ping()
+
+    def _wait_until_ping(self) -> None:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except redis.exceptions.ConnectionError:
+                    pass
+                if self._proc is not None and self._proc.poll() is not None:
+                    code = self._proc.returncode
+                    raise RuntimeError(f"redis-server exited with {code}; see {self.workdir}/redis.log")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """Kill the server (an outage); data is lost since nothing is persisted."""
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self) -> None:
+        """Start again on the same port (after ``stop``)."""
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def redis_process() -> Iterator[PrivateRedis]:
+    """The session's private Redis, with stop()/restart() for outage tests."""
+    if not Path(REDIS_SERVER_BINARY).exists():
+        pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
+    workdir = Path(tempfile.mkdtemp(prefix="kvmesh-redis-"))
+    server = PrivateRedis(REDIS_SERVER_BINARY, workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_process: PrivateRedis) -> str:
+    """URL of the session's private Redis: ``redis://127.0.0.1:PORT/0``."""
+    return redis_process.url

@@ -1,0 +1,239 @@
+"""One conformance suite for every PrefixIndex (embedded and real Redis), plus the Redis
+fault behaviour: an outage is a miss, never an exception, and reuse resumes by itself."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Callable, Iterator, NamedTuple
+
+import pytest
+
+from kvstore.hashing import PrefixHasher
+from kvstore.index import EmbeddedIndex, LookupResult, PrefixIndex, make_index
+from kvstore.redis_index import RedisIndex
+
+
+def _fingerprint() -> str:
+    return uuid.uuid4().hex  # a fresh namespace per test: tests never see each other
+
+
+def _chain(fingerprint: str, blocks: int = 6) -> list[int]:
+    return PrefixHasher(fingerprint, 4).hashes(list(range(4 * blocks)))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness(NamedTuple):
+    make: Callable[[str], PrefixIndex]  # a new index bound to a fingerprint
+    wait: Callable[[float], None]  # let this many seconds of lease time pass
+    ttl_s: float  # a lease short enough for a fast test
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    made: list[PrefixIndex] = []
+    if request.param == "embedded":
+        clock = FakeClock()
+
+        def make(fp: str) -> PrefixIndex:
+            made.append(EmbeddedIndex(fp, clock=clock))
+            return made[-1]
+
+        def wait(seconds: float) -> None:
+            clock.now += seconds
+
+        yield Harness(make, wait, ttl_s=10.0)
+    else:
+        url = request.getfixturevalue("redis_server")
+
+        def make(fp: str) -> PrefixIndex:
+            made.append(RedisIndex(url, fp))
+            return made[-1]
+
+        yield Harness(make, time.sleep, ttl_s=0.4)  # server-clock leases, 1 ms granularity
+    for index in made:
+        index.clear()
+        index.close()
+
+
+def test_lookup_of_unknown_prefix_is_empty(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    assert index.lookup(_chain(index.fingerprint)) == LookupResult(0, (), {})
+    assert index.lookup([]) == LookupResult(0, (), {})
+
+
+def test_lookup_walk_stops_at_first_missing_block(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint)
+    index.publish_blocks(hs[:2] + hs[3:])  # block 2 missing
+    assert index.lookup(hs).stored == 2
+    index.publish_blocks([hs[2]])
+    assert index.lookup(hs).stored == 6
+    assert index.lookup(hs[:4]).stored == 4
+
+
+def test_checkpoints_are_reported_only_inside_the_stored_prefix(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint)
+    index.publish_blocks(hs[:4])
+    for i in (1, 3, 5):
+        index.publish_checkpoint(hs[i])
+    assert index.lookup(hs).checkpoints == (1, 3)
+    index.remove_blocks([hs[2]])
+    result = index.lookup(hs)
+    assert (result.stored, result.checkpoints) == (2, (1,))
+
+
+def test_checkpoint_namespace_is_separate_from_blocks(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint)
+    index.publish_checkpoint(hs[0])
+    assert index.lookup(hs) == LookupResult(0, (), {})
+
+
+def test_memory_lease_counts_leading_blocks_per_worker(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint)
+    index.publish_memory("w1", hs[:3], harness.ttl_s)
+    index.publish_memory("w2", hs[:1] + hs[2:], harness.ttl_s)  # gap at block 1
+    index.publish_memory("w3", hs[1:], harness.ttl_s)  # lacks block 0: holds no prefix
+    assert index.lookup(hs).memory == {"w1": 3, "w2": 1}
+    assert index.lookup(hs).stored == 0  # memory is not the store tier
+
+
+def test_memory_lease_expires_unless_renewed(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint, 2)
+    ttl = harness.ttl_s
+    index.publish_memory("w1", hs, ttl)
+    index.publish_memory("w2", hs, ttl)
+    harness.wait(ttl * 0.6)
+    index.publish_memory("w1", hs, ttl)  # renew w1 only
+    harness.wait(ttl * 0.6)
+    assert index.lookup(hs).memory == {"w1": 2}
+    harness.wait(ttl * 0.6)
+    assert index.lookup(hs).memory == {}
+
+
+def test_remove_memory_ends_a_lease_early(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint, 3)
+    index.publish_memory("w1", hs, harness.ttl_s)
+    index.remove_memory("w1", [hs[1]])
+    assert index.lookup(hs).memory == {"w1": 1}
+    index.remove_memory("w-absent", hs)  # no-op
+
+
+def test_remove_blocks_and_checkpoints(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint, 3)
+    index.publish_blocks(hs)
+    index.publish_checkpoint(hs[2])
+    index.remove_checkpoint(hs[2])
+    index.remove_blocks([hs[0]])
+    assert index.lookup(hs) == LookupResult(0, (), {})
+    assert index.lookup(hs[1:]).stored == 2
+    index.remove_blocks(hs)
+    index.remove_checkpoint(hs[0])  # removing what is absent is a no-op
+
+
+def test_namespaces_isolate_fingerprints(harness: Harness) -> None:
+    a, b = harness.make(_fingerprint()), harness.make(_fingerprint())
+    hs = _chain(a.fingerprint)  # the *same* hash values published under both namespaces
+    a.publish_blocks(hs)
+    a.publish_checkpoint(hs[0])
+    a.publish_memory("w1", hs, harness.ttl_s)
+    assert b.lookup(hs) == LookupResult(0, (), {})
+    b.publish_blocks(hs[:1])
+    b.clear()
+    assert a.lookup(hs) == LookupResult(6, (0,), {"w1": 6})  # clear only touched b
+
+
+def test_clear_empties_the_namespace(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint)
+    index.publish_blocks(hs)
+    index.publish_checkpoint(hs[1])
+    index.publish_memory("w1", hs, harness.ttl_s)
+    index.clear()
+    assert index.lookup(hs) == LookupResult(0, (), {})
+
+
+def test_nonpositive_lease_is_rejected(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    with pytest.raises(ValueError, match="ttl_s"):
+        index.publish_memory("w1", _chain(index.fingerprint, 1), 0)
+
+
+# -- Redis faults ------------------------------------------------------------------
+
+
+def test_redis_outage_is_a_miss_then_reuse_resumes(redis_process, caplog: pytest.LogCaptureFixture) -> None:
+    fp = _fingerprint()
+    hs = _chain(fp)
+    index = RedisIndex(redis_process.url, fp, socket_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2)
+    index.publish_blocks(hs)
+    assert index.lookup(hs).stored == 6
+    redis_process.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvstore.redis_index"):
+            for _ in range(10):
+                assert index.lookup(hs) == LookupResult(0, (), {})
+                index.publish_blocks(hs)
+                index.publish_memory("w1", hs, 1.0)
+                index.remove_blocks(hs)
+                index.clear()
+                time.sleep(0.02)
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        assert index.stats()["healthy"] == 0 and index.stats()["errors"] >= 1
+    finally:
+        redis_process.restart()
+    deadline = time.monotonic() + 5.0
+    while True:  # the restarted server is empty: publish again until it takes
+        index.publish_blocks(hs)
+        if index.lookup(hs).stored == 6:
+            break
+        assert time.monotonic() < deadline, "reuse did not resume after Redis came back"
+        time.sleep(0.05)
+    stats = index.stats()
+    assert stats["healthy"] == 1 and stats["reconnects"] == 1
+    index.clear()
+    index.close()
+
+
+def test_redis_backoff_skips_calls_until_the_deadline() -> None:
+    clock = FakeClock()
+    index = RedisIndex(
+        "redis://127.0.0.1:1/0", _fingerprint(), socket_timeout_s=0.2,
+        backoff_initial_s=1.0, backoff_max_s=4.0, clock=clock,
+    )  # port 1: nothing listens there
+    hs = _chain(index.fingerprint, 2)
+    assert index.lookup(hs).stored == 0
+    for _ in range(5):
+        index.lookup(hs)
+        index.publish_blocks(hs)
+    assert (index.stats()["errors"], index.stats()["skipped"]) == (1, 10)
+    clock.now += 1.0  # backoff passed: one probe, which fails and doubles the backoff
+    index.lookup(hs)
+    clock.now += 1.0
+    index.lookup(hs)
+    assert (index.stats()["errors"], index.stats()["skipped"]) == (2, 11)
+    index.close()
+
+
+def test_make_index_accepts_local_and_redis_specs_only(redis_server: str) -> None:
+    fp = _fingerprint()
+    assert isinstance(make_index("local", fp), EmbeddedIndex)
+    redis_index = make_index(redis_server, fp)
+    assert isinstance(redis_index, RedisIndex)
+    redis_index.close()
+    with pytest.raises(ValueError, match="memcached://x"):
+        make_index("memcached://x", fp)
