@@ -1,0 +1,295 @@
+"""The shared object store: block and checkpoint objects on any pyarrow filesystem.
+
+Layout under the store root (a local path, ``file://``, ``s3://``, ...)::
+
+    {root}/{fingerprint[:16]}/FINGERPRINT              the full fingerprint (claims the namespace)
+    {root}/{fingerprint[:16]}/block/{hash_hex}.kv       one object per block
+    {root}/{fingerprint[:16]}/checkpoint/{hash_hex}.kv  one object per checkpoint
+
+Objects are in the format of :mod:`kvstore.objects`; filesystem primitives live
+in :mod:`kvstore.store_fs`. The store is the truth and
+the index a hint (DESIGN §4):
+
+* ``put`` is atomic (local: temp file + fsync + rename; object stores: one
+  output stream, visible only when closed) and publishes to the attached index
+  only once the object is durable.
+* ``get`` verifies every object (local: one copy-on-write ``mmap``, zero-copy);
+  a corrupt, truncated or foreign one is deleted, unpublished, counted and
+  served as a miss. It never returns wrong data.
+* Capacity is per fingerprint namespace. A put that goes over it evicts (and
+  unpublishes) the least recently used objects: this process's reads and
+  writes, seeded from file mtimes. A put never fails for space; an object
+  larger than the whole capacity is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from typing import NamedTuple
+
+import pyarrow.fs as pafs
+import torch
+
+from kvstore.hashing import check_fingerprint, hash_hex, parse_hash_hex
+from kvstore.index import PrefixIndex
+from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
+from kvstore.store_fs import list_files, list_namespace_dirs, read_text, read_whole, resolve_uri, write_atomic
+
+log = logging.getLogger(__name__)
+
+OBJECT_SUFFIX = ".kv"
+FINGERPRINT_FILE = "FINGERPRINT"
+NAMESPACE_CHARS = 16
+_OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
+
+
+class StoreStats(NamedTuple):
+    """Counts for one namespace: objects/bytes as of the last scan plus this
+    process's writes; the counters are this process's since construction."""
+
+    objects: dict[str, int]
+    bytes: dict[str, int]
+    total_bytes: int
+    capacity_bytes: int | None
+    reads: int
+    writes: int
+    bytes_read: int
+    bytes_written: int
+    misses: int
+    corrupt: int
+    evicted: int
+    skipped: int
+
+
+class _Entry(NamedTuple):
+    size: int
+    atime: float  # wall-clock seconds of the last read/write we know of
+
+
+def list_namespaces(uri: str) -> dict[str, str | None]:
+    """Namespace directory name -> full fingerprint (None if it was never claimed)."""
+    return list_namespace_dirs(uri, FINGERPRINT_FILE)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"object kind must be one of {KINDS}, got {kind!r}")
+
+
+class ObjectStore:
+    """Block and checkpoint objects of one model fingerprint. Thread-safe.
+
+    Wiring with an index that is rebuilt from the store it serves::
+
+        store = ObjectStore(uri, fp, capacity_bytes)
+        store.attach_index(make_index(spec, fp, store))
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        fingerprint: str,
+        capacity_bytes: int | None = None,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
+        self._fingerprint = check_fingerprint(fingerprint)
+        self._capacity = capacity_bytes
+        self._fs, root = resolve_uri(uri)
+        self._dir = f"{root}/{fingerprint[:NAMESPACE_CHARS]}"
+        self._index: PrefixIndex | None = None
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU first
+        self._bytes = 0
+        self._counters = dict.fromkeys(
+            ("reads", "writes", "bytes_read", "bytes_written", "misses", "corrupt", "evicted", "skipped"), 0
+        )
+        for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
+            self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
+        self._claim_namespace()
+        if index is not None:
+            self.attach_index(index)
+        self._scan()
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
+
+    def attach_index(self, index: PrefixIndex | None) -> None:
+        """Publish future puts to (and unpublish evictions from) ``index``."""
+        if index is not None and index.fingerprint != self._fingerprint:
+            raise ValueError(
+                f"index fingerprint {index.fingerprint[:16]} does not match store {self._fingerprint[:16]}"
+            )
+        self._index = index
+
+    def _claim_namespace(self) -> None:
+        path = f"{self._dir}/{FINGERPRINT_FILE}"
+        owner = read_text(self._fs, path)
+        if owner is None:
+            write_atomic(self._fs, path, [self._fingerprint.encode()])
+        elif owner != self._fingerprint:
+            raise ValueError(
+                f"store namespace {self._dir} belongs to fingerprint {owner}, not {self._fingerprint}"
+            )
+
+    def _path(self, kind: str, h: int) -> str:
+        return f"{self._dir}/{kind}/{hash_hex(h)}{OBJECT_SUFFIX}"
+
+    # -- writing -----------------------------------------------------------------
+
+    def put(
+        self, kind: str, h: int, parent: int | None, token_count: int, tensors: dict[str, torch.Tensor]
+    ) -> int:
+        """Store one object atomically, publish it, evict to capacity; return bytes written.
+
+        Returns 0 (and logs) when the object alone exceeds the capacity.
+        Re-putting an existing hash replaces the object.
+        """
+        _check_kind(kind)
+        parts = encode_object_parts(self._fingerprint, kind, h, parent, token_count, tensors)
+        size = sum(memoryview(p).nbytes for p in parts)
+        if self._capacity is not None and size > self._capacity:
+            log.warning(
+                "not storing %s %s: %d bytes exceed the store capacity of %d bytes",
+                kind, hash_hex(h), size, self._capacity,
+            )
+            self._track(kind, h, None, skipped=1)
+            return 0
+        write_atomic(self._fs, self._path(kind, h), parts)
+        self._track(kind, h, size, writes=1, bytes_written=size)
+        self._update_index(kind, h, present=True)
+        if self._capacity is not None:
+            self._evict_to(self._capacity)
+        return size
+
+    # -- reading -----------------------------------------------------------------
+
+    def get(self, kind: str, h: int) -> CacheObject | None:
+        """The verified object, or None for a missing or corrupt one (then deleted)."""
+        _check_kind(kind)
+        path = self._path(kind, h)
+        try:
+            buf = read_whole(self._fs, path)
+        except FileNotFoundError:
+            self._track(kind, h, None, misses=1)
+            return None
+        try:
+            obj = decode_object(buf, self._fingerprint, h, kind)
+        except CorruptObjectError as e:
+            log.warning("corrupt store object %s (%s): deleted, served as a miss", path, e)
+            self._track(kind, h, None, corrupt=1)
+            self.delete(kind, h)
+            return None
+        self._track(kind, h, len(buf), reads=1, bytes_read=len(buf))
+        return obj
+
+    def contains(self, kind: str, h: int) -> bool:
+        """Whether an object file exists (not verified; ``get`` verifies)."""
+        _check_kind(kind)
+        return self._fs.get_file_info(self._path(kind, h)).type == pafs.FileType.File
+
+    def list(self, kind: str) -> list[int]:
+        """Hashes of every ``kind`` object in the store (a fresh listing)."""
+        return [h for h, _ in self._list_files(kind)]
+
+    def _list_files(self, kind: str) -> list[tuple[int, pafs.FileInfo]]:
+        _check_kind(kind)
+        files = list_files(self._fs, f"{self._dir}/{kind}", _OBJECT_RE)
+        return [(parse_hash_hex(match.group(1)), info) for match, info in files]
+
+    # -- eviction ----------------------------------------------------------------
+
+    def delete(self, kind: str, h: int) -> bool:
+        """Unpublish and remove one object; return whether a file was removed."""
+        _check_kind(kind)
+        self._update_index(kind, h, present=False)
+        self._track(kind, h, None)
+        try:
+            self._fs.delete_file(self._path(kind, h))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def gc(self, target_bytes: int | None = None) -> int:
+        """Rescan the store, then evict LRU objects until at most ``target_bytes``
+        (default: the capacity; no capacity and no target: only rescan). Returns
+        the number of objects evicted."""
+        self._scan()
+        target = self._capacity if target_bytes is None else target_bytes
+        return 0 if target is None else self._evict_to(target)
+
+    def _evict_to(self, target: int) -> int:
+        victims = []
+        with self._lock:
+            while self._bytes > target and self._entries:
+                (kind, h), entry = self._entries.popitem(last=False)
+                self._bytes -= entry.size
+                victims.append((kind, h))
+            self._counters["evicted"] += len(victims)
+        for kind, h in victims:
+            self._update_index(kind, h, present=False)  # first: no reader is sent to a vanishing file
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.delete_file(self._path(kind, h))
+        if victims:
+            log.info("evicted %d objects from %s to fit %d bytes", len(victims), self._dir, target)
+        return len(victims)
+
+    def _update_index(self, kind: str, h: int, present: bool) -> None:
+        if self._index is None:
+            return
+        if kind == "block":
+            (self._index.publish_blocks if present else self._index.remove_blocks)([h])
+        else:
+            (self._index.publish_checkpoint if present else self._index.remove_checkpoint)(h)
+
+    # -- bookkeeping -------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Rebuild the LRU map from a listing: known objects keep their access
+        time, others are seeded from their mtime; vanished ones are dropped."""
+        listed = {}
+        for kind in KINDS:
+            for h, info in self._list_files(kind):
+                seen = info.mtime.timestamp() if info.mtime is not None else 0.0
+                listed[(kind, h)] = _Entry(info.size or 0, seen)
+        with self._lock:
+            for key, entry in listed.items():
+                if key in self._entries:
+                    listed[key] = entry._replace(atime=self._entries[key].atime)
+            order = sorted(listed.items(), key=lambda item: item[1].atime)
+            self._entries = OrderedDict(order)
+            self._bytes = sum(entry.size for entry in self._entries.values())
+
+    def _track(self, kind: str, h: int, size: int | None, **counts: int) -> None:
+        """Mark ``(kind, h)`` most recently used with ``size`` bytes (None: forget
+        it), and add ``counts`` to the counters."""
+        with self._lock:
+            old = self._entries.pop((kind, h), None)
+            self._bytes -= old.size if old else 0
+            if size is not None:
+                self._entries[(kind, h)] = _Entry(size, time.time())
+                self._bytes += size
+            for name, n in counts.items():
+                self._counters[name] += n
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            objects, sizes = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
+            for (kind, _), entry in self._entries.items():
+                objects[kind] += 1
+                sizes[kind] += entry.size
+            return StoreStats(objects, sizes, self._bytes, self._capacity, **self._counters)
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self._dir!r}, capacity_bytes={self._capacity})"

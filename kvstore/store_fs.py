@@ -1,0 +1,127 @@
+"""Filesystem primitives of the object store: URIs, atomic writes, mapped reads, listings.
+
+Everything goes through ``pyarrow.fs`` so a store can live on a local or shared
+mount (NVMe, NFS, 3FS, ...) or an object store (``s3://``, ...), except two
+things only a local filesystem can do and that the store relies on there:
+``fsync`` + ``rename`` for durable atomic writes, and ``mmap`` for zero-copy reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import time
+import uuid
+from typing import Sequence
+
+import pyarrow.fs as pafs
+
+STALE_TMP_S = 3600.0  # a temp file older than this was left by a crashed writer
+_TMP_SUFFIX = ".tmp"
+_NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def resolve_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A filesystem and root path for ``uri``; a bare (even relative) path is local."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    filesystem, root = pafs.FileSystem.from_uri(uri)
+    return filesystem, root.rstrip("/")
+
+
+def is_local(filesystem: pafs.FileSystem) -> bool:
+    return isinstance(filesystem, pafs.LocalFileSystem)
+
+
+def read_text(filesystem: pafs.FileSystem, path: str) -> str | None:
+    """A small text file's stripped contents, or None if it does not exist."""
+    try:
+        with filesystem.open_input_stream(path) as f:
+            return f.read().decode().strip()
+    except FileNotFoundError:
+        return None
+
+
+def list_namespace_dirs(uri: str, marker: str) -> dict[str, str | None]:
+    """Namespace directory (16 hex chars) under the root -> contents of its ``marker`` file."""
+    filesystem, root = resolve_uri(uri)
+    found: dict[str, str | None] = {}
+    for info in filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and _NAMESPACE_RE.match(info.base_name):
+            found[info.base_name] = read_text(filesystem, f"{info.path}/{marker}")
+    return found
+
+
+def write_atomic(filesystem: pafs.FileSystem, path: str, parts: Sequence[bytes | memoryview]) -> None:
+    """Write ``parts`` so readers see either no file (or the old one) or all of it.
+
+    Local: a hidden temp file in the same directory, fsync, then rename(2).
+    Elsewhere: one output stream; object stores publish it only on close.
+    """
+    if not is_local(filesystem):
+        with filesystem.open_output_stream(path) as out:
+            for part in parts:
+                out.write(part)
+        return
+    directory, name = path.rsplit("/", 1)
+    tmp = f"{directory}/.{name}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def read_whole(filesystem: pafs.FileSystem, path: str) -> mmap.mmap | bytearray:
+    """The bytes of one file in a *writable* buffer; FileNotFoundError if absent.
+
+    Local: a copy-on-write ``mmap`` (no copy; writes through tensors viewing it
+    never reach the file) with readahead of the whole file. Elsewhere: one read
+    into a bytearray.
+    """
+    if is_local(filesystem):
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return bytearray()  # mmap cannot map an empty file
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        if hasattr(mapped, "madvise"):
+            mapped.madvise(mmap.MADV_WILLNEED)
+        return mapped
+    with filesystem.open_input_file(path) as f:
+        buf = bytearray(f.size())
+        done = f.readinto(buf)  # reads until full or EOF
+    return buf if done == len(buf) else buf[:done]
+
+
+def list_files(
+    filesystem: pafs.FileSystem, directory: str, pattern: re.Pattern[str]
+) -> list[tuple[re.Match[str], pafs.FileInfo]]:
+    """Files in ``directory`` whose name matches ``pattern``; removes stale temp files."""
+    found = []
+    for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        if match := pattern.match(info.base_name):
+            found.append((match, info))
+        elif _is_stale_tmp(info):
+            with contextlib.suppress(FileNotFoundError):
+                filesystem.delete_file(info.path)
+    return found
+
+
+def _is_stale_tmp(info: pafs.FileInfo) -> bool:
+    return (
+        info.base_name.startswith(".")
+        and info.base_name.endswith(_TMP_SUFFIX)
+        and info.mtime is not None
+        and time.time() - info.mtime.timestamp() > STALE_TMP_S
+    )

@@ -1,0 +1,293 @@
+"""Store objects and the object store (DESIGN §4, invariant 5): what is read back is
+exactly what was written, or it is a counted, unpublished miss."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.store_cli import add_store_parser, run_store
+from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint
+from kvstore.index import EmbeddedIndex, make_index
+from kvstore.objects import (
+    CHECKSUM_OFFSET,
+    DATA_ALIGN,
+    MAGIC,
+    PREFIX_SIZE,
+    CorruptObjectError,
+    decode_object,
+    encode_object,
+)
+from kvstore.store import ObjectStore, list_namespaces
+
+REPO = Path(__file__).resolve().parents[2]
+FP = model_fingerprint({"model_type": "deepseek_v4"}, "w0", "bfloat16", 4, 1)
+OTHER_FP = model_fingerprint({"model_type": "deepseek_v4"}, "w1", "bfloat16", 4, 1)
+HS = PrefixHasher(FP, 4).hashes(list(range(64)))
+
+
+def _tensors(seed: int = 0, n: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "csa_kv": torch.randn(2, n, generator=g),
+        "swa_kv": torch.randn(3, n, generator=g).to(torch.bfloat16),
+        "positions": torch.arange(n, dtype=torch.int64),
+        "flags": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 8, dtype=torch.float16),
+    }
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+
+
+def _store(tmp_path: Path, capacity: int | None = None) -> tuple[ObjectStore, EmbeddedIndex]:
+    index = EmbeddedIndex(FP)
+    return ObjectStore(str(tmp_path / "store"), FP, capacity, index), index
+
+
+# -- object format -----------------------------------------------------------------
+
+
+def test_roundtrip_preserves_fp32_bf16_int_bool_and_empty_tensors() -> None:
+    tensors = _tensors()
+    obj = decode_object(encode_object(FP, "block", HS[1], HS[0], 4, tensors), FP, HS[1], "block")
+    _assert_same(tensors, obj.tensors)
+    assert (obj.fingerprint, obj.kind, obj.hash, obj.parent, obj.token_count) == (FP, "block", HS[1], HS[0], 4)
+
+
+def test_decode_of_a_writable_buffer_is_zero_copy() -> None:
+    buf = bytearray(encode_object(FP, "checkpoint", HS[0], None, 4, _tensors()))
+    obj = decode_object(buf, FP, HS[0])
+    start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    offset = obj.tensors["swa_kv"].data_ptr() - start
+    assert 0 < offset < len(buf) and offset % DATA_ALIGN == 0
+
+
+def test_layout_starts_with_the_documented_prefix() -> None:
+    buf = encode_object(FP, "block", HS[0], None, 4, _tensors())
+    assert buf[:8] == MAGIC and int.from_bytes(buf[8:12], "little") == 1
+    assert PREFIX_SIZE == 24 and CHECKSUM_OFFSET == 16
+
+
+@pytest.mark.parametrize("cut", [0, 7, PREFIX_SIZE, PREFIX_SIZE + 10, -1])
+def test_truncated_object_is_rejected(cut: int) -> None:
+    buf = encode_object(FP, "block", HS[0], None, 4, _tensors())
+    with pytest.raises(CorruptObjectError, match="truncated"):
+        decode_object(buf[:cut], FP, HS[0])
+
+
+@pytest.mark.parametrize(
+    "position, message",
+    [(0, "magic"), (9, "version"), (CHECKSUM_OFFSET + 1, "checksum"), (PREFIX_SIZE + 40, None), (-1, "checksum")],
+)
+def test_flipped_bit_anywhere_is_rejected(position: int, message: str | None) -> None:
+    buf = bytearray(encode_object(FP, "block", HS[0], None, 4, _tensors()))
+    buf[position] ^= 0x10
+    with pytest.raises(CorruptObjectError, match=message):
+        decode_object(buf, FP, HS[0])
+
+
+def test_foreign_fingerprint_wrong_hash_and_wrong_kind_are_rejected() -> None:
+    buf = encode_object(FP, "block", HS[0], None, 4, _tensors())
+    with pytest.raises(CorruptObjectError, match="foreign fingerprint"):
+        decode_object(buf, OTHER_FP, HS[0])
+    with pytest.raises(CorruptObjectError, match=f"expected {hash_hex(HS[1])}"):
+        decode_object(buf, FP, HS[1])
+    with pytest.raises(CorruptObjectError, match="kind"):
+        decode_object(buf, FP, HS[0], "checkpoint")
+
+
+def test_unsupported_dtype_is_refused_at_encode() -> None:
+    with pytest.raises(TypeError, match="complex64"):
+        encode_object(FP, "block", HS[0], None, 4, {"x": torch.zeros(2, dtype=torch.complex64)})
+
+
+# -- object store ------------------------------------------------------------------
+
+
+def test_store_roundtrip_publishes_and_reads_back(tmp_path: Path) -> None:
+    store, index = _store(tmp_path)
+    tensors = _tensors()
+    written = store.put("block", HS[0], None, 4, tensors)
+    store.put("checkpoint", HS[0], None, 4, _tensors(1))
+    _assert_same(tensors, store.get("block", HS[0]).tensors)
+    _assert_same(_tensors(1), store.get("checkpoint", HS[0]).tensors)
+    assert index.lookup(HS[:2]) == (1, (0,), {})
+    stats = store.stats()
+    assert (stats.writes, stats.reads, stats.objects) == (2, 2, {"block": 1, "checkpoint": 1})
+    assert stats.bytes_written == stats.total_bytes == written + stats.bytes["checkpoint"]
+    assert store.get("block", HS[5]) is None and store.stats().misses == 1
+    assert store.contains("block", HS[0]) and not store.contains("checkpoint", HS[5])
+
+
+def test_tensors_read_from_the_store_can_be_written_without_touching_the_file(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    store.put("block", HS[0], None, 4, _tensors())
+    store.get("block", HS[0]).tensors["csa_kv"].zero_()  # copy-on-write mapping
+    _assert_same(_tensors(), store.get("block", HS[0]).tensors)
+
+
+def _object_path(tmp_path: Path, kind: str, h: int) -> Path:
+    return tmp_path / "store" / FP[:16] / kind / f"{hash_hex(h)}.kv"
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-5])
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _foreign(path: Path) -> None:
+    path.write_bytes(encode_object(OTHER_FP, "block", HS[0], None, 4, _tensors()))
+
+
+def _wrong_hash(path: Path) -> None:
+    path.write_bytes(encode_object(FP, "block", HS[3], None, 4, _tensors()))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_bit, _foreign, _wrong_hash, lambda p: p.write_bytes(b"")])
+def test_damaged_object_is_a_counted_miss_removed_from_store_and_index(tmp_path: Path, damage) -> None:
+    store, index = _store(tmp_path)
+    store.put("block", HS[0], None, 4, _tensors())
+    damage(_object_path(tmp_path, "block", HS[0]))
+    assert store.get("block", HS[0]) is None
+    assert store.stats().corrupt == 1
+    assert not _object_path(tmp_path, "block", HS[0]).exists()
+    assert index.lookup(HS[:1]).stored == 0
+
+
+def test_capacity_gc_evicts_the_least_recently_read_and_unpublishes(tmp_path: Path) -> None:
+    sizes = [len(encode_object(FP, "block", HS[i], HS[i - 1] if i else None, 4, _tensors())) for i in range(4)]
+    store, index = _store(tmp_path, capacity=sum(sizes[:3]))
+    for i in range(3):
+        store.put("block", HS[i], HS[i - 1] if i else None, 4, _tensors())
+    store.get("block", HS[0])  # block 1 is now the least recently used
+    store.put("block", HS[3], HS[2], 4, _tensors())
+    assert sorted(store.list("block")) == sorted([HS[0], HS[2], HS[3]])
+    assert index.lookup(HS[:4]).stored == 1  # block 1 unpublished: the walk stops there
+    assert store.stats().evicted == 1 and store.stats().total_bytes == sizes[0] + sizes[2] + sizes[3]
+    assert store.gc(target_bytes=sizes[3]) == 2
+    assert store.list("block") == [HS[3]]
+
+
+def test_lru_order_survives_reopen_via_file_mtimes(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    for i in range(3):
+        store.put("block", HS[i], None, 4, _tensors())
+        path = _object_path(tmp_path, "block", HS[i])
+        os.utime(path, (1000 + i, 1000 + i))
+    os.utime(_object_path(tmp_path, "block", HS[0]), (2000, 2000))  # newest
+    size = store.stats().total_bytes // 3
+    reopened = ObjectStore(str(tmp_path / "store"), FP, capacity_bytes=2 * size)
+    assert reopened.gc() == 1
+    assert sorted(reopened.list("block")) == sorted([HS[0], HS[2]])
+
+
+def test_object_larger_than_capacity_is_skipped_not_failed(tmp_path: Path) -> None:
+    store, index = _store(tmp_path, capacity=100)
+    assert store.put("block", HS[0], None, 4, _tensors()) == 0
+    assert store.list("block") == [] and store.stats().skipped == 1
+    assert index.lookup(HS[:1]).stored == 0
+
+
+def test_atomic_put_leaves_no_temp_files(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    for i in range(4):
+        store.put("block", HS[i], None, 4, _tensors(i))
+    store.put("block", HS[0], None, 4, _tensors(9))  # replace an existing object
+    names = sorted(p.name for p in (tmp_path / "store" / FP[:16] / "block").iterdir())
+    assert names == sorted(f"{hash_hex(h)}.kv" for h in HS[:4])
+    _assert_same(_tensors(9), store.get("block", HS[0]).tensors)
+
+
+def test_embedded_index_rebuild_from_store_matches_the_store(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    for i in range(3):
+        store.put("block", HS[i], None, 4, _tensors())
+    store.put("checkpoint", HS[2], None, 4, _tensors())
+    stale = EmbeddedIndex(FP)
+    stale.publish_blocks(HS[:6])  # says more than the store has
+    assert stale.rebuild_from(store) == 4
+    assert stale.lookup(HS[:6]) == (3, (2,), {})
+    assert make_index("local", FP, store).lookup(HS[:6]) == (3, (2,), {})
+    with pytest.raises(ValueError, match="fingerprint"):
+        EmbeddedIndex(OTHER_FP).rebuild_from(store)
+
+
+def test_store_namespaces_are_claimed_by_one_fingerprint(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    ObjectStore(str(tmp_path / "store"), OTHER_FP).put("block", HS[0], None, 4, _tensors())
+    assert list_namespaces(str(tmp_path / "store")) == {FP[:16]: FP, OTHER_FP[:16]: OTHER_FP}
+    assert store.list("block") == []  # the other model's object is not ours
+    collision = FP[:16] + "0" * 16
+    with pytest.raises(ValueError, match="belongs to fingerprint"):
+        ObjectStore(str(tmp_path / "store"), collision)
+
+
+def test_file_uri_is_the_same_store(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    store.put("block", HS[0], None, 4, _tensors())
+    via_uri = ObjectStore(f"file://{tmp_path / 'store'}", FP)
+    _assert_same(_tensors(), via_uri.get("block", HS[0]).tensors)
+
+
+def test_non_local_filesystem_streams_writes_and_verifies_reads() -> None:
+    index = EmbeddedIndex(FP)
+    store = ObjectStore("mock:///bucket/kv", FP, None, index)  # pyarrow's in-memory filesystem
+    store.put("block", HS[0], None, 4, _tensors())
+    _assert_same(_tensors(), store.get("block", HS[0]).tensors)
+    with store._fs.open_output_stream(f"bucket/kv/{FP[:16]}/block/{hash_hex(HS[1])}.kv") as out:
+        out.write(encode_object(FP, "block", HS[1], HS[0], 4, _tensors())[:-1])
+    index.publish_blocks([HS[1]])
+    assert store.get("block", HS[1]) is None and store.stats().corrupt == 1
+    assert store.list("block") == [HS[0]] and index.lookup(HS[:2]).stored == 1
+
+
+# -- store CLI ---------------------------------------------------------------------
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_store_parser(parser.add_subparsers(dest="command"))
+    out = io.StringIO()
+    return run_store(parser.parse_args(list(argv)), out), out.getvalue()
+
+
+def test_store_cli_stats_ls_and_gc(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    for i in range(3):
+        size = store.put("block", HS[i], None, 4, _tensors())
+    root = str(tmp_path / "store")
+    code, out = _cli("store", "stats", "--store", root)
+    assert code == 0 and FP[:16] in out and str(3 * size) in out
+    code, out = _cli("store", "ls", "--store", root, "--fingerprint", FP)
+    assert code == 0 and all(f"block/{hash_hex(h)}" in out for h in HS[:3])
+    assert _cli("store", "gc", "--store", root)[0] == 2  # gc needs --capacity
+    code, out = _cli("store", "gc", "--store", root, "--capacity", str(size))
+    assert code == 0 and "evicted 2 objects" in out
+    assert len(ObjectStore(root, FP).list("block")) == 1
+
+
+def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    store.put("checkpoint", HS[0], None, 4, _tensors())
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.store_cli", "store", "stats", "--store", str(tmp_path / "store")],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )
+    assert "checkpoint" in result.stdout and FP[:16] in result.stdout
