@@ -138,14 +138,10 @@ class CacheTensors:
                 t[slot] = src
 
 
-def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int, dtype_bytes: int,
-               min_blocks_per_slot: int = 1) -> tuple[int, int]:
-    """Split a memory budget into (num_blocks, num_slots): slots first (at most max_slots,
-    leaving room for at least one block each), the rest as blocks."""
-    slot_b = layout.slot_bytes * dtype_bytes // max(1, layout.specs[0].dtype_bytes)
-    block_b = max(1, layout.block_bytes * dtype_bytes // max(1, layout.specs[0].dtype_bytes))
-    per_slot = slot_b + min_blocks_per_slot * block_b
-    slots = max(1, min(max_slots, budget_bytes // per_slot))
-    blocks = max(min_blocks_per_slot, (budget_bytes - slots * slot_b) // block_b)
+def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int) -> tuple[int, int]:
+    """Split a memory budget into (num_blocks, num_slots): up to `max_slots` slots, each
+    leaving room for at least one block, and the rest as blocks."""
+    slot_b, block_b = layout.slot_bytes, max(1, layout.block_bytes)
+    slots = max(1, min(max_slots, budget_bytes // (slot_b + block_b)))
+    blocks = max(1, (budget_bytes - slots * slot_b) // block_b)
     return int(blocks), int(slots)
-

@@ -59,8 +59,7 @@ class Engine:
         self.layout = CacheLayout.build(
             LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
                          a.sliding_window, dtype_name), config.block_tokens)
-        num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs,
-                                           dtype.itemsize)
+        num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs)
         self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
         self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,

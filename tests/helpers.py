@@ -1,0 +1,81 @@
+"""Shared test helpers: tiny V4 checkpoints written by transformers itself, and the
+transformers reference run every engine path is compared against."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+# Three tiny configs chosen so that SWA windows, CSA/HCA windows and cache blocks cross
+# each other: windows that are not multiples of the ratios, top-k smaller and larger than
+# the number of compressed entries, every layer type, hash and top-k MoE layers.
+TINY_BASE = dict(vocab_size=300, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
+                 head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2,
+                 o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, hc_mult=4,
+                 max_position_embeddings=4096)
+TINY_CONFIGS = {
+    # SWA + CSA + HCA; window 8; top-k 4 < entries; blocks of 16 tokens
+    "swa_csa_hca": dict(num_hidden_layers=3, sliding_window=8, index_topk=4,
+                        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                        mlp_layer_types=["hash_moe", "moe", "moe"]),
+    # window 6 (not a multiple of 4 or 8); HCA ratio 8; top-k 64 >= entries for short prompts
+    "csa_hca_odd_window": dict(num_hidden_layers=4, sliding_window=6, index_topk=64,
+                               layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                                            "compressed_sparse_attention", "sliding_attention"],
+                               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                               mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"]),
+    # HCA-heavy with a window larger than a block; yarn compress rope
+    "hca_yarn_wide_window": dict(num_hidden_layers=3, sliding_window=24, index_topk=8,
+                                 layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                              "heavily_compressed_attention"],
+                                 compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                                 mlp_layer_types=["hash_moe", "moe", "moe"],
+                                 rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 256}),
+}
+BLOCK_TOKENS = {"swa_csa_hca": 16, "csa_hca_odd_window": 8, "hca_yarn_wide_window": 32}
+
+
+def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+                          **save_kw) -> Path:
+    """Random-init DeepseekV4ForCausalLM saved with save_pretrained (the real on-disk format)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    cfg = DeepseekV4Config(**{**TINY_BASE, **TINY_CONFIGS[name]})
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg)
+    with torch.no_grad():  # give sinks, biases and hash tables non-trivial values
+        g = torch.Generator().manual_seed(seed + 1)
+        for n, p in model.named_parameters():
+            if n.endswith(("sinks", "position_bias", "e_score_correction_bias", ".base", "hc_base")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                                     for _ in range(cfg.vocab_size)]))
+    model.to(dtype).save_pretrained(path, **save_kw)
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def reference_model(path: str):
+    from transformers import DeepseekV4ForCausalLM
+    return DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy generate (fp32, EOS ignored): tokens and chosen-token logprobs."""
+    model = reference_model(str(path))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+def random_prompt(n: int, vocab: int = 300, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
