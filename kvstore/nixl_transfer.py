@@ -1,0 +1,172 @@
+"""Moving cache regions between workers with NIXL (UCX backend): one agent per worker.
+
+    source (prefill)                          destination (decode)
+    agent = KVTransferAgent(name, tensors)    agent = KVTransferAgent(name, tensors)
+    remote = agent.describe(regions)  ──────▶ agent.read(remote, my_regions, notif=b"...")
+      ... held until ...              ◀────── (the READ completes, NIXL delivers `notif`)
+    agent.notifications() -> [b"..."]
+
+A region is `(tensor index, byte offset, nbytes)` into the list of tensors the agent
+registered (CacheTensors.block_regions speaks this). `RemoteKV` is plain data (agent
+name, agent metadata, absolute descriptors), so it travels in any message; the
+destination adds the remote agent from its metadata on first use. Everything here
+works without Ray; when NIXL is missing or fails, callers get `TransferError` and
+fall back to another transport.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Region = tuple[int, int, int]          # (tensor index, byte offset, nbytes)
+Desc = tuple[int, int, int]            # (address, nbytes, device id)
+POLL_INTERVAL_S = 0.0005
+
+
+class TransferError(RuntimeError):
+    """A NIXL transfer could not be set up or did not complete; use the fallback transport."""
+
+
+class NixlUnavailable(TransferError):
+    """NIXL (or its backend) cannot be loaded in this process."""
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a source worker holds some cache bytes: enough for a peer to READ them."""
+    agent_name: str
+    metadata: bytes                    # nixl agent metadata (connection info)
+    node_ip: str                       # the source's Ray node IP, for diagnostics and routing
+    mem_type: str                      # "DRAM" | "VRAM"
+    descs: tuple[Desc, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n, _ in self.descs)
+
+
+def coalesce(local: list[Desc], remote: list[Desc]) -> tuple[list[Desc], list[Desc]]:
+    """Merge neighbouring pairs that are contiguous on both sides (fewer descriptors)."""
+    out_l: list[Desc] = []
+    out_r: list[Desc] = []
+    for (la, n, ld), (ra, m, rd) in zip(local, remote):
+        if n != m:
+            raise TransferError(f"region sizes differ: local {n} B, remote {m} B")
+        if out_l and out_l[-1][0] + out_l[-1][1] == la and out_r[-1][0] + out_r[-1][1] == ra \
+                and out_l[-1][2] == ld and out_r[-1][2] == rd:
+            out_l[-1] = (out_l[-1][0], out_l[-1][1] + n, ld)
+            out_r[-1] = (out_r[-1][0], out_r[-1][1] + n, rd)
+        else:
+            out_l.append((la, n, ld))
+            out_r.append((ra, n, rd))
+    return out_l, out_r
+
+
+class KVTransferAgent:
+    """A NIXL agent with a fixed list of registered tensors (all on one device type).
+
+    Thread-safe: one lock serialises calls into the agent (prefill serves notifications
+    on its event loop while decode reads on its engine thread)."""
+
+    def __init__(self, name: str, tensors: list[torch.Tensor], node_ip: str = "127.0.0.1",
+                 backend: str = "UCX"):
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except Exception as e:  # ImportError, or a missing shared library
+            raise NixlUnavailable(f"nixl cannot be imported: {e}") from e
+        if not tensors or any(not t.is_contiguous() for t in tensors):
+            raise ValueError("register a non-empty list of contiguous tensors")
+        self.name, self.node_ip, self.tensors = name, node_ip, tensors
+        self.mem_type = "VRAM" if tensors[0].is_cuda else "DRAM"
+        self._lock = threading.Lock()
+        self._peers: set[str] = set()
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
+            self._reg = self._agent.register_memory(tensors)
+            self.metadata = self._agent.get_agent_metadata()
+        except Exception as e:
+            raise NixlUnavailable(f"nixl agent {name!r} with backend {backend} failed to start: {e}") from e
+
+    def _descs(self, regions: list[Region]) -> list[Desc]:
+        out = []
+        for i, offset, nbytes in regions:
+            t = self.tensors[i]
+            if offset < 0 or offset + nbytes > t.numel() * t.element_size():
+                raise ValueError(f"region ({i}, {offset}, {nbytes}) is outside tensor {i}")
+            out.append((t.data_ptr() + offset, nbytes, max(t.get_device(), 0)))
+        return out
+
+    def describe(self, regions: list[Region]) -> RemoteKV:
+        return RemoteKV(self.name, self.metadata, self.node_ip, self.mem_type, tuple(self._descs(regions)))
+
+    def read(self, remote: RemoteKV, regions: list[Region], notif: bytes = b"", timeout_s: float = 30.0) -> int:
+        """READ `remote` into this agent's `regions` (same sizes, in order); blocks until done.
+        The source receives `notif` when the transfer completes. Returns bytes moved."""
+        local = self._descs(regions)
+        if len(local) != len(remote.descs):
+            raise TransferError(f"{len(local)} local regions for {len(remote.descs)} remote ones")
+        local, far = coalesce(local, list(remote.descs))
+        with self._lock:
+            try:
+                if remote.agent_name not in self._peers:
+                    self._agent.add_remote_agent(remote.metadata)
+                    self._peers.add(remote.agent_name)
+                handle = self._agent.initialize_xfer(
+                    "READ", self._agent.get_xfer_descs(local, self.mem_type),
+                    self._agent.get_xfer_descs(far, remote.mem_type), remote.agent_name, notif)
+            except Exception as e:
+                raise TransferError(f"cannot set up a READ from {remote.agent_name} ({remote.node_ip}): {e}") from e
+        try:
+            self._wait(handle, remote, timeout_s)
+        finally:
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
+        return sum(n for _, n, _ in local)
+
+    def _wait(self, handle, remote: RemoteKV, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            state = self._agent.transfer(handle)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TransferError(f"READ from {remote.agent_name} ({remote.node_ip}) timed out after {timeout_s}s")
+            time.sleep(POLL_INTERVAL_S)
+            with self._lock:
+                state = self._agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise TransferError(f"READ from {remote.agent_name} ({remote.node_ip}) failed: {state}")
+
+    def notifications(self) -> list[bytes]:
+        """Notifications received since the last call, from any peer."""
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        return [m for msgs in notifs.values() for m in msgs]
+
+    def forget_peer(self, agent_name: str) -> None:
+        with self._lock:
+            if agent_name in self._peers:
+                self._agent.remove_remote_agent(agent_name)
+                self._peers.discard(agent_name)
+
+    def close(self) -> None:
+        with self._lock:
+            for peer in list(self._peers):
+                self._agent.remove_remote_agent(peer)
+            self._peers.clear()
+            self._agent.deregister_memory(self._reg)
+
+
+def make_agent(name: str, tensors: list[torch.Tensor], node_ip: str, backend: str = "UCX"
+               ) -> tuple[KVTransferAgent | None, str | None]:
+    """(agent, None), or (None, why) when NIXL cannot run here."""
+    try:
+        return KVTransferAgent(name, tensors, node_ip, backend), None
+    except NixlUnavailable as e:
+        log.warning("NIXL unavailable, handoffs use Ray objects: %s", e)
+        return None, str(e)
