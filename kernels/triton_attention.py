@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .triton_common import attention_config, dot, ieee_dot, round_to, tl_dtype
 
-NEG_FLOOR = -1.0e30  # finite stand-in for a -inf sink, so the online-softmax max never is -inf
+NEG_FLOOR = tl.constexpr(-1.0e30)  # finite stand-in for a -inf sink, so the online-softmax max never is -inf
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _sparse_attn_kernel(
     q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
 
-    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=float("-inf")).to(tl.float32)
+    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     m_i = tl.maximum(sink, NEG_FLOOR)
     l_i = tl.exp(sink - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -118,7 +118,7 @@ def sparse_attention(
     """Softmax attention over the SWA window plus the visible compressed entries, with a
     per-head sink in the denominator. Returns [T, H, D] in q's dtype."""
     T, H, D = q.shape
-    out = torch.empty_like(q)
+    out = q.new_empty(T, H, D)
     if T == 0:
         return out
     has_comp = comp_cache is not None and comp_len is not None

@@ -33,13 +33,14 @@ def pow2_at_least(n: int, floor: int = MIN_DOT) -> int:
 
 
 def attention_config(heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, BLOCK_D, num_warps) for sparse attention; the fp32 accumulator is
-    BLOCK_H x BLOCK_D per program, so wide heads get fewer heads and keys per tile."""
+    """(BLOCK_H, BLOCK_N, BLOCK_D, num_warps) for sparse attention. The fp32 accumulator is
+    BLOCK_H x BLOCK_D per program, so wide heads get fewer heads per tile; these are the
+    largest tiles that ptxas (sm_90, bf16) fits without register spills."""
     block_d = pow2_at_least(head_dim)
     if block_d <= 128:
-        max_h, block_n, warps = 64, 64, 4
+        max_h, block_n, warps = 64, 32, 4
     elif block_d <= 256:
-        max_h, block_n, warps = 32, 32, 4
+        max_h, block_n, warps = 32, 32, 8
     else:
         max_h, block_n, warps = 32, 16, 8
     return min(pow2_at_least(heads), max_h), block_n, block_d, warps
