@@ -49,7 +49,11 @@ def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
     except OSError as e:
         print(f"kvmesh generate: cannot read {input_path}: {e}", file=sys.stderr)
         return 2
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except Exception as e:  # a bad checkpoint, config, policy or store URI: say which and stop
+        print(f"kvmesh generate: {e}", file=sys.stderr)
+        return 2
     results: dict[int, dict] = {}
     order: dict[str, int] = {}
     for i, line in enumerate(lines):
@@ -72,6 +76,8 @@ def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
                     "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens}
                 bar.update(1)
     bar.close()
+    engine.flush()
+    engine.close()
     text = "".join(json.dumps(results[i]) + "\n" for i in sorted(results))
     if output_path:
         output_path.write_text(text)

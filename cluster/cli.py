@@ -15,13 +15,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=1024)
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--store", help="shared store URI for prefix reuse (local dir, file://, s3://...)")
+    p.add_argument("--store-capacity-mb", type=int, help="store capacity; LRU-evicted beyond it")
+    p.add_argument("--index", default="local", help="prefix index: local (embedded) or redis://host:port/db")
+    p.add_argument("--swa-policy", default="full", help="full | periodic:P | zero (default full)")
 
 
 def engine_config(args: argparse.Namespace):
     from workers.engine import EngineConfig
     return EngineConfig(model=args.model, dtype=args.dtype, block_tokens=args.block_tokens,
                         kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
-                        max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels)
+                        max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels,
+                        store=args.store, index=args.index, swa_policy=args.swa_policy,
+                        store_capacity_bytes=(args.store_capacity_mb << 20) if args.store_capacity_mb else None)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

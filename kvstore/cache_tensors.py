@@ -7,6 +7,11 @@ Shapes (NB blocks, S slots, EPB = block_tokens / ratio entries per block):
     tail_kv/tail_gate[S, m, W]                  CSA/HCA (W = 2D for CSA, D for HCA)
     itail_kv/itail_gate[S, m, 2Di]              CSA indexer
     ovl_kv/ovl_gate[S, m, D], iovl_*[S, m, Di]  CSA overlap state (gate -inf = no previous window)
+
+With `swa_blocks` (the `full` SWA policy) blocks also carry what rebuilding the state at
+any block boundary needs:
+    swa[NB, block_tokens, D]                    every layer (K=V of the block's tokens)
+    bovl_kv/bovl_gate[NB, m, D], biovl_*[NB, m, Di]  CSA overlap state at the block's end
 """
 from __future__ import annotations
 
@@ -20,19 +25,31 @@ from .layout import CSA, HCA, CacheLayout
 @dataclass
 class LayerCache:
     ring: torch.Tensor
-    comp: torch.Tensor | None = None
-    idx: torch.Tensor | None = None
-    tails: dict[str, torch.Tensor] = field(default_factory=dict)
+    blocks: dict[str, torch.Tensor] = field(default_factory=dict)   # paged, indexed by block id
+    tails: dict[str, torch.Tensor] = field(default_factory=dict)    # per slot
+
+    @property
+    def comp(self) -> torch.Tensor | None:
+        return self.blocks.get("comp")
+
+    @property
+    def idx(self) -> torch.Tensor | None:
+        return self.blocks.get("idx")
+
+    @property
+    def swa(self) -> torch.Tensor | None:
+        return self.blocks.get("swa")
 
 
-BLOCK_FIELDS = ("comp", "idx")
+OVERLAP_FIELDS = ("ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate")
 SLOT_FIELDS = ("tail_kv", "tail_gate", "itail_kv", "itail_gate", "ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate")
 
 
 class CacheTensors:
     def __init__(self, layout: CacheLayout, num_blocks: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", swa_blocks: bool = False):
         self.layout, self.num_blocks, self.num_slots = layout, num_blocks, num_slots
+        self.swa_blocks = swa_blocks
         p, bt = layout.params, layout.block_tokens
         z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
         ninf = lambda *s: torch.full(s, float("-inf"), dtype=dtype, device=device)  # noqa: E731
@@ -40,12 +57,17 @@ class CacheTensors:
         for t, spec in zip(p.layer_types, layout.specs):
             lc = LayerCache(ring=z(num_slots, p.window, p.head_dim))
             m, d, di = spec.ratio, p.head_dim, p.index_head_dim
+            if swa_blocks:
+                lc.blocks["swa"] = z(num_blocks, bt, d)
             if t in (CSA, HCA):
-                lc.comp = z(num_blocks, bt // m, d)
+                lc.blocks["comp"] = z(num_blocks, bt // m, d)
                 w = 2 * d if t == CSA else d
                 lc.tails.update(tail_kv=z(num_slots, m, w), tail_gate=z(num_slots, m, w))
             if t == CSA:
-                lc.idx = z(num_blocks, bt // m, di)
+                lc.blocks["idx"] = z(num_blocks, bt // m, di)
+                if swa_blocks:
+                    lc.blocks.update(bovl_kv=z(num_blocks, m, d), bovl_gate=z(num_blocks, m, d),
+                                     biovl_kv=z(num_blocks, m, di), biovl_gate=z(num_blocks, m, di))
                 lc.tails.update(itail_kv=z(num_slots, m, 2 * di), itail_gate=z(num_slots, m, 2 * di),
                                 ovl_kv=z(num_slots, m, d), ovl_gate=ninf(num_slots, m, d),
                                 iovl_kv=z(num_slots, m, di), iovl_gate=ninf(num_slots, m, di))
@@ -60,20 +82,31 @@ class CacheTensors:
 
     def block_state(self, block: int) -> dict[str, torch.Tensor]:
         """Copies of one block's tensors across layers, named '{layer}.{field}'."""
-        out = {}
-        for i, lc in enumerate(self.layers):
-            for name in BLOCK_FIELDS:
-                t = getattr(lc, name)
-                if t is not None:
-                    out[f"{i}.{name}"] = t[block].clone()
-        return out
+        return {f"{i}.{name}": t[block].to("cpu", copy=True)
+                for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
 
     def load_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill one block from a stored object; KeyError/RuntimeError if it does not fit."""
         for i, lc in enumerate(self.layers):
-            for name in BLOCK_FIELDS:
-                t = getattr(lc, name)
-                if t is not None:
-                    t[block].copy_(tensors[f"{i}.{name}"])
+            for name, t in lc.blocks.items():
+                t[block].copy_(tensors[f"{i}.{name}"])
+
+    def rebuild_slot(self, slot: int, position: int, block_table: list[int]) -> None:
+        """`full` policy: the state at block boundary `position` from the blocks' SWA K=V
+        (ring) and the last block's end-of-block overlap state. Tails are empty there."""
+        bt = self.layout.block_tokens
+        for lc in self.layers:
+            w = lc.ring.shape[1]
+            pos = torch.arange(max(0, position - w), position)
+            blocks = torch.tensor(block_table, dtype=torch.long)[pos // bt]
+            lc.ring[slot, pos % w] = lc.swa[blocks, pos % bt]
+            for name in OVERLAP_FIELDS:
+                if name in lc.tails:
+                    src = lc.blocks["b" + name][block_table[position // bt - 1]] if position else None
+                    if src is None:
+                        lc.tails[name][slot].fill_(float("-inf") if name.endswith("gate") else 0.0)
+                    else:
+                        lc.tails[name][slot].copy_(src)
 
     def slot_state(self, slot: int, position: int) -> dict[str, torch.Tensor]:
         """Copies of the state a snapshot at a block boundary needs: rings (ordered oldest
@@ -82,18 +115,18 @@ class CacheTensors:
         for i, lc in enumerate(self.layers):
             w = lc.ring.shape[1]
             order = torch.arange(position - w, position) % w
-            out[f"{i}.ring"] = lc.ring[slot, order].clone()
-            for name in ("ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate"):
+            out[f"{i}.ring"] = lc.ring[slot, order].to("cpu", copy=True)
+            for name in OVERLAP_FIELDS:
                 if name in lc.tails:
-                    out[f"{i}.{name}"] = lc.tails[name][slot].clone()
+                    out[f"{i}.{name}"] = lc.tails[name][slot].to("cpu", copy=True)
         return out
 
     def load_slot(self, slot: int, position: int, tensors: dict[str, torch.Tensor]) -> None:
         for i, lc in enumerate(self.layers):
             w = lc.ring.shape[1]
             order = torch.arange(position - w, position) % w
-            lc.ring[slot, order] = tensors[f"{i}.ring"].to(lc.ring.dtype)
-            for name in ("ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate"):
+            lc.ring[slot, order] = tensors[f"{i}.ring"].to(lc.ring.device, lc.ring.dtype)
+            for name in OVERLAP_FIELDS:
                 if name in lc.tails:
                     lc.tails[name][slot].copy_(tensors[f"{i}.{name}"])
 
@@ -104,10 +137,7 @@ class CacheTensors:
         out = []
         for i, lc in enumerate(self.layers):
             out.append((f"{i}.ring", "slot", lc.ring))
-            for name in BLOCK_FIELDS:
-                t = getattr(lc, name)
-                if t is not None:
-                    out.append((f"{i}.{name}", "block", t))
+            out += [(f"{i}.{name}", "block", t) for name, t in lc.blocks.items()]
             out += [(f"{i}.{name}", "slot", t) for name, t in lc.tails.items()]
         return out
 
@@ -138,10 +168,25 @@ class CacheTensors:
                 t[slot] = src
 
 
-def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int) -> tuple[int, int]:
+def block_bytes(layout: CacheLayout, swa_blocks: bool) -> int:
+    """Bytes of one block in memory: compressed entries, plus SWA K=V and end-of-block
+    overlap state when blocks carry them (the `full` policy)."""
+    extra = 0
+    if swa_blocks:
+        p = layout.params
+        for t, spec in zip(p.layer_types, layout.specs):
+            extra += layout.block_tokens * p.head_dim
+            if t == CSA:
+                extra += 2 * spec.ratio * (p.head_dim + p.index_head_dim)
+        extra *= layout.specs[0].dtype_bytes
+    return layout.block_bytes + extra
+
+
+def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int, swa_blocks: bool = False
+               ) -> tuple[int, int]:
     """Split a memory budget into (num_blocks, num_slots): up to `max_slots` slots, each
     leaving room for at least one block, and the rest as blocks."""
-    slot_b, block_b = layout.slot_bytes, max(1, layout.block_bytes)
+    slot_b, block_b = layout.slot_bytes, max(1, block_bytes(layout, swa_blocks))
     slots = max(1, min(max_slots, budget_bytes // (slot_b + block_b)))
     blocks = max(1, (budget_bytes - slots * slot_b) // block_b)
     return int(blocks), int(slots)

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from .engine import Engine, EngineConfig
 from .handoff import HeldKV, Resume
-from .sampling import SamplingParams
+from .sampling import InvalidRequestError, SamplingParams
 from .sequence import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class AsyncEngine:
         if self._dead:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         params.validate()
+        if request_id in self._streams:  # a second stream would steal (and abort) the first one's
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         with self._lock:

@@ -86,6 +86,8 @@ class ModelArgs:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config.json not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read config ({e})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(raw, source=str(path))
@@ -148,9 +150,10 @@ def _rope(raw: dict, label: str, theta: float, source: str) -> RopeArgs:
         params = params[label]
     elif label == "main":
         params = {}
-    else:  # flat legacy rope_scaling / rope_parameters apply to the compress rope only
+    else:  # flat legacy rope_scaling / rope_parameters apply to the compress rope only, and
+        # (as in transformers) its theta is always compress_rope_theta, never a flat rope_theta
         params = {k: v for k, v in {**(raw.get("rope_scaling") or {}), **params}.items()
-                  if k not in ("main", "compress")}
+                  if k not in ("main", "compress", "rope_theta")}
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", theta))
     if rope_type == "default":

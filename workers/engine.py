@@ -16,13 +16,22 @@ from pathlib import Path
 
 import torch
 
+import os
+import socket
+
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors, size_pools
-from kvstore.layout import CacheLayout, LayoutParams
+from kvstore.hashing import PrefixHasher, model_fingerprint
+from kvstore.host_cache import HostCache
+from kvstore.index import make_index
+from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
+from kvstore.planner import SwaPolicy, recompute_span
 from kvstore.state_slots import SlotPool
+from kvstore.store import ObjectStore
 
 from .default_model import ensure_default_model
-from .loader import load_model
+from .loader import load_model, weights_identity
+from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator, sample
 from .scheduler import Scheduler
@@ -44,6 +53,12 @@ class EngineConfig:
     max_batched_tokens: int = 1024
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     kernel_backend: str = "auto"
+    store: str | None = None            # shared store URI (local dir, file://, s3://...); None = memory only
+    store_capacity_bytes: int | None = None
+    index: str = "local"                # "local" (embedded) or "redis://host:port/db"
+    swa_policy: str = "full"            # full | periodic:P | zero
+    host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
+    worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
 
 
 class Engine:
@@ -59,17 +74,44 @@ class Engine:
         self.layout = CacheLayout.build(
             LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
                          a.sliding_window, dtype_name), config.block_tokens)
-        num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs)
-        self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device)
+        self.policy = SwaPolicy.parse(config.swa_policy, config.block_tokens)
+        swa_blocks = self.policy.kind == "full"
+        num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs, swa_blocks)
+        self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device, swa_blocks)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
+        self.prefix = self._prefix_cache(model_dir, dtype_name, swa_blocks)
         self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,
-                                   config.max_batched_tokens, on_admit=self._admit)
+                                   config.max_batched_tokens, on_admit=self._admit, cut=self.prefix.cut)
         self.runner = ModelRunner(self.model, self.cache, config.device)
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0}
+
+    def _prefix_cache(self, model_dir: Path, dtype_name: str, swa_blocks: bool) -> PrefixCache:
+        c, a = self.config, self.args
+        # Block objects carry SWA K=V only under the `full` policy, so that is part of the layout.
+        self.fingerprint = model_fingerprint(a.raw, weights_identity(model_dir), dtype_name, c.block_tokens,
+                                             LAYOUT_VERSION * 2 + int(swa_blocks))
+        hasher = PrefixHasher(self.fingerprint, c.block_tokens)
+        store = ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes) if c.store else None
+        index = None
+        if store is not None or c.index != "local":
+            index = make_index(c.index, self.fingerprint, store)
+            if store is not None:
+                store.attach_index(index)
+        span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
+        worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,
+                           HostCache(c.host_cache_bytes), worker)
+
+    def flush(self) -> None:
+        """Wait until every persisted block and checkpoint is durable in the store."""
+        self.prefix.flush()
+
+    def close(self) -> None:
+        self.prefix.close()
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -128,7 +170,8 @@ class Engine:
                 return False
             seq.resume.load(self.cache, list(seq.blocks), seq.slot)
             seq.num_computed = len(seq.prompt)
-        return True
+            return True
+        return self.prefix.restore(seq)
 
     # ---- handoff (prefill role) --------------------------------------------------------------
     def held_handle(self, request_id: str) -> HeldKV:
@@ -153,6 +196,7 @@ class Engine:
         outputs = []
         for seq, n in batch:
             seq.num_computed += n
+            self.prefix.after_step(seq)
         for row, b in enumerate(sampled):
             seq = batch[b][0]
             self._append_token(seq, logits[row])
@@ -177,6 +221,8 @@ class Engine:
             self.held[seq.request_id] = seq
             self.seqs.pop(seq.request_id, None)
         elif seq.finish_reason:
+            self.prefix.on_finish(seq)
+            self.stats["cached_tokens"] += seq.cached_tokens
             self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
 

@@ -104,11 +104,13 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, eps)
 
-    def update(self, x: torch.Tensor, step: StepInput, store: torch.Tensor, tails: dict[str, torch.Tensor],
-               prefix: str, rope: Rope, ops: KernelOps) -> None:
+    def update(self, x: torch.Tensor, step: StepInput, cache: LayerCache, prefix: str, rope: Rope,
+               ops: KernelOps) -> None:
         """Append this step's tokens to each sequence's tail, pool every window that closes,
-        write the entries into the paged `store` and update tails and overlap state."""
+        write the entries into the paged cache and update tails and overlap state."""
         kv, gate = self.wkv(x), self.wgate(x)
+        tails = cache.tails
+        store = cache.blocks["idx" if prefix else "comp"]
         m, epb = self.ratio, store.shape[1]
         tail_kv, tail_gate = tails[f"{prefix}tail_kv"], tails[f"{prefix}tail_gate"]
         cu = step.cu
@@ -131,22 +133,39 @@ class Compressor(nn.Module):
             win_gate = all_gate[:used].view(closed, m, -1)
             rest = all_kv.shape[0] - used
             tail_kv[slot, :rest], tail_gate[slot, :rest] = all_kv[used:], all_gate[used:]
+            windows = torch.arange(first_window, first_window + closed)
+            keep = (windows + 1) * m > int(step.keep_tokens[b])
             prev_kv = prev_gate = None
             if self.overlap:
-                ovl_kv, ovl_gate = tails[f"{prefix}ovl_kv"], tails[f"{prefix}ovl_gate"]
-                prev_kv, prev_gate = ovl_kv[slot].clone(), ovl_gate[slot].clone()
-                d = self.head_dim
-                ovl_kv[slot] = win_kv[-1, :, :d]
-                ovl_gate[slot] = win_gate[-1, :, :d] + self.ape[:, :d].to(win_gate.dtype)
-            windows = torch.arange(first_window, first_window + closed)
+                prev_kv, prev_gate = self.carry_overlap(win_kv, win_gate, windows, keep, cache, prefix, slot,
+                                                        step.block_table[b])
             cos, sin = rope(windows * m, x.dtype)
             entries = ops.compress_windows(win_kv, win_gate, self.ape, prev_kv, prev_gate,
                                            self.norm.weight, self.eps, cos, sin, self.overlap)
-            keep = (windows + 1) * m > int(step.keep_tokens[b])
             if keep.any():
                 w = windows[keep]
                 blocks = step.block_table[b, (w // epb)].long()
                 store[blocks, w % epb] = entries[keep].to(store.dtype)
+
+
+    def carry_overlap(self, win_kv, win_gate, windows, keep, cache: LayerCache, prefix: str, slot: int,
+                      table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the overlap state before these windows; store the last window's Ca half as
+        the new state, and (full policy) each block-ending window's Ca half in its block."""
+        d = self.head_dim
+        ovl_kv, ovl_gate = cache.tails[f"{prefix}ovl_kv"], cache.tails[f"{prefix}ovl_gate"]
+        prev = ovl_kv[slot].clone(), ovl_gate[slot].clone()
+        ca_kv, ca_gate = win_kv[:, :, :d], win_gate[:, :, :d] + self.ape[:, :d].to(win_gate.dtype)
+        ovl_kv[slot], ovl_gate[slot] = ca_kv[-1], ca_gate[-1]
+        if f"b{prefix}ovl_kv" in cache.blocks:
+            bt = cache.blocks["swa"].shape[1]
+            ends = (windows + 1) * self.ratio
+            at_block_end = (ends % bt == 0) & keep
+            if at_block_end.any():
+                blocks = table[ends[at_block_end] // bt - 1].long()
+                cache.blocks[f"b{prefix}ovl_kv"][blocks] = ca_kv[at_block_end]
+                cache.blocks[f"b{prefix}ovl_gate"][blocks] = ca_gate[at_block_end]
+        return prev
 
 
 class Indexer(nn.Module):
@@ -160,7 +179,7 @@ class Indexer(nn.Module):
         self.compressor = Compressor(args.hidden_size, args.index_head_dim, args.csa_ratio, True, args.rms_norm_eps)
 
     def forward(self, x, q_res, step: StepInput, cache: LayerCache, rope: Rope, ops: KernelOps) -> torch.Tensor:
-        self.compressor.update(x, step, cache.idx, cache.tails, "i", rope, ops)
+        self.compressor.update(x, step, cache, "i", rope, ops)
         m = self.compressor.ratio
         cos, sin = rope(step.positions, x.dtype)
         q = apply_rope(self.wq_b(q_res).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
@@ -205,10 +224,15 @@ class Attention(nn.Module):
         new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
         return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
 
-    def write_ring(self, kv: torch.Tensor, step: StepInput, ring: torch.Tensor) -> None:
+    def write_ring(self, kv: torch.Tensor, step: StepInput, cache: LayerCache) -> None:
         ends = (step.starts + step.lengths)[step.q_seq]
         last = step.positions >= ends - self.window          # only the newest W rows per sequence
-        ring[step.slots[step.q_seq[last]], step.positions[last] % self.window] = kv[last]
+        cache.ring[step.slots[step.q_seq[last]], step.positions[last] % self.window] = kv[last]
+        if cache.swa is not None:                            # full policy: K=V of every token, paged
+            bt = cache.swa.shape[1]
+            new = step.positions >= step.keep_tokens[step.q_seq]
+            blocks = step.block_table[step.q_seq[new], step.positions[new] // bt].long()
+            cache.swa[blocks, step.positions[new] % bt] = kv[new]
 
     def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes: dict[str, Rope],
                 ops: KernelOps) -> torch.Tensor:
@@ -220,10 +244,10 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
         win_kv, win_pos = self.window_kv(kv, step, cache.ring)
-        self.write_ring(kv, step, cache.ring)
+        self.write_ring(kv, step, cache)
         topk = comp_len = None
         if self.compressor is not None:
-            self.compressor.update(x, step, cache.comp, cache.tails, "", ropes["compress"], ops)
+            self.compressor.update(x, step, cache, "", ropes["compress"], ops)
             comp_len = (step.starts + step.lengths) // self.ratio
         if self.indexer is not None:
             topk = self.indexer(x, q_res, step, cache, ropes["compress"], ops)

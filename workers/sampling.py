@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1   # int64, as OpenAI-style APIs take seeds
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message names the offending field (HTTP 400)."""
@@ -37,8 +39,14 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be a list of non-negative integer token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:

@@ -19,8 +19,10 @@ from .sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: SlotPool, block_tokens: int, max_num_seqs: int,
-                 max_batched_tokens: int, on_admit: Callable[[Sequence], bool] | None = None):
+                 max_batched_tokens: int, on_admit: Callable[[Sequence], bool] | None = None,
+                 cut: Callable[[Sequence, int], int | None] | None = None):
         self.blocks, self.slots, self.block_tokens = blocks, slots, block_tokens
+        self.cut = cut
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
@@ -74,6 +76,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def chunk(self, seq: Sequence, budget: int) -> int:
+        """Prefill tokens for seq this step: budget-bound, ending at a checkpoint cut if any."""
+        n = min(seq.remaining_prefill(), budget)
+        cut = self.cut(seq, seq.num_computed) if self.cut else None
+        return min(n, cut - seq.num_computed) if cut is not None and cut > seq.num_computed else n
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.max_batched_tokens
         batch: list[tuple[Sequence, int]] = []
@@ -92,7 +100,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.remaining_prefill() > 1:
-                n = min(seq.remaining_prefill(), budget)
+                n = self.chunk(seq, budget)
                 if not self.ensure_blocks(seq, seq.num_computed + n):
                     break
                 batch.append((seq, n))
@@ -103,7 +111,7 @@ class Scheduler:
             if self.on_admit and not self.on_admit(seq):
                 self.free(seq)
                 break
-            n = min(seq.remaining_prefill(), budget)
+            n = self.chunk(seq, budget)
             if not self.ensure_blocks(seq, seq.num_computed + n):
                 self.free(seq)
                 seq.num_computed = seq.cached_tokens = 0

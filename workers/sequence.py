@@ -49,6 +49,8 @@ class Sequence:
     keep_tokens: int = 0            # compressed entries of windows ending <= this were restored
     hold_kv: bool = False           # stop after the first token and keep blocks + slot (prefill role)
     resume: object | None = None    # handoff.Resume: cache filled by another engine (decode role)
+    chain: list[int] = field(default_factory=list)   # prefix hashes of full blocks, computed lazily
+    end_state: tuple | None = None  # (position, slot state) at the latest block boundary while decoding
     finish_reason: str | None = None
     emitted: int = 0                # output tokens already reported
 

@@ -1,0 +1,67 @@
+"""Write-behind persistence: store puts run on a background thread, off the request path.
+
+The caller hands over CPU copies; `ObjectStore.put` publishes each object to the index
+only once it is durable. Failures are logged and counted, never raised into serving.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+
+from .store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+class PutJob(NamedTuple):
+    kind: str
+    hash: int
+    parent: int | None
+    token_count: int
+    tensors: dict[str, torch.Tensor]
+
+
+class WriteBehind:
+    def __init__(self, store: ObjectStore, max_pending: int = 4096):
+        self.store = store
+        self._q: queue.Queue[PutJob | None] = queue.Queue(max_pending)
+        self.stats = {"queued": 0, "written": 0, "bytes": 0, "errors": 0, "dropped": 0, "write_s": 0.0}
+        self._thread = threading.Thread(target=self._run, name="kvmesh-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: PutJob) -> None:
+        try:
+            self._q.put_nowait(job)
+            self.stats["queued"] += 1
+        except queue.Full:  # the store is slower than serving: skip rather than stall requests
+            self.stats["dropped"] += 1
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                t0 = time.perf_counter()
+                self.stats["bytes"] += self.store.put(job.kind, job.hash, job.parent, job.token_count, job.tensors)
+                self.stats["write_s"] += time.perf_counter() - t0
+                self.stats["written"] += 1
+            except Exception:
+                self.stats["errors"] += 1
+                log.exception("persisting %s %x failed", job.kind if job else "?", job.hash if job else 0)
+            finally:
+                self._q.task_done()
+
+    def flush(self) -> None:
+        """Block until every submitted object is durable (or failed)."""
+        self._q.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._q.put(None)
+        self._thread.join(timeout=10)

@@ -1,0 +1,97 @@
+"""SWA caching policies and the restore planner (DESIGN §2).
+
+`plan_restore` is a pure function of what the prompt needs and what the tiers hold:
+
+    prompt   | block 0 | block 1 | ... | block k-1 | partial tail + last token |
+    hit H    |<------------- restored ----------->|
+    full     | load blocks [0,H) with their SWA K=V; state at H rebuilt from them
+    periodic | load blocks [0,C) + checkpoint C (largest C <= H); compute from C
+    zero     | load blocks [0,H); recompute [S,H) with those entries kept; compute from H
+
+The last prompt token is always computed (its logits give the first output token),
+so a hit never covers it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class PolicyError(ValueError):
+    """An SWA policy string that cannot be used; the message says why."""
+
+
+class SwaPolicy(NamedTuple):
+    kind: str            # "full" | "periodic" | "zero"
+    period: int = 0      # tokens between checkpoints (periodic only)
+
+    @classmethod
+    def parse(cls, spec: str, block_tokens: int) -> "SwaPolicy":
+        if spec in ("full", "zero"):
+            return cls(spec)
+        if spec.startswith("periodic:"):
+            try:
+                period = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise PolicyError(f"swa policy {spec!r}: period must be an integer") from None
+            if period <= 0 or period % block_tokens:
+                raise PolicyError(f"swa policy {spec!r}: period must be a positive multiple of "
+                                  f"block_tokens ({block_tokens})")
+            return cls("periodic", period)
+        raise PolicyError(f"unknown swa policy {spec!r}: use full, periodic:P or zero")
+
+    def __str__(self) -> str:
+        return f"periodic:{self.period}" if self.kind == "periodic" else self.kind
+
+
+class Availability(NamedTuple):
+    """What the tiers hold for a prompt's block chain (indices are block numbers)."""
+    blocks: int                     # leading blocks whose objects (memory or store) are present
+    checkpoints: frozenset[int]     # i such that the state at (i + 1) * block_tokens is present
+
+
+class RestorePlan(NamedTuple):
+    load_blocks: int                # restore blocks [0, load_blocks)
+    checkpoint: int | None          # block index whose end-state to load (periodic)
+    recompute_from: int             # first token to run (== hit unless zero policy)
+    keep_tokens: int                # compressed entries of windows ending <= this stay as loaded
+    hit_tokens: int                 # prompt tokens restored rather than computed
+
+    @property
+    def is_miss(self) -> bool:
+        return self.load_blocks == 0
+
+    @property
+    def recompute_tokens(self) -> int:
+        return self.keep_tokens - self.recompute_from if self.keep_tokens > self.recompute_from else 0
+
+
+MISS = RestorePlan(0, None, 0, 0, 0)
+
+
+def recompute_span(num_layers: int, window: int, max_ratio: int) -> int:
+    """Tokens the zero policy reruns before a hit so every layer's ring and overlap state
+    is exact: layer l's input at token t is exact once t >= start + (l-1)(window-1)."""
+    return max(num_layers * (window - 1), max_ratio + (num_layers - 1) * (window - 1))
+
+
+def plan_restore(prompt_tokens: int, block_tokens: int, avail: Availability, policy: SwaPolicy,
+                 span: int) -> RestorePlan:
+    """Decide what to load and what to recompute for a prompt of `prompt_tokens` tokens."""
+    usable = min(avail.blocks, (prompt_tokens - 1) // block_tokens)
+    if usable <= 0:
+        return MISS
+    if policy.kind == "full":
+        hit = usable * block_tokens
+        return RestorePlan(usable, None, hit, hit, hit)
+    if policy.kind == "periodic":
+        ckpts = [i for i in avail.checkpoints if i < usable]
+        if not ckpts:
+            return MISS
+        c = max(ckpts)
+        hit = (c + 1) * block_tokens
+        return RestorePlan(c + 1, c, hit, hit, hit)
+    hit = usable * block_tokens
+    start = max(0, hit - span) // block_tokens * block_tokens
+    if start == 0:
+        return MISS
+    return RestorePlan(usable, None, start, hit, start)

@@ -1,0 +1,244 @@
+"""Prefix reuse inside one engine: restore at admission, name + persist after each step.
+
+Tiers, fastest first: the device block pool (blocks still resident, shared by refcount),
+the host cache (recent objects), the shared store (through the prefix index). What is
+restored and what is recomputed is `kvstore.planner.plan_restore`'s decision.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvstore.block_pool import BlockPool, OutOfBlocks
+from kvstore.cache_tensors import CacheTensors
+from kvstore.hashing import PrefixHasher
+from kvstore.host_cache import HostCache
+from kvstore.index import PrefixIndex
+from kvstore.persist import PutJob, WriteBehind
+from kvstore.planner import MISS, Availability, RestorePlan, SwaPolicy, plan_restore
+from kvstore.store import ObjectStore
+
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+MEMORY_LEASE_S = 60.0
+
+
+@dataclass
+class ReuseStats:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    blocks_from_memory: int = 0
+    blocks_from_store: int = 0
+    bytes_loaded: int = 0
+    load_s: float = 0.0
+    checkpoints_written: int = 0
+    truncated_hits: int = 0
+    last: dict = field(default_factory=dict)   # the latest restore's breakdown
+
+
+class PrefixCache:
+    def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
+                 span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
+                 worker_id: str):
+        self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
+        self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
+        self.bt = hasher.block_tokens
+        self.writer = WriteBehind(store) if store is not None else None
+        self.stored: set[tuple[str, int]] = set()   # objects this process knows are durable
+        self.stats = ReuseStats()
+        self._last_renew = time.monotonic()
+
+    # ---- hashing ------------------------------------------------------------------------------
+    def chain(self, seq: Sequence, blocks: int) -> list[int]:
+        """Prefix hashes of seq's first `blocks` full blocks (cached on the sequence)."""
+        hashes = seq.chain
+        tokens = seq.tokens
+        while len(hashes) < blocks:
+            i = len(hashes)
+            hashes.append(self.hasher.next_hash(hashes[-1] if hashes else None, tokens[i * self.bt:(i + 1) * self.bt]))
+        return hashes[:blocks]
+
+    # ---- admission: restore -------------------------------------------------------------------
+    def availability(self, hashes: list[int]) -> Availability:
+        looked = self.index.lookup(hashes) if self.index is not None and self.store is not None else None
+        stored = looked.stored if looked else 0
+        ckpts = set(looked.checkpoints) if looked else set()
+        n = 0
+        for i, h in enumerate(hashes):
+            if i < stored or self.pool.lookup(h) is not None or ("block", h) in self.host:
+                n += 1
+            else:
+                break
+        if self.policy.kind == "periodic":
+            ckpts |= {i for i, h in enumerate(hashes[:n]) if ("checkpoint", h) in self.host}
+        return Availability(n, frozenset(c for c in ckpts if c < n))
+
+    def restore(self, seq: Sequence) -> bool:
+        """Restore the longest usable prefix into seq (blocks + slot). False = out of memory."""
+        self.stats.lookups += 1
+        hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
+        if not hashes:
+            return True
+        avail = self.availability(hashes)
+        t0 = time.perf_counter()
+        while True:
+            plan = plan_restore(len(seq.prompt), self.bt, avail, self.policy, self.span)
+            if plan.is_miss:
+                return True
+            try:
+                failed = self._load(seq, hashes, plan, avail)
+            except OutOfBlocks:
+                self._release(seq)
+                return False
+            if failed is None:
+                break
+            self._release(seq)
+            self.stats.truncated_hits += 1
+            avail = failed
+        self._apply(seq, plan, time.perf_counter() - t0)
+        return True
+
+    def _load(self, seq: Sequence, hashes: list[int], plan: RestorePlan, avail: Availability
+              ) -> Availability | None:
+        """Acquire/load plan's blocks and state. Returns a reduced Availability on a miss."""
+        def shorter(blocks: int, drop: int | None = None) -> Availability:
+            return Availability(blocks, frozenset(c for c in avail.checkpoints if c < blocks and c != drop))
+
+        for i in range(plan.load_blocks):
+            b = self.pool.acquire(hashes[i])
+            if b is None:
+                tensors = self._fetch("block", hashes[i])
+                if tensors is None:
+                    return shorter(i)
+                b = self.pool.allocate()
+                seq.blocks.append(b)
+                try:
+                    self.cache.load_block(b, tensors)
+                except (KeyError, RuntimeError) as e:  # verified but shaped for another layout
+                    log.warning("block %x does not fit this cache (%s): treated as a miss", hashes[i], e)
+                    return shorter(i)
+                self.pool.set_hash(b, hashes[i])
+                self.stats.blocks_from_store += 1
+            else:
+                seq.blocks.append(b)
+                self.stats.blocks_from_memory += 1
+        if plan.checkpoint is not None:
+            state = self._fetch("checkpoint", hashes[plan.checkpoint])
+            if state is None:
+                return shorter(avail.blocks, drop=plan.checkpoint)
+            self.cache.load_slot(seq.slot, plan.keep_tokens, state)
+        elif self.policy.kind == "full":
+            self.cache.rebuild_slot(seq.slot, plan.keep_tokens, seq.blocks)
+        return None
+
+    def _fetch(self, kind: str, h: int):
+        tensors = self.host.get(kind, h)
+        if tensors is not None or self.store is None:
+            return tensors
+        obj = self.store.get(kind, h)
+        if obj is None:
+            if self.index is not None:  # the index was a stale hint
+                (self.index.remove_blocks([h]) if kind == "block" else self.index.remove_checkpoint(h))
+            return None
+        self.stats.bytes_loaded += sum(t.numel() * t.element_size() for t in obj.tensors.values())
+        self.stored.add((kind, h))
+        return obj.tensors
+
+    def _release(self, seq: Sequence) -> None:
+        for b in seq.blocks:
+            self.pool.release(b)
+        seq.blocks = []
+
+    def _apply(self, seq: Sequence, plan: RestorePlan, load_s: float) -> None:
+        seq.num_computed = plan.recompute_from
+        seq.ring_from = plan.recompute_from if self.policy.kind == "zero" else 0
+        seq.keep_tokens = plan.keep_tokens
+        seq.cached_tokens = plan.hit_tokens
+        seq.hashed_blocks = plan.load_blocks
+        s = self.stats
+        s.hits += 1
+        s.hit_tokens += plan.hit_tokens
+        s.recomputed_tokens += plan.recompute_tokens
+        s.load_s += load_s
+        s.last = {"hit_tokens": plan.hit_tokens, "blocks": plan.load_blocks, "recompute": plan.recompute_tokens,
+                  "load_s": load_s, "checkpoint": plan.checkpoint}
+
+    # ---- after a step: name, persist, checkpoint ------------------------------------------------
+    def cut(self, seq: Sequence, start: int) -> int | None:
+        """Where a prefill chunk starting at `start` must end so a checkpoint can be taken."""
+        if self.policy.kind != "periodic":
+            return None
+        cuts = [(start // self.policy.period + 1) * self.policy.period]
+        prompt_end = len(seq.prompt) // self.bt * self.bt
+        if prompt_end > start:
+            cuts.append(prompt_end)
+        return min(cuts)
+
+    def after_step(self, seq: Sequence) -> None:
+        full = min(seq.num_computed, seq.length) // self.bt
+        if full > seq.hashed_blocks:
+            hashes = self.chain(seq, full)
+            for i in range(seq.hashed_blocks, full):
+                self.pool.set_hash(seq.blocks[i], hashes[i])
+                self._persist_block(seq.blocks[i], hashes, i)
+            if self.index is not None:
+                self.index.publish_memory(self.worker_id, hashes[seq.hashed_blocks:full], MEMORY_LEASE_S)
+            seq.hashed_blocks = full
+        if self.policy.kind == "periodic" and seq.num_computed and seq.num_computed % self.bt == 0:
+            pos = seq.num_computed
+            if pos <= len(seq.prompt):
+                if pos % self.policy.period == 0 or pos == len(seq.prompt) // self.bt * self.bt:
+                    self._checkpoint(seq, pos)
+            else:
+                seq.end_state = (pos, self.cache.slot_state(seq.slot, pos))
+        self._renew_leases()
+
+    def on_finish(self, seq: Sequence) -> None:
+        """Checkpoint the end of the output (its last block boundary) for the next turn."""
+        end, seq.end_state = seq.end_state, None
+        if end is not None and self.policy.kind == "periodic":
+            pos, state = end
+            self._put("checkpoint", self.chain(seq, pos // self.bt)[-1], pos, state)
+
+    def _checkpoint(self, seq: Sequence, pos: int) -> None:
+        h = self.chain(seq, pos // self.bt)[-1]
+        if ("checkpoint", h) not in self.stored:
+            self._put("checkpoint", h, pos, self.cache.slot_state(seq.slot, pos))
+            self.stats.checkpoints_written += 1
+
+    def _persist_block(self, block: int, hashes: list[int], i: int) -> None:
+        h = hashes[i]
+        if ("block", h) in self.stored:
+            return
+        self._put("block", h, (i + 1) * self.bt, self.cache.block_state(block), parent=hashes[i - 1] if i else None)
+
+    def _put(self, kind: str, h: int, tokens: int, tensors, parent: int | None = None) -> None:
+        self.host.put(kind, h, tensors)
+        if self.writer is not None:
+            self.writer.submit(PutJob(kind, h, parent, tokens, tensors))
+            self.stored.add((kind, h))
+
+    def _renew_leases(self) -> None:
+        evicted, self.pool.evicted_hashes = self.pool.evicted_hashes, []
+        if self.index is None:
+            return
+        if evicted:
+            self.index.remove_memory(self.worker_id, evicted)
+        now = time.monotonic()
+        if now - self._last_renew > MEMORY_LEASE_S / 2:
+            self._last_renew = now
+            self.index.publish_memory(self.worker_id, list(self.pool.by_hash), MEMORY_LEASE_S)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.index is not None:
+            self.index.close()
