@@ -1,0 +1,43 @@
+"""`build_app`: the Serve application for a ServeConfig.
+
+    serve run deploy/serve.yaml          (import_path: cluster.app:build_app, args: the config)
+    serve.run(build_app(config))         (tests, `kvmesh serve`)
+
+disaggregated:  Ingress ─▶ Prefill (own autoscaling)  ─▶ Decode (own autoscaling)
+colocated:      Ingress ─▶ Colocated
+Every pool routes with `cluster.routing.KVAwareRouter`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from .config import PoolConfig, ServeConfig
+from .ingress import Ingress
+from .pools import Colocated, Decode, Prefill
+from .routing import KVAwareRouter
+
+ROUTING_STATS_PERIOD_S = 1.0
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
+def _pool(cls: type, pool: PoolConfig, name: str):
+    router = RequestRouterConfig(request_router_class=KVAwareRouter,
+                                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    return serve.deployment(cls).options(**pool.deployment_options(name), request_router_config=router,
+                                         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                                         graceful_shutdown_timeout_s=5)
+
+
+def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Application:
+    config = args if isinstance(args, ServeConfig) else ServeConfig.model_validate(args or {})
+    if config.mode == "colocated":
+        pools = {"colocated": _pool(Colocated, config.colocated, "Colocated").bind(config)}
+    else:
+        prefill = _pool(Prefill, config.prefill, "Prefill").bind(config)
+        pools = {"prefill": prefill, "decode": _pool(Decode, config.decode, "Decode").bind(config, prefill)}
+    ing = config.ingress
+    return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
+                           ray_actor_options={"num_cpus": ing.num_cpus}).bind(config, pools)

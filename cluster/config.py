@@ -1,0 +1,158 @@
+"""The serving config: one typed tree, validated once, loaded from YAML.
+
+    mode: disaggregated | colocated
+    engine:    what every worker runs (model, cache budget, store, index)
+    prefill / decode / colocated:  one pool each (replicas or autoscaling, resources)
+    ingress:   the OpenAI front end
+    handoff:   prefill -> decode transport (nixl, or ray objects)
+
+`load_config(path)` reads either this tree directly or a Serve config file
+(`applications[0].args`), so `kvmesh serve --config deploy/serve.yaml` and
+`serve run deploy/serve.yaml` agree on one file.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MiB = 1 << 20
+
+
+class ConfigFileError(ValueError):
+    """The config file is missing, not YAML, or does not validate; the message says where."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny model")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    device: str = "cpu"
+    block_tokens: int = Field(128, gt=0)
+    kv_cache_mb: int = Field(256, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    max_batched_tokens: int = Field(1024, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    store: str | None = Field(str(Path("~/.cache/kvmesh/store").expanduser()),
+                              description="shared store: a folder / mount or a pyarrow.fs URI; null = memory only")
+    store_capacity_mb: int | None = Field(None, gt=0)
+    index: str = Field("local", description="'local' (embedded, per worker) or redis://host:port/db")
+    swa_policy: str = Field("full", description="full | periodic:P | zero")
+    host_cache_mb: int = Field(256, ge=0)
+
+    def engine_config(self, worker_id: str | None = None):
+        from workers.engine import EngineConfig
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, block_tokens=self.block_tokens,
+            kv_cache_bytes=self.kv_cache_mb * MiB, max_num_seqs=self.max_num_seqs,
+            max_batched_tokens=self.max_batched_tokens, max_model_len=self.max_model_len,
+            kernel_backend=self.kernel_backend, store=self.store,
+            store_capacity_bytes=self.store_capacity_mb * MiB if self.store_capacity_mb else None,
+            index=self.index, swa_policy=self.swa_policy, host_cache_bytes=self.host_cache_mb * MiB,
+            worker_id=worker_id)
+
+
+class Autoscaling(_Strict):
+    """Ray Serve's autoscaling_config (the subset kvmesh exposes)."""
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
+
+
+class PoolConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, description="fixed size; ignored when autoscaling is set")
+    autoscaling: Autoscaling | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom node resources that pin the pool to a node type")
+    max_ongoing_requests: int = Field(32, ge=1)
+    max_queued_requests: int = Field(128, ge=-1, description="beyond this the API answers 503; -1 = no limit")
+    kv_cache_mb: int | None = Field(None, gt=0, description="overrides engine.kv_cache_mb for this pool")
+
+    def deployment_options(self, name: str) -> dict[str, Any]:
+        opts: dict[str, Any] = dict(
+            name=name, max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
+            ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                               "resources": dict(self.resources)})
+        if self.autoscaling:
+            opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
+        else:
+            opts["num_replicas"] = self.num_replicas
+        return opts
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    model_name: str | None = Field(None, description="the name /v1/models reports; default: the model dir's name")
+    token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")
+    max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
+
+
+class HandoffConfig(_Strict):
+    transport: Literal["nixl", "ray"] = "nixl"
+    nixl_backend: str = "UCX"
+    release_timeout_s: float = Field(30.0, gt=0, description="prefill frees held KV after this if decode never reads")
+
+
+class ServeConfig(_Strict):
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    engine: EngineSettings = EngineSettings()
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    colocated: PoolConfig = PoolConfig()
+    ingress: IngressConfig = IngressConfig()
+    handoff: HandoffConfig = HandoffConfig()
+
+    def pool_engine(self, pool: PoolConfig, worker_id: str | None = None):
+        engine = self.engine
+        if pool.kv_cache_mb is not None:
+            engine = engine.model_copy(update={"kv_cache_mb": pool.kv_cache_mb})
+        return engine.engine_config(worker_id)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """Read a kvmesh config (or a Serve config file's first application args), then apply
+    dotted `overrides` ({"engine.model": DIR}). No file = the embedded defaults."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigFileError(f"cannot read config {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigFileError(f"config {path}: expected a mapping at the top level")
+        if "applications" in data:
+            data = (data["applications"] or [{}])[0].get("args") or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigFileError(f"config {path or '(defaults)'}: {e}") from None

@@ -1,0 +1,128 @@
+"""From one generation request to a stream of Chunks, across the pools.
+
+    colocated:      Colocated.generate ───────────────────────────────▶ chunks
+    disaggregated:  Prefill.prefill ─▶ Handoff (first token) ─▶ Decode.decode ─▶ chunks
+
+A worker that dies, stalls past `token_timeout_s`, or fails a handoff does not hang
+the client: the request is re-run (up to `max_retries`) as a continuation — the prompt
+plus the tokens already sent, for the tokens still owed — so a greedy stream completes
+exactly as it would have; after that, `WorkerFailed` (a clean error) is raised.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import AsyncIterator, Callable
+
+from ray.exceptions import RayActorError
+
+from .messages import Chunk, GenRequest, RouteHint
+from .metrics import Metrics
+from .transfer import HandoffError
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailed(RuntimeError):
+    """Workers kept failing for this request; the message says how."""
+
+
+class WorkerStalled(RuntimeError):
+    """No token arrived within token_timeout_s."""
+
+
+RETRYABLE = (RayActorError, HandoffError, WorkerStalled)
+
+
+def continuation(req: GenRequest, sent: list[int]) -> GenRequest:
+    """The same request, resumed after the tokens already sent to the client."""
+    if not sent:
+        return req
+    p = req.params
+    params = replace(p, max_tokens=p.max_tokens - len(sent), min_tokens=max(0, p.min_tokens - len(sent)))
+    return GenRequest(f"{req.request_id}-r{len(sent)}", req.prompt + sent, params)
+
+
+class Dispatcher:
+    def __init__(self, mode: str, pools: dict, metrics: Metrics, token_timeout_s: float, max_retries: int,
+                 prefix_hint: Callable[[list[int]], RouteHint] | None = None):
+        self.mode, self.pools, self.metrics = mode, pools, metrics
+        self.token_timeout_s, self.max_retries = token_timeout_s, max_retries
+        self.prefix_hint = prefix_hint or (lambda _ids: RouteHint())
+        self.in_flight = {name: 0 for name in pools}
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[Chunk]:
+        sent: list[int] = []
+        for attempt in range(self.max_retries + 1):
+            try:
+                async for chunk in self._attempt(continuation(req, sent)):
+                    sent += chunk.token_ids
+                    yield replace(chunk, prompt_tokens=len(req.prompt),
+                                  cached_tokens=min(chunk.cached_tokens, len(req.prompt)))
+                return
+            except RETRYABLE as e:
+                log.warning("request %s attempt %d failed after %d tokens: %s", req.request_id, attempt + 1,
+                            len(sent), e)
+                if attempt == self.max_retries:
+                    raise WorkerFailed(f"the worker serving this request failed ({type(e).__name__}) and "
+                                       f"{self.max_retries} retries did not complete it") from e
+                self.metrics.retries.inc()
+
+    async def _attempt(self, req: GenRequest) -> AsyncIterator[Chunk]:
+        hint = self.prefix_hint(req.prompt)
+        if self.mode == "colocated":
+            async for chunk in self._stream("colocated", self.pools["colocated"].options(stream=True)
+                                            .generate.remote(req, hint=hint)):
+                yield chunk
+            return
+        with self._counted("prefill"):
+            handoff = await self._first(self.pools["prefill"].prefill.remote(req, hint=hint))
+        if handoff.worker is not None:
+            self.metrics.workers.update(handoff.worker)
+        yield Chunk([handoff.first_token], [handoff.first_logprob], handoff.finished, handoff.finish_reason,
+                    handoff.prompt_len, handoff.cached_tokens)
+        if handoff.finished:
+            return
+        async for chunk in self._stream("decode", self.pools["decode"].options(stream=True)
+                                        .decode.remote(req, handoff, hint=RouteHint())):
+            if chunk.transfer is not None:
+                self.metrics.transfer(chunk.transfer)
+            yield chunk
+
+    async def _first(self, response):
+        try:
+            return await asyncio.wait_for(response, self.token_timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise WorkerStalled(f"no first token within {self.token_timeout_s}s") from None
+
+    async def _stream(self, pool: str, gen) -> AsyncIterator[Chunk]:
+        with self._counted(pool):
+            done = False
+            try:
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(gen.__anext__(), self.token_timeout_s)
+                    except StopAsyncIteration:
+                        done = True
+                        return
+                    except asyncio.TimeoutError:
+                        raise WorkerStalled(f"{pool}: no token within {self.token_timeout_s}s") from None
+                    if chunk.worker is not None:
+                        self.metrics.workers.update(chunk.worker)
+                    yield chunk
+            finally:
+                if not done:        # the client left, a stop string matched, or the worker failed
+                    gen.cancel()
+
+    @contextmanager
+    def _counted(self, pool: str):
+        self.in_flight[pool] += 1
+        self.metrics.queue_depth.labels(pool).set(self.in_flight[pool])
+        try:
+            yield
+        finally:
+            self.in_flight[pool] -= 1
+            self.metrics.queue_depth.labels(pool).set(self.in_flight[pool])

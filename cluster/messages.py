@@ -1,0 +1,80 @@
+"""Messages that cross a process boundary between ingress and pools: one dataclass each."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    request_id: str
+    prompt: list[int]               # token ids (the ingress tokenizes)
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What the pool router reads (the request itself is opaque to it).
+
+    prefix_blocks: worker id -> leading prompt blocks that worker holds in memory.
+    require_worker: route only to this worker (a follow-up to state it holds)."""
+    prefix_blocks: dict[str, int] = field(default_factory=dict)
+    require_worker: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    pool: str
+    worker_id: str
+    engine: dict[str, Any]          # AsyncEngine.stats()
+    nixl_bytes: int = 0             # bytes this worker read over NIXL
+    ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
+    fallbacks: int = 0
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """How one handoff moved the cache from prefill to decode."""
+    transport: str                  # "nixl" | "ray"
+    nbytes: int
+    seconds: float
+    fallback_reason: str | None = None   # set when NIXL was wanted but the Ray path was used
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one request, as a pool streams them to the ingress."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    transfer: TransferReport | None = None
+    worker: WorkerStats | None = None       # on the last chunk: the replica's counters
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill -> decode: everything decode needs to continue a request.
+
+    `source` describes the held blocks + state slot in the prefill worker's NIXL-registered
+    memory (agent name, metadata, byte regions); `payload` is the Ray-object fallback
+    (a ref to CPU tensors) when NIXL is off or failed on the prefill side."""
+    request_id: str
+    prompt_len: int
+    first_token: int
+    first_logprob: float
+    finished: bool                  # the first token already ended the request
+    finish_reason: str | None
+    cached_tokens: int
+    worker_id: str                  # the prefill worker holding the cache
+    fingerprint: str                # cache layout identity; decode refuses a mismatch
+    block_hashes: tuple[int, ...] = ()
+    num_blocks: int = 0
+    source: Any = None              # kvstore.nixl_transfer.RemoteKV | None
+    payload: Any = None             # ray.ObjectRef of dict[str, Tensor] | None
+    fallback_reason: str | None = None
+    worker: WorkerStats | None = None       # the prefill worker's counters (for the ingress metrics)

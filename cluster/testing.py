@@ -1,0 +1,68 @@
+"""A local Ray + Serve with kvmesh apps on it, for tests and benchmarks.
+
+    with LocalServe(num_cpus=4) as ls:
+        url = ls.deploy("disagg", small_config("disaggregated"), "/")
+        httpx.post(f"{url}/v1/completions", json={...})
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from .config import ServeConfig
+
+# replicas small enough that both pools, a colocated pool and two ingresses fit two cores
+SMALL_POOL = {"num_cpus": 0.25, "max_ongoing_requests": 16, "max_queued_requests": 64}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_config(mode: str = "disaggregated", **overrides: Any) -> ServeConfig:
+    """The tiny default model on a small KV budget, memory-only store, tiny replicas."""
+    data: dict[str, Any] = {
+        "mode": mode,
+        "engine": {"kv_cache_mb": 16, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None},
+        "prefill": dict(SMALL_POOL), "decode": dict(SMALL_POOL), "colocated": dict(SMALL_POOL),
+        "ingress": {"num_cpus": 0.1, "token_timeout_s": 30.0},
+        "handoff": {"release_timeout_s": 10.0},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return ServeConfig.model_validate(data)
+
+
+class LocalServe:
+    def __init__(self, num_cpus: float = 4, port: int | None = None, address: str | None = None):
+        self.num_cpus, self.port, self.address = num_cpus, port or free_port(), address
+
+    def __enter__(self) -> "LocalServe":
+        import ray
+        from ray import serve
+        if self.address:
+            ray.init(address=self.address)
+        else:
+            ray.init(num_cpus=self.num_cpus, include_dashboard=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        return self
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def deploy(self, name: str, config: ServeConfig, route_prefix: str = "/") -> str:
+        """Deploy (or redeploy) an app; returns its base URL (append /v1/...)."""
+        from ray import serve
+
+        from .app import build_app
+        serve.run(build_app(config), name=name, route_prefix=route_prefix)
+        return self.base + route_prefix.rstrip("/")
+
+    def __exit__(self, *exc) -> None:
+        import ray
+        from ray import serve
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,230 @@
+"""The OpenAI API over HTTP against a local Ray Serve app, disaggregated and colocated.
+
+One Ray cluster for the module with two apps: disaggregated at `/`, colocated at
+`/colocated`. Greedy output must equal the offline engine's, token for token.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from cluster.testing import LocalServe, small_config
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+MODES = ["disaggregated", "colocated"]
+PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 7, [5, 17, 300, 42, 99, 7]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def urls():
+    with LocalServe(num_cpus=4) as ls:
+        yield {"disaggregated": ls.deploy("disagg", small_config("disaggregated"), "/"),
+               "colocated": ls.deploy("colo", small_config("colocated"), "/colocated")}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return Engine(small_config().engine.engine_config())
+
+
+def greedy(offline: Engine, prompt, max_tokens: int = MAX_TOKENS):
+    return offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+
+
+def stream_events(client: httpx.Client, url: str, body: dict) -> list[dict]:
+    events = []
+    with client.stream("POST", url, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_completion_equals_offline_engine(urls, client, offline, mode):
+    for prompt in PROMPTS:
+        r = client.post(f"{urls[mode]}/v1/completions", json={
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        body, want = r.json(), greedy(offline, prompt)
+        choice = body["choices"][0]
+        assert choice["token_ids"] == want.token_ids
+        assert choice["prompt_token_ids"] == want.prompt_token_ids
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+        assert choice["text"] == want.text and choice["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        assert isinstance(body["usage"]["prompt_tokens_details"]["cached_tokens"], int)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamed_completion_equals_whole_completion(urls, client, mode):
+    req = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+           "stream_options": {"include_usage": True}}
+    whole = client.post(f"{urls[mode]}/v1/completions", json=req).json()["choices"][0]
+    events = stream_events(client, f"{urls[mode]}/v1/completions", req)
+    chunks, usage = events[:-1], events[-1]
+    assert all(e["object"] == "text_completion" for e in events)
+    assert "".join(e["choices"][0]["text"] for e in chunks) == whole["text"]
+    assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_uses_the_plain_template_and_streams_the_same_tokens(urls, client, offline, mode):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    req = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    r = client.post(f"{urls[mode]}/v1/chat/completions", json=req)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = greedy(offline, "<|system|>\nbe brief\n<|user|>\nhi there\n<|assistant|>\n")
+    assert body["object"] == "chat.completion"
+    assert body["prompt_token_ids"] == want.prompt_token_ids
+    assert body["choices"][0]["token_ids"] == want.token_ids
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    events = stream_events(client, f"{urls[mode]}/v1/chat/completions", req)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want.text
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == want.token_ids
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_string_ends_the_text_before_it(urls, client, offline, mode):
+    full = greedy(offline, "hello world", 40).text
+    stop = next(full[i:i + 2] for i in range(1, len(full) - 1) if "\ufffd" not in full[i:i + 2])
+    r = client.post(f"{urls[mode]}/v1/completions",
+                    json={"prompt": "hello world", "max_tokens": 40, "temperature": 0, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == full[:full.index(stop)] and choice["finish_reason"] == "stop"
+    events = stream_events(client, f"{urls[mode]}/v1/completions",
+                           {"prompt": "hello world", "max_tokens": 40, "temperature": 0, "stop": stop})
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+
+
+def test_seeded_sampling_is_reproducible_and_equal_across_modes(urls, client):
+    req = {"prompt": "hello world", "max_tokens": 10, "temperature": 0.9, "top_p": 0.9, "seed": 7,
+           "return_token_ids": True}
+    # decode continues on another engine with a fresh generator, so compare colocated runs
+    a = client.post(f"{urls['colocated']}/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    b = client.post(f"{urls['colocated']}/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    assert a == b and len(a) == 10
+
+
+def test_openai_client_works_unchanged(urls):
+    openai = pytest.importorskip("openai")
+    for mode in MODES:
+        client = openai.OpenAI(base_url=f"{urls[mode]}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        c = client.completions.create(model=model, prompt="hello world", max_tokens=8, temperature=0)
+        assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8
+        streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+            model=model, prompt="hello world", max_tokens=8, temperature=0, stream=True) if ch.choices)
+        assert streamed == c.choices[0].text
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=0)
+        parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+            stream=True, stream_options={"include_usage": True}) if ch.choices]
+        assert "".join(parts) == chat.choices[0].message.content
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt="x", max_tokens=-1)
+
+
+def test_models_health_and_metrics(urls, client):
+    for mode in MODES:
+        assert client.get(f"{urls[mode]}/health").json()["status"] == "ok"
+        models = client.get(f"{urls[mode]}/v1/models").json()
+        assert models["object"] == "list" and models["data"][0]["max_model_len"] > 0
+        client.post(f"{urls[mode]}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+    text = client.get(f"{urls['disaggregated']}/metrics").text
+    for name in ("kvmesh_time_to_first_token_seconds_count", "kvmesh_time_per_output_token_seconds_count",
+                 "kvmesh_generated_tokens_per_second", "kvmesh_cached_tokens_total", "kvmesh_queue_depth",
+                 "kvmesh_worker_free_blocks", 'kvmesh_handoff_bytes_total{transport="nixl"}'):
+        assert name in text, name
+    nixl = [l for l in text.splitlines() if l.startswith('kvmesh_handoff_bytes_total{transport="nixl"}')]
+    assert float(nixl[0].split()[-1]) > 0
+
+
+# ---- bad input: always a 4xx with OpenAI's error body, never a 5xx --------------------------
+BAD_COMPLETIONS = [
+    b"{not json",
+    b"[1, 2]",
+    b'{"prompt": "hi", "max_tokens": "3"}',
+    b'{"prompt": "hi", "max_tokens": -1}',
+    b'{"prompt": "hi", "max_tokens": 0}',
+    b'{"prompt": "hi", "max_tokens": 100000000}',
+    b'{"prompt": "hi", "temperature": "hot"}',
+    b'{"prompt": "hi", "temperature": -1}',
+    b'{"prompt": "hi", "top_p": 0}',
+    b'{"prompt": "hi", "frobnicate": true}',
+    b'{"prompt": ""}',
+    b'{"prompt": []}',
+    b'{"prompt": [1, "a"]}',
+    b'{"prompt": [-1]}',
+    b'{"prompt": [100000]}',
+    b'{"prompt": 12}',
+    b'{"max_tokens": 3}',
+    b'{"prompt": "hi", "n": 2}',
+    b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}',
+    b'{"prompt": "hi", "min_tokens": 9, "max_tokens": 3}',
+    b'{"prompt": "hi", "stream": "yes"}',
+    b'{"prompt": "hi", "seed": 1.5}',
+    b'{"prompt": "hi", "logprobs": 99}',
+    b'{"prompt": "hi", "model": "other-model"}',
+]
+BAD_CHAT = [
+    b'{"messages": []}',
+    b'{"messages": "hi"}',
+    b'{"messages": [{"role": "wizard", "content": "hi"}]}',
+    b'{"messages": [{"role": "user", "content": "hi", "mood": "sad"}]}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}',
+    b'{"prompt": "hi"}',
+]
+
+
+@pytest.mark.parametrize("body", BAD_COMPLETIONS + [("chat", b) for b in BAD_CHAT], ids=repr)
+def test_bad_input_is_a_4xx_with_an_openai_error_body(urls, client, body):
+    path = "/v1/completions"
+    if isinstance(body, tuple):
+        path, body = "/v1/chat/completions", body[1]
+    for stream in (False, True):
+        raw = body
+        if stream and body.startswith(b"{") and body.endswith(b"}") and b'"stream"' not in body:
+            raw = body[:-1] + b', "stream": true}'
+        r = client.post(urls["disaggregated"] + path, content=raw, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (raw, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_over_long_prompt_is_400_naming_the_limit(urls, client):
+    limit = client.get(f"{urls['colocated']}/v1/models").json()["data"][0]["max_model_len"]
+    for mode in MODES:
+        r = client.post(f"{urls[mode]}/v1/completions", json={"prompt": [7] * (limit + 1), "max_tokens": 1})
+        assert r.status_code == 400 and str(limit) in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_wrong_method_use_the_error_body(urls, client):
+    r = client.get(f"{urls['disaggregated']}/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get(f"{urls['disaggregated']}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
