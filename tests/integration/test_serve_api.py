@@ -1,7 +1,8 @@
 """The OpenAI API over HTTP against a local Ray Serve app, disaggregated and colocated.
 
-One Ray cluster for the module with two apps: disaggregated at `/`, colocated at
-`/colocated`. Greedy output must equal the offline engine's, token for token.
+One Ray cluster for the module with three apps: disaggregated at `/`, colocated at
+`/colocated`, and disaggregated with NIXL unavailable (every handoff falls back to a Ray
+object) at `/fallback`. Greedy output must equal the offline engine's, token for token.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def urls():
     with LocalServe(num_cpus=4) as ls:
+        no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
         yield {"disaggregated": ls.deploy("disagg", small_config("disaggregated"), "/"),
-               "colocated": ls.deploy("colo", small_config("colocated"), "/colocated")}
+               "colocated": ls.deploy("colo", small_config("colocated"), "/colocated"),
+               "fallback": ls.deploy("fallback", no_nixl, "/fallback")}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def stream_events(client: httpx.Client, url: str, body: dict) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ["fallback"])
 def test_greedy_completion_equals_offline_engine(urls, client, offline, mode):
     for prompt in PROMPTS:
         r = client.post(f"{urls[mode]}/v1/completions", json={
@@ -160,8 +163,23 @@ def test_models_health_and_metrics(urls, client):
                  "kvmesh_generated_tokens_per_second", "kvmesh_cached_tokens_total", "kvmesh_queue_depth",
                  "kvmesh_worker_free_blocks", 'kvmesh_handoff_bytes_total{transport="nixl"}'):
         assert name in text, name
-    nixl = [l for l in text.splitlines() if l.startswith('kvmesh_handoff_bytes_total{transport="nixl"}')]
-    assert float(nixl[0].split()[-1]) > 0
+    assert metric(text, 'kvmesh_handoff_bytes_total{transport="nixl"}') > 0
+    assert 'transport="ray"' not in text and "kvmesh_handoff_fallbacks_total{" not in text
+
+
+def test_without_nixl_the_handoff_falls_back_to_ray_objects_and_says_so(urls, client):
+    r = client.post(f"{urls['fallback']}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4})
+    assert r.status_code == 200
+    text = client.get(f"{urls['fallback']}/metrics").text
+    assert metric(text, 'kvmesh_handoff_bytes_total{transport="ray"}') > 0
+    assert metric(text, 'kvmesh_handoff_fallbacks_total{reason="nixl_unavailable"}') >= 1
+    assert 'transport="nixl"' not in text
+
+
+def metric(text: str, name: str) -> float:
+    values = [float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")]
+    assert values, f"{name} not in metrics"
+    return values[0]
 
 
 # ---- bad input: always a 4xx with OpenAI's error body, never a 5xx --------------------------

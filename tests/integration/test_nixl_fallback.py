@@ -1,0 +1,102 @@
+"""The decode side of a handoff falls back to a Ray object when the NIXL READ fails,
+moves the state slot with the blocks either way, and never raises into the engine."""
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from cluster.messages import Handoff
+from cluster.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader
+from kvstore.cache_tensors import CacheTensors
+from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvstore.nixl_transfer import KVTransferAgent, RemoteKV
+
+LAYOUT = CacheLayout.build(LayoutParams((SWA, CSA, HCA), head_dim=16, index_head_dim=8, csa_ratio=4,
+                                        hca_ratio=128, window=32, dtype="float32"), block_tokens=128)
+SRC_BLOCKS, SRC_SLOT, DST_BLOCKS, DST_SLOT = [3, 4], 1, [0, 5], 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def random_cache(seed: int) -> CacheTensors:
+    cache = CacheTensors(LAYOUT, num_blocks=6, num_slots=3, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.all_tensors():
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def handoff(**kw) -> Handoff:
+    base = dict(request_id="r1", prompt_len=200, first_token=5, first_logprob=-1.0, finished=False,
+                finish_reason="held", cached_tokens=0, worker_id="p1", fingerprint="f", num_blocks=2)
+    return Handoff(**{**base, **kw})
+
+
+def counters() -> dict:
+    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
+
+
+def assert_moved(src: CacheTensors, dst: CacheTensors) -> None:
+    want, got = src.gather(SRC_BLOCKS, SRC_SLOT), dst.gather(DST_BLOCKS, DST_SLOT)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_failed_read_fetches_a_ray_copy_and_counts_a_fallback():
+    src, dst = random_cache(0), random_cache(1)
+    agent = KVTransferAgent("test-fallback-decode", dst.all_tensors())
+    unreachable = RemoteKV("gone-prefill", b"not metadata", "10.255.255.1", "DRAM",
+                           tuple((0, n, 0) for _, _, n in src.block_regions(SRC_BLOCKS, SRC_SLOT)))
+    fetched = []
+
+    def fetch_export(h):
+        fetched.append(h.request_id)
+        return [ray.put(src.gather(SRC_BLOCKS, SRC_SLOT))]
+    c = counters()
+    loader = Loader(handoff(source=unreachable), agent, fetch_export, c, timeout_s=5.0)
+    loader.load(dst, DST_BLOCKS, DST_SLOT)
+    assert loader.error is None and fetched == ["r1"]
+    assert loader.report.transport == "ray" and loader.report.fallback_reason == READ_FAILED
+    assert loader.report.nbytes == 2 * LAYOUT.block_bytes + LAYOUT.slot_bytes == c["ray_bytes"]
+    assert c["fallbacks"] == 1 and c["nixl_bytes"] == 0
+    assert_moved(src, dst)
+    agent.close()
+
+
+def test_payload_from_a_prefill_without_nixl_is_scattered():
+    src, dst = random_cache(2), random_cache(3)
+    payload = [ray.put(src.gather(SRC_BLOCKS, SRC_SLOT))]
+    loader = Loader(handoff(payload=payload, fallback_reason=NIXL_UNAVAILABLE), None, None, counters(), 5.0)
+    loader.load(dst, DST_BLOCKS, DST_SLOT)
+    assert loader.error is None and loader.report.fallback_reason == NIXL_UNAVAILABLE
+    assert_moved(src, dst)
+
+
+def test_configured_ray_transport_is_not_a_fallback():
+    src, dst = random_cache(4), random_cache(5)
+    c = counters()
+    loader = Loader(handoff(payload=[ray.put(src.gather(SRC_BLOCKS, SRC_SLOT))]), None, None, c, 5.0)
+    loader.load(dst, DST_BLOCKS, DST_SLOT)
+    assert loader.report.fallback_reason is None and c["fallbacks"] == 0
+
+
+def test_load_never_raises_into_the_engine_thread():
+    dst = random_cache(6)
+
+    def fetch_export(h):
+        raise RuntimeError("prefill worker is gone")
+    unreachable = RemoteKV("gone", b"x", "10.255.255.1", "DRAM", ((0, 1, 0),))
+    agent = KVTransferAgent("test-fallback-decode-2", dst.all_tensors())
+    loader = Loader(handoff(source=unreachable), agent, fetch_export, counters(), 2.0)
+    loader.load(dst, DST_BLOCKS, DST_SLOT)
+    assert loader.error and "prefill worker is gone" in loader.error
+    wrong_count = Loader(handoff(num_blocks=3), None, None, counters(), 2.0)
+    wrong_count.load(dst, DST_BLOCKS, DST_SLOT)
+    assert "blocks" in wrong_count.error
+    agent.close()
