@@ -101,6 +101,8 @@ class Engine:
             index = make_index(c.index, self.fingerprint, store)
             if store is not None:
                 store.attach_index(index)
+                if c.index != "local":   # the store is the truth: re-seed a shared index from it
+                    index.rebuild_from(store)
         span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
         worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelArgs
-from .model import Transformer
+from .model import Rope, Transformer
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
 EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
@@ -143,5 +143,8 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
         want = src.dtype if not src.is_floating_point() else (torch.float32 if FP32_PARAM.search(k) else target)
         converted[k] = src.to(device=device, dtype=want)
     model.load_state_dict(converted, strict=False, assign=True)
-    model.ropes = Transformer(args).ropes.to(device)
+    # rope tables are computed, not loaded; build only them (a whole second Transformer here
+    # would allocate every weight again in fp32 on the CPU)
+    model.ropes = torch.nn.ModuleDict({"main": Rope(args.main_rope, args.rope_head_dim),
+                                       "compress": Rope(args.compress_rope, args.rope_head_dim)}).to(device)
     return args, model.eval()

@@ -51,6 +51,7 @@ class PrefixCache:
         self.stored: set[tuple[str, int]] = set()   # objects this process knows are durable
         self.stats = ReuseStats()
         self._last_renew = time.monotonic()
+        self._reconnects = 0
 
     # ---- hashing ------------------------------------------------------------------------------
     def chain(self, seq: Sequence, blocks: int) -> list[int]:
@@ -63,7 +64,17 @@ class PrefixCache:
         return hashes[:blocks]
 
     # ---- admission: restore -------------------------------------------------------------------
+    def _reseed_after_outage(self) -> None:
+        """A Redis that came back may have lost its entries: republish the store's objects."""
+        stats = getattr(self.index, "stats", None)
+        reconnects = stats().get("reconnects", 0) if callable(stats) else 0
+        if reconnects != self._reconnects and self.store is not None:
+            self._reconnects = reconnects
+            self.index.rebuild_from(self.store)
+
     def availability(self, hashes: list[int]) -> Availability:
+        if self.index is not None:
+            self._reseed_after_outage()
         looked = self.index.lookup(hashes) if self.index is not None and self.store is not None else None
         stored = looked.stored if looked else 0
         ckpts = set(looked.checkpoints) if looked else set()

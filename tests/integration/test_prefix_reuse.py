@@ -1,0 +1,199 @@
+"""Invariant 3 and 5 for prefix reuse: a restored run (any SWA policy, any hit length,
+from memory or from the store) equals the cold run; corrupt objects, a stopped Redis and
+a full store never change the output."""
+from __future__ import annotations
+
+import pytest
+
+from kvstore.planner import recompute_span
+from tests.helpers import random_prompt, reference_greedy, write_tiny_checkpoint
+from workers.engine import Engine, EngineConfig
+from workers.sampling import SamplingParams
+
+NAME, BT, WINDOW, LAYERS, MAX_RATIO = "swa_csa_hca", 16, 8, 3, 16
+PERIOD = 2 * BT
+POLICIES = ["full", f"periodic:{PERIOD}", "zero"]
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+BASE = random_prompt(230, seed=7)          # the document every later prompt shares a prefix of
+TOL = 2e-4
+
+
+def other(n: int, seed: int) -> list[int]:
+    return random_prompt(n, seed=1000 + seed)
+
+
+# name -> (prompt sharing a prefix with BASE, length of the shared prefix)
+CASES = {
+    "miss": ([BASE[0] + 1] + BASE[1:120], 0),
+    "one_block": (BASE[:BT] + other(40, 1), BT),
+    "many_blocks": (BASE[:10 * BT] + other(7, 2), 10 * BT),
+    "whole_prompt": (BASE, len(BASE)),
+    "one_past_boundary": (BASE[:12 * BT + 1], 12 * BT + 1),
+    "at_checkpoint": (BASE[:3 * PERIOD] + other(9, 3), 3 * PERIOD),
+    "just_after_checkpoint": (BASE[:3 * PERIOD + BT] + other(9, 4), 3 * PERIOD + BT),
+}
+
+
+def expected_cached(policy: str, prompt_len: int, shared: int) -> int:
+    blocks = min(shared // BT, (prompt_len - 1) // BT)
+    if policy == "full":
+        return blocks * BT
+    if policy.startswith("periodic"):
+        # checkpoints of BASE: every PERIOD tokens and at its prompt end (its last block boundary)
+        ckpts = [c for c in range(PERIOD, len(BASE) + 1, PERIOD)] + [len(BASE) // BT * BT]
+        return max([c for c in ckpts if c <= blocks * BT], default=0)
+    span = recompute_span(LAYERS, WINDOW, MAX_RATIO)
+    start = max(0, blocks * BT - span) // BT * BT
+    return start
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), NAME)
+
+
+def engine(model_dir, policy="full", **kw) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), block_tokens=BT, kv_cache_bytes=16 << 20,
+                               swa_policy=policy, **kw))
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir):
+    """Cold single runs (no reuse possible): the ground truth for every restored run."""
+    e = engine(model_dir)
+    return {name: e.generate([prompt], GREEDY)[0] for name, (prompt, _) in CASES.items()}
+
+
+def assert_same(out, ref):
+    assert out.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < TOL
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_restore_from_the_store_equals_the_cold_run_for_every_hit_length(model_dir, cold, tmp_path, policy):
+    writer = engine(model_dir, policy, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    for name, (prompt, shared) in CASES.items():
+        reader = engine(model_dir, policy, store=str(tmp_path))   # fresh engine: nothing in memory
+        out = reader.generate([prompt], GREEDY)[0]
+        assert_same(out, cold[name])
+        assert out.cached_tokens == expected_cached(policy, len(prompt), shared), name
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_restore_from_worker_memory_equals_the_cold_run(model_dir, cold, policy):
+    e = engine(model_dir, policy)          # no store: the worker's own memory is the only tier
+    e.generate([BASE], GREEDY)
+    for name in ("one_block", "many_blocks", "whole_prompt", "at_checkpoint"):
+        prompt, shared = CASES[name]
+        out = e.generate([prompt], GREEDY)[0]
+        assert_same(out, cold[name])
+        assert out.cached_tokens == expected_cached(policy, len(prompt), shared), name
+    assert e.prefix.stats.blocks_from_store == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_restored_run_equals_the_transformers_reference(model_dir, tmp_path, policy):
+    writer = engine(model_dir, policy, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    prompt, _ = CASES["many_blocks"]
+    out = engine(model_dir, policy, store=str(tmp_path)).generate([prompt], GREEDY)[0]
+    assert out.cached_tokens > 0
+    tokens, logprobs = reference_greedy(model_dir, prompt, GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < TOL
+
+
+def test_a_multi_turn_chat_reuses_the_previous_turn_including_its_output(model_dir, tmp_path):
+    e = engine(model_dir, f"periodic:{PERIOD}", store=str(tmp_path))
+    first = e.generate([BASE], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    turn2 = BASE + first.token_ids + other(5, 9)
+    e.flush()
+    out = engine(model_dir, f"periodic:{PERIOD}", store=str(tmp_path)).generate([turn2], GREEDY)[0]
+    assert out.cached_tokens == (len(BASE) + 40) // BT * BT     # the end-of-output checkpoint
+    assert_same(out, engine(model_dir).generate([turn2], GREEDY)[0])
+
+
+def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_dir, cold, tmp_path):
+    writer = engine(model_dir, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    files = {p.stem: p for p in tmp_path.rglob("block/*.kv")}
+    chain = writer.prefix.chain(writer.seqs.get("x") or _seq(BASE), 12)
+    from kvstore.hashing import hash_hex
+    corrupt, truncate = files[hash_hex(chain[4])], files[hash_hex(chain[8])]
+    data = bytearray(corrupt.read_bytes())
+    data[-10] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    truncate.write_bytes(truncate.read_bytes()[:100])
+    reader = engine(model_dir, store=str(tmp_path))
+    prompt, _ = CASES["many_blocks"]
+    out = reader.generate([prompt], GREEDY)[0]
+    assert_same(out, cold["many_blocks"])
+    assert out.cached_tokens == 4 * BT                      # the hit stops before the corrupt block
+    assert reader.prefix.store.stats().corrupt == 1
+    reader.flush()                                          # the recomputed blocks were written anew
+    assert reader.prefix.store.get("block", chain[4]) is not None
+    assert reader.prefix.index.lookup(chain[:10]).stored == 10
+
+
+def _seq(tokens):
+    from workers.sequence import Sequence
+    return Sequence("x", list(tokens), GREEDY)
+
+
+def test_store_at_its_capacity_evicts_and_never_fails_a_request(model_dir, cold, tmp_path):
+    e = engine(model_dir, store=str(tmp_path), store_capacity_bytes=40_000)
+    for name, (prompt, _) in CASES.items():
+        assert_same(e.generate([prompt], GREEDY)[0], cold[name])
+        e.flush()
+    stats = e.prefix.store.stats()
+    assert stats.total_bytes <= 40_000 and stats.evicted > 0
+
+
+def test_redis_index_survives_redis_stopping_and_resumes_reuse_after_restart(model_dir, cold, tmp_path,
+                                                                             redis_process):
+    spec = redis_process.url
+    writer = engine(model_dir, store=str(tmp_path), index=spec)
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    prompt, _ = CASES["many_blocks"]
+    redis_process.stop()
+    try:
+        down = engine(model_dir, store=str(tmp_path), index=spec)
+        out = down.generate([prompt], GREEDY)[0]
+        assert_same(out, cold["many_blocks"])
+        assert out.cached_tokens == 0                       # no index: served without reuse
+    finally:
+        redis_process.restart()
+    # a restarted Redis without persistence is empty; the store is the truth and re-seeds it
+    out = down.generate([prompt], GREEDY)[0]                # the same engine, once Redis answers again
+    assert_same(out, cold["many_blocks"])
+    up = engine(model_dir, store=str(tmp_path), index=spec)
+    out = up.generate([prompt], GREEDY)[0]
+    assert_same(out, cold["many_blocks"])
+    assert out.cached_tokens == 10 * BT
+
+
+@pytest.mark.parametrize("index", ["local", "redis"])
+def test_a_second_kvmesh_generate_process_reuses_what_the_first_wrote(model_dir, tmp_path, index, redis_server):
+    import json
+    import subprocess
+    import sys
+    spec = redis_server if index == "redis" else "local"
+    prompt = BASE[:10 * BT] + other(7, 2)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "q", "prompt_token_ids": prompt, "max_tokens": 5,
+                                                   "temperature": 0.0, "ignore_eos": True}) + "\n")
+    results = []
+    for run in range(2):
+        out = tmp_path / f"out{run}.jsonl"
+        cmd = [sys.executable, "-m", "cluster.cli", "generate", "--model", str(model_dir), "--input",
+               str(tmp_path / "in.jsonl"), "--output", str(out), "--block-tokens", str(BT), "--kv-cache-mb", "16",
+               "--store", str(tmp_path / "store"), "--index", spec, "--swa-policy", "full"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        results.append(json.loads(out.read_text()))
+    assert results[0]["cached_tokens"] == 0
+    assert results[1]["cached_tokens"] == 10 * BT           # a fresh process, restored from the store
+    assert results[1]["token_ids"] == results[0]["token_ids"]
