@@ -8,7 +8,9 @@ of every dot, so one key tile serves BLOCK_H heads at once:
     out[t, h]    = sum_n softmax_n(scores, sink[h]) * kv[n]
 
 Online softmax in fp32; the sink starts the running max/denominator (it adds exp(sink - max)
-to the denominator and nothing to the numerator). Compressed entry e of sequence b is read
+to the denominator and nothing to the numerator). Window rows of a sequence hold consecutive
+positions (row j = first[b] + j, or -1 = empty), so a query scans only the <= `window` rows
+that can hold (q - window, q], not the whole chunk-wide window tensor. Compressed entry e of sequence b is read
 in place from `comp_cache[block_table[b, e // EPB], e % EPB]`: all e < min(comp_len[b],
 (q+1) // ratio) for HCA (`topk_idx is None`), only the picked ones for CSA.
 """
@@ -20,7 +22,8 @@ import triton.language as tl
 
 from .triton_common import attention_config, dot, ieee_dot, round_to, tl_dtype
 
-NEG_FLOOR = tl.constexpr(-1.0e30)  # finite stand-in for a -inf sink, so the online-softmax max never is -inf
+# finite stand-in for a -inf sink, so the online-softmax running max is never -inf
+NEG_FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -38,7 +41,7 @@ def _attend_tile(q, kv, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, q_pos_ptr, q_seq_ptr, win_kv_ptr, win_pos_ptr, comp_ptr, bt_ptr, comp_len_ptr,
+    q_ptr, q_pos_ptr, q_seq_ptr, win_kv_ptr, win_pos_ptr, win_first_ptr, comp_ptr, bt_ptr, comp_len_ptr,
     topk_ptr, sinks_ptr, out_ptr,
     stride_qt, stride_qh, stride_wb, stride_wr, stride_pb, stride_cb, stride_cs, stride_btb,
     stride_kt, stride_ot, stride_oh,
@@ -63,9 +66,11 @@ def _sparse_attn_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # (a) the sequence's window rows: visible iff q - window < pos <= q (pos -1 = empty row)
-    for start in range(0, W, BLOCK_N):
+    first = tl.load(win_first_ptr + b)
+    row_end = tl.minimum(qp + 1 - first, W)
+    for start in range(tl.maximum(qp - window + 1 - first, 0), row_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        pos = tl.load(win_pos_ptr + b * stride_pb + offs_n, mask=offs_n < W, other=-1)
+        pos = tl.load(win_pos_ptr + b * stride_pb + offs_n, mask=offs_n < row_end, other=-1)
         valid = (pos >= 0) & (pos <= qp) & (pos > qp - window)
         kv = tl.load(win_kv_ptr + b * stride_wb + offs_n[:, None] * stride_wr + offs_d[None, :],
                      mask=valid[:, None] & d_ok[None, :], other=0.0)
@@ -100,11 +105,18 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def window_first_positions(win_pos: torch.Tensor) -> torch.Tensor:
+    """[B] position held by row 0 of each sequence's window rows (0 when all rows are empty)."""
+    j = torch.arange(win_pos.shape[1], device=win_pos.device)
+    first = torch.where(win_pos >= 0, win_pos - j, torch.iinfo(torch.int64).min).amax(dim=1)
+    return torch.where((win_pos >= 0).any(dim=1), first, 0)
+
+
 def sparse_attention(
     q: torch.Tensor,            # [T, H, D]
     q_pos: torch.Tensor,        # [T] int64 absolute positions
     q_seq: torch.Tensor,        # [T] int64 sequence index in [0, B)
-    win_kv: torch.Tensor,       # [B, W, D] window K=V per sequence (padded)
+    win_kv: torch.Tensor,       # [B, W, D] window K=V per sequence (consecutive positions, padded)
     win_pos: torch.Tensor,      # [B, W] int64 positions of win_kv rows, -1 = empty
     comp_cache: torch.Tensor | None,   # [NB, EPB, D] paged compressed entries, or None (SWA layer)
     block_table: torch.Tensor | None,  # [B, MB] int32
@@ -122,10 +134,8 @@ def sparse_attention(
     if T == 0:
         return out
     has_comp = comp_cache is not None and comp_len is not None
-    for name, kv in (("win_kv", win_kv), ("comp_cache", comp_cache if has_comp else None)):
-        if kv is not None and kv.dtype != q.dtype:
-            raise ValueError(f"sparse_attention: {name} is {kv.dtype} but q is {q.dtype}; "
-                             "the Triton kernel needs one dtype for q and K=V")
+    # mixed dtypes (e.g. a bf16 cache under an fp32 model) take the fp32 dot path, like the reference
+    mixed = win_kv.dtype != q.dtype or (has_comp and comp_cache.dtype != q.dtype)
     q, win_kv, win_pos = _rows_contiguous(q), _rows_contiguous(win_kv), _rows_contiguous(win_pos)
     if has_comp:
         comp_cache, block_table = _rows_contiguous(comp_cache), _rows_contiguous(block_table)
@@ -140,13 +150,14 @@ def sparse_attention(
     block_h, block_n, block_d, num_warps = attention_config(H, D)
     grid = (T, triton.cdiv(H, block_h))
     _sparse_attn_kernel[grid](
-        q, q_pos.contiguous(), q_seq.contiguous(), win_kv, win_pos, *comp_args,
+        q, q_pos.contiguous(), q_seq.contiguous(), win_kv, win_pos, window_first_positions(win_pos),
+        *comp_args,
         topk, sinks.contiguous(), out,
         q.stride(0), q.stride(1), win_kv.stride(0), win_kv.stride(1), win_pos.stride(0),
         *comp_strides, topk.stride(0) if has_topk else 0, out.stride(0), out.stride(1),
         H, win_kv.shape[1], n_topk, float(scale), int(window), int(ratio),
         D=D, EPB=epb, HAS_COMP=has_comp, HAS_TOPK=has_topk,
-        OUT_DT=tl_dtype(out.dtype), IEEE=ieee_dot(q.device, q.dtype),
+        OUT_DT=tl_dtype(out.dtype), IEEE=mixed or ieee_dot(q.device, q.dtype),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out
