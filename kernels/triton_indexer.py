@@ -64,8 +64,6 @@ def indexer_scores_paged(q, weights, q_pos, q_seq, key_cache, block_table, key_l
     scores = torch.empty(T, n_entries, dtype=torch.float32, device=q.device)
     if T == 0 or n_entries == 0:
         return scores
-    if key_cache.dtype != q.dtype:
-        raise ValueError(f"indexer_topk: key_cache is {key_cache.dtype} but q is {q.dtype}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     key_cache = key_cache if key_cache.stride(-1) == 1 else key_cache.contiguous()
     weights, block_table = weights.contiguous(), block_table.contiguous()
@@ -76,7 +74,8 @@ def indexer_scores_paged(q, weights, q_pos, q_seq, key_cache, block_table, key_l
         q.stride(0), q.stride(1), weights.stride(0), key_cache.stride(0), key_cache.stride(1),
         block_table.stride(0), scores.stride(0),
         Hi, n_entries, int(ratio), float(scale),
-        Di=Di, EPB=key_cache.shape[1], IEEE=ieee_dot(q.device, q.dtype),
+        Di=Di, EPB=key_cache.shape[1],
+        IEEE=key_cache.dtype != q.dtype or ieee_dot(q.device, q.dtype),  # mixed dtypes: fp32 dots
         BLOCK_H=min(pow2_at_least(Hi), INDEXER_MAX_BLOCK_H), BLOCK_E=INDEXER_BLOCK_E,
         BLOCK_D=pow2_at_least(Di),
     )
