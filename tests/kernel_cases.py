@@ -39,13 +39,14 @@ def ragged_queries(seq_lens: list[int], n_queries: list[int], device):
 
 
 def _window(seq_lens, n_queries, window, dim, dtype, device, gen):
-    """Window rows in ring order (rotated), wide enough for every query of the chunk."""
-    rows = window + max(n_queries) - 1 + 2          # +2 rows that stay empty
+    """Window rows as the engine lays them out: consecutive positions (the last ones before the
+    chunk, then the chunk) starting at a random row, every other row empty (-1)."""
+    rows = window + max(n_queries) - 1 + 3          # +3 rows that stay empty
     win_pos = torch.full((len(seq_lens), rows), -1, dtype=torch.long)
     for b, (s, n) in enumerate(zip(seq_lens, n_queries)):
         keep = torch.arange(max(0, s - n - window + 1), s)
-        shift = int(torch.randint(0, rows, (1,), generator=gen))
-        win_pos[b] = torch.roll(torch.cat([keep, win_pos.new_full((rows - len(keep),), -1)]), shift)
+        at = int(torch.randint(0, rows - len(keep) + 1, (1,), generator=gen))
+        win_pos[b, at:at + len(keep)] = keep
     return _values((len(seq_lens), rows, dim), dtype, device, gen, False), win_pos.to(device)
 
 
@@ -117,8 +118,13 @@ _FLOAT_ARGS = ("scale", "eps")
 
 
 def _signature(kernel, pointers: dict, constexprs: dict) -> dict:
-    return {a: "constexpr" if a in constexprs else pointers.get(a)
-            or ("fp32" if a in _FLOAT_ARGS else "i32") for a in kernel.arg_names}
+    def kind(a):
+        if a in constexprs:
+            return "constexpr"
+        if a.endswith("_ptr"):
+            return pointers[a]          # every pointer's dtype must be spelled out
+        return "fp32" if a in _FLOAT_ARGS else "i32"
+    return {a: kind(a) for a in kernel.arg_names}
 
 
 def compile_kernels_for_cuda(arch: int = 90) -> list[str]:
@@ -144,7 +150,8 @@ def compile_kernels_for_cuda(arch: int = 90) -> list[str]:
 
     for dt, tdt in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
         attn_ptrs = dict(q_ptr=f"*{dt}", win_kv_ptr=f"*{dt}", comp_ptr=f"*{dt}", out_ptr=f"*{dt}",
-                         q_pos_ptr="*i64", q_seq_ptr="*i64", win_pos_ptr="*i64", comp_len_ptr="*i64",
+                         q_pos_ptr="*i64", q_seq_ptr="*i64", win_pos_ptr="*i64", win_first_ptr="*i64",
+                         comp_len_ptr="*i64",
                          topk_ptr="*i64", bt_ptr="*i32", sinks_ptr="*fp32")
         for dim, has_topk in ((64, True), (512, False)) if dt == "bf16" else ((128, True),):
             bh, bn, bd, warps = attention_config(128, dim)

@@ -69,6 +69,16 @@ def test_sparse_attention_with_nothing_visible_is_all_sink():
     assert_close(out, torch_ops.sparse_attention(**args))
 
 
+def test_sparse_attention_skips_empty_rows_inside_the_window():
+    args = attention_case([40, 90], [3, 2], 2, 64, mode="hca", window=16, ratio=8)
+    win_pos = args["win_pos"].clone()
+    for b in range(win_pos.shape[0]):
+        filled = (win_pos[b] >= 0).nonzero().flatten()
+        win_pos[b, filled[[1, 4, -2]]] = -1                     # holes: rows not written yet
+    args["win_pos"] = win_pos
+    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args))
+
+
 def test_sparse_attention_drops_picks_past_the_causal_limit():
     args = attention_case([64], [1], 2, 64, mode="csa", ratio=4, topk=4)
     args["q_pos"] = torch.tensor([20])                       # only entries < 5 are visible
@@ -86,10 +96,10 @@ def test_sparse_attention_reads_strided_views():
     assert_close(triton_ops.sparse_attention(**views), torch_ops.sparse_attention(**args))
 
 
-def test_sparse_attention_rejects_mixed_dtypes():
-    args = attention_case([8], [1], 2, 64, mode="swa")
-    with pytest.raises(ValueError, match="dtype"):
-        triton_ops.sparse_attention(**dict(args, win_kv=args["win_kv"].bfloat16()))
+def test_sparse_attention_mixes_a_bf16_cache_with_fp32_queries():
+    args = attention_case([9, 130], [2, 3], 4, 64, mode="csa", ratio=4, epb=4, topk=8)
+    args = dict(args, comp_cache=args["comp_cache"].bfloat16(), win_kv=args["win_kv"].bfloat16())
+    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args))
 
 
 # --- compressor --------------------------------------------------------------------------
@@ -181,6 +191,12 @@ def test_indexer_scores_and_picks_match_torch_on_random_keys(dtype):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_indexer_topk_mixes_a_bf16_key_cache_with_fp32_queries():
+    args = indexer_case([9, 300], [2, 3], 4, 64, ratio=4, epb=4, topk=8, integer=True)
+    args = dict(args, key_cache=args["key_cache"].bfloat16())
+    assert torch.equal(triton_ops.indexer_topk(**args), torch_ops.indexer_topk(**args))
+
+
 def test_indexer_topk_with_no_keys_returns_all_minus_one():
     args = indexer_case([3, 2], [1, 1], 2, 64, ratio=4, topk=4)
     assert torch.equal(triton_ops.indexer_topk(**args), torch.full((2, 4), -1))
@@ -203,3 +219,22 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.split()[-1] == "7"  # kernel variants built
+
+
+# --- end to end: the engine on the Triton backend ------------------------------------------
+@pytest.mark.slow
+def test_engine_on_triton_backend_equals_torch_backend(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
+    from workers.engine import Engine, EngineConfig
+    from workers.sampling import SamplingParams
+
+    path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
+    prompts = [random_prompt(n, seed=n) for n in (1, 37)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outs = [Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS["swa_csa_hca"],
+                                kv_cache_bytes=8 << 20, kernel_backend=backend)).generate(prompts, params)
+            for backend in ("torch", "triton")]
+    for ref, out in zip(*outs):
+        assert out.token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < 1e-5
