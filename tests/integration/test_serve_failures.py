@@ -1,0 +1,92 @@
+"""Failures at the HTTP edge: a decode replica killed mid-stream, and overload (503)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from cluster.testing import LocalServe, small_config
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+KILL_BOUND_S = 120.0      # the client hears the end of its stream within this (2 attempts x token timeout)
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+@pytest.fixture(scope="module")
+def urls():
+    with LocalServe(num_cpus=4) as ls:
+        overload = small_config("colocated", colocated={"max_ongoing_requests": 1, "max_queued_requests": 1},
+                                ingress={"retry_after_s": 2})
+        yield {"disagg": ls.deploy("disagg", small_config("disaggregated"), "/"),
+               "overload": ls.deploy("overload", overload, "/overload")}
+
+
+def replica_actor(app: str, deployment: str):
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert names, f"no replica of {app}/{deployment}"
+    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    status = serve.status().applications[app].deployments[deployment]
+    return status.replica_states.get("RUNNING", 0)
+
+
+@pytest.mark.slow
+def test_decode_replica_killed_mid_stream_ends_cleanly_and_the_pool_recovers(urls):
+    want = Engine(small_config().engine.engine_config()).generate(
+        [PROMPT], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))[0].token_ids
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    tokens, errors, killed = [], [], False
+    start = time.monotonic()
+    with httpx.Client(timeout=httpx.Timeout(KILL_BOUND_S)) as client:
+        with client.stream("POST", f"{urls['disagg']}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"])
+                    continue
+                tokens += event["choices"][0]["token_ids"]
+                if len(tokens) >= 5 and not killed:
+                    ray.kill(replica_actor("disagg", "Decode"), no_restart=True)
+                    killed = True
+    elapsed = time.monotonic() - start
+    print(f"stream ended after {elapsed:.1f}s with {len(tokens)} tokens, errors={errors}")
+    assert killed and elapsed < KILL_BOUND_S
+    if errors:      # a clean error: OpenAI's body, after the tokens already sent
+        assert set(errors[0]) == {"message", "type", "param", "code"}
+        assert tokens == want[:len(tokens)]
+    else:           # a completed retry: the continuation is exactly the greedy stream
+        assert tokens == want
+    deadline = time.monotonic() + 60
+    while running_replicas("disagg", "Decode") < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"decode pool running again after {time.monotonic() - start:.1f}s")
+    r = httpx.post(f"{urls['disagg']}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_overload_is_503_with_retry_after(urls):
+    body = {"prompt": "hello", "max_tokens": 64, "ignore_eos": True}
+
+    def post(_):
+        return httpx.post(f"{urls['overload']}/v1/completions", json=body, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(post, range(8)))
+    codes = sorted(r.status_code for r in replies)
+    assert 200 in codes and 503 in codes, codes
+    assert set(codes) <= {200, 503}
+    busy = next(r for r in replies if r.status_code == 503)
+    assert busy.headers["retry-after"] == "2"
+    assert busy.json()["error"]["type"] == "overloaded_error"
