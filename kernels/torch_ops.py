@@ -28,11 +28,26 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.
     return cache[blocks].reshape(block_table.shape[0], nblk * epb, -1)[:, :emax]
 
 
+def window_rows(q_pos: torch.Tensor, q_seq: torch.Tensor, win_pos: torch.Tensor, window: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query, the `window` rows of its sequence's win_kv that can hold positions
+    (q - window, q], and whether each row really holds that position.
+
+    win_kv rows of one sequence are consecutive positions (some marked -1 = empty), so the
+    first row's position is recovered as max(win_pos[b, j] - j)."""
+    j = torch.arange(win_pos.shape[1], device=win_pos.device)
+    first = torch.where(win_pos >= 0, win_pos - j, torch.iinfo(win_pos.dtype).min).amax(dim=1)   # [B]
+    want = q_pos.unsqueeze(1) - window + 1 + torch.arange(window, device=q_pos.device)   # [T, W]
+    rows = (want - first[q_seq].unsqueeze(1)).clamp(0, win_pos.shape[1] - 1)
+    valid = (win_pos[q_seq.unsqueeze(1), rows] == want) & (want >= 0)
+    return rows, valid
+
+
 def sparse_attention(
     q: torch.Tensor,            # [T, H, D]
     q_pos: torch.Tensor,        # [T] int64 absolute positions
     q_seq: torch.Tensor,        # [T] int64 sequence index in [0, B)
-    win_kv: torch.Tensor,       # [B, W, D] window K=V per sequence (padded)
+    win_kv: torch.Tensor,       # [B, W, D] window K=V per sequence (consecutive positions, padded)
     win_pos: torch.Tensor,      # [B, W] int64 positions of win_kv rows, -1 = empty
     comp_cache: torch.Tensor | None,   # [NB, EPB, D] paged compressed entries, or None (SWA layer)
     block_table: torch.Tensor | None,  # [B, MB] int32
@@ -44,20 +59,23 @@ def sparse_attention(
     ratio: int,
 ) -> torch.Tensor:
     """Softmax attention over the SWA window plus the visible compressed entries, with a
-    per-head sink in the denominator. Returns [T, H, D] in q's dtype."""
-    keys = win_kv[q_seq]                                                   # [T, W, D]
-    kpos = win_pos[q_seq]
-    qp = q_pos.unsqueeze(1)
-    mask = (kpos >= 0) & (kpos <= qp) & (kpos > qp - window)
+    per-head sink in the denominator. Returns [T, H, D] in q's dtype.
+
+    Each query gathers only what it may see: its `window` window rows, and either its
+    top-k picks (CSA) or its sequence's entries (HCA)."""
+    rows, mask = window_rows(q_pos, q_seq, win_pos, window)
+    keys = win_kv[q_seq.unsqueeze(1), rows]                                 # [T, W, D]
     if comp_cache is not None and comp_len is not None and int(comp_len.max().item()) > 0:
         comp = gather_paged(comp_cache, block_table, comp_len)              # [B, E, D]
-        e = torch.arange(comp.shape[1], device=q.device)
-        cmask = (e < comp_len[q_seq].unsqueeze(1)) & (e < (qp + 1) // ratio)
+        visible = torch.minimum((q_pos + 1) // ratio, comp_len[q_seq]).unsqueeze(1)
         if topk_idx is not None:
-            picked = torch.zeros(q.shape[0], comp.shape[1] + 1, dtype=torch.bool, device=q.device)
-            picked.scatter_(1, torch.where(topk_idx >= 0, topk_idx, comp.shape[1]), True)
-            cmask &= picked[:, :-1]
-        keys = torch.cat([keys, comp[q_seq]], dim=1)
+            idx = topk_idx.clamp(min=0)
+            entries = comp[q_seq.unsqueeze(1), idx]                         # [T, K, D]
+            cmask = (topk_idx >= 0) & (topk_idx < visible)
+        else:
+            entries = comp[q_seq]                                           # [T, E, D]
+            cmask = torch.arange(comp.shape[1], device=q.device) < visible
+        keys = torch.cat([keys, entries], dim=1)
         mask = torch.cat([mask, cmask], dim=1)
     scores = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
@@ -136,13 +154,28 @@ def indexer_topk(
     if q.shape[0] == 0 or int(key_len.max().item()) == 0:
         return out
     keys = gather_paged(key_cache, block_table, key_len)                   # [B, E, Di]
-    scores = indexer_scores(q, weights, keys[q_seq], scale)                # [T, E]
-    e = torch.arange(keys.shape[1], device=q.device)
-    limit = torch.minimum((q_pos + 1) // ratio, key_len[q_seq])
-    visible = e.unsqueeze(0) < limit.unsqueeze(1)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    k = min(topk, keys.shape[1])
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    valid = order < limit.unsqueeze(1)
-    out[:, :k] = torch.where(valid, order, torch.full_like(order, -1))
+    if q.shape[0] == keys.shape[0]:       # one query per sequence (decode): one batched call
+        groups = [(torch.arange(q.shape[0], device=q.device), q_seq)]
+    else:                                 # prefill: score each sequence's queries against its keys
+        groups = [(rows, None) for rows in _segments(q_seq)]
+    for rows, seqs in groups:
+        if seqs is None:
+            b = int(q_seq[rows[0]])
+            kk = keys[b, :int(key_len[b])].unsqueeze(0).expand(rows.numel(), -1, -1)
+            lim = key_len[b]
+        else:
+            kk, lim = keys[seqs], key_len[seqs]
+        scores = indexer_scores(q[rows], weights[rows], kk, scale)          # [n, E]
+        limit = torch.minimum((q_pos[rows] + 1) // ratio, lim)
+        visible = torch.arange(scores.shape[1], device=q.device).unsqueeze(0) < limit.unsqueeze(1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(topk, scores.shape[1])
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        out[rows, :k] = torch.where(order < limit.unsqueeze(1), order, torch.full_like(order, -1))
     return out
+
+
+def _segments(q_seq: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices of each run of equal sequence ids (queries are grouped by sequence)."""
+    _, counts = torch.unique_consecutive(q_seq, return_counts=True)
+    return list(torch.arange(q_seq.numel(), device=q_seq.device).split(counts.tolist()))
