@@ -37,7 +37,8 @@ def parse_line(line: str, lineno: int):
     kw = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
           if k in obj}
     if "stop_token_ids" in obj:
-        kw["stop_token_ids"] = tuple(obj["stop_token_ids"])
+        stops = obj["stop_token_ids"]  # anything but a list is left for validate() to name
+        kw["stop_token_ids"] = tuple(stops) if isinstance(stops, list) else stops
     return obj["id"], prompt, SamplingParams(**kw).validate()
 
 

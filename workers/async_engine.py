@@ -144,6 +144,11 @@ class AsyncEngine:
                 "free_slots": e.slots.num_free, "preemptions": e.scheduler.preemptions}
 
     def shutdown(self) -> None:
+        """Stop the loop, then flush the engine's write-behind persistence and close its index."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():  # a step is still running: closing under it would be unsafe
+            log.warning("engine loop did not stop within 5 s; its pending persistence is not flushed")
+            return
+        self.engine.close()

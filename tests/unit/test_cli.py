@@ -1,0 +1,147 @@
+"""The `kvmesh` command line: the console script as a subprocess where it matters (a mixed
+batch, the layout table), `cluster.cli.main` in-process for the rest (same code, no start-up cost)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from tests.helpers import random_prompt, write_tiny_checkpoint
+
+NAME, BLOCK = "swa_csa_hca", 16
+OUTPUT_FIELDS = {"id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens"}
+V4_PRO_RATIOS = [128, 128] + [4, 128] * 29 + [4]          # 61 layers: 30 CSA + 31 HCA
+V4_PRO = {"model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
+          "num_attention_heads": 128, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1536,
+          "moe_intermediate_size": 3072, "n_routed_experts": 384, "num_experts_per_tok": 6, "o_groups": 16,
+          "index_head_dim": 128, "index_n_heads": 64, "sliding_window": 128, "compress_ratios": V4_PRO_RATIOS,
+          "torch_dtype": "bfloat16"}
+
+
+def kvmesh(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("kvmesh", path=str(Path(sys.executable).parent))
+    assert exe, "the kvmesh console script is not installed in this environment"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(NAME), NAME)
+
+
+def generate(checkpoint: Path, tmp_path: Path, lines: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    src, dst = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    src.write_text("".join(line + "\n" for line in lines))
+    proc = kvmesh("generate", "--model", str(checkpoint), "--input", str(src), "--output", str(dst),
+                  "--block-tokens", str(BLOCK), "--kv-cache-mb", "8")
+    results = [json.loads(line) for line in dst.read_text().splitlines()] if dst.exists() else []
+    return proc, results
+
+
+def request(rid: str, **kw) -> str:
+    return json.dumps({"id": rid, **kw})
+
+
+GOOD = [request("tokens", prompt_token_ids=random_prompt(30), max_tokens=5, temperature=0, ignore_eos=True),
+        request("text", prompt="hello kvmesh", max_tokens=3, temperature=0.8, seed=1, ignore_eos=True),
+        request("stopped", prompt_token_ids=random_prompt(7, seed=1), max_tokens=4, temperature=0, ignore_eos=True,
+                stop_token_ids=[], min_tokens=1)]
+
+
+def test_generate_completes_every_line_with_all_output_fields(checkpoint, tmp_path):
+    # in-process through the same entry point as the console script (the subprocess path is
+    # exercised by the mixed-batch test below)
+    src, dst = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    src.write_text("".join(line + "\n" for line in GOOD))
+    code = main(["generate", "--model", str(checkpoint), "--input", str(src), "--output", str(dst),
+                 "--block-tokens", str(BLOCK), "--kv-cache-mb", "8"])
+    assert code == 0
+    results = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in results] == ["tokens", "text", "stopped"]
+    for r, n_prompt, n_out in zip(results, (30, len("hello kvmesh"), 7), (5, 3, 4)):
+        assert set(r) == OUTPUT_FIELDS
+        assert r["prompt_tokens"] == n_prompt and r["cached_tokens"] == 0
+        assert len(r["token_ids"]) == len(r["logprobs"]) == n_out
+        assert r["finish_reason"] == "length" and isinstance(r["text"], str)
+        assert all(lp <= 0 for lp in r["logprobs"])
+
+
+def test_bad_lines_get_error_results_and_the_rest_complete(checkpoint, tmp_path):
+    lines = [GOOD[0],
+             '{"id": "broken", "prompt": ',                                          # malformed JSON
+             request("hot", prompt="x", temperature=-1),                              # invalid sampling
+             request("few", prompt="x", max_tokens=0),
+             request("seedy", prompt="x", seed="abc"),
+             request("stops", prompt="x", stop_token_ids=5),                          # not a list
+             request("huge", prompt_token_ids=[5, 10 ** 6]),                          # outside the vocabulary
+             request("long", prompt_token_ids=random_prompt(10), max_tokens=10 ** 7),  # too long
+             json.dumps({"prompt": "no id"}),
+             request("extra", prompt="x", colour="blue"),
+             GOOD[1]]
+    proc, results = generate(checkpoint, tmp_path, lines)
+    assert proc.returncode == 1
+    assert len(results) == len(lines)
+    by_id = {r["id"]: r for r in results if r["id"] is not None}
+    for rid in ("tokens", "text"):
+        assert set(by_id[rid]) == OUTPUT_FIELDS and by_id[rid]["finish_reason"] == "length"
+    errors = [r for r in results if "error" in r]
+    assert len(errors) == len(lines) - 2
+    assert all(r["finish_reason"] == "error" for r in errors)
+    assert "invalid JSON" in results[1]["error"] and "line 2" in results[1]["error"]
+    for rid, words in {"hot": "temperature", "few": "max_tokens", "seedy": "seed", "stops": "stop_token_ids",
+                       "huge": "outside the vocabulary", "long": "exceeds", "extra": "colour"}.items():
+        assert words in by_id[rid]["error"], by_id[rid]
+    assert "'id'" in results[8]["error"]
+
+
+def test_generate_with_an_unreadable_input_exits_2(checkpoint, tmp_path, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--input", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_generate_with_a_bad_checkpoint_exits_2_with_a_message(tmp_path, capsys):
+    (tmp_path / "requests.jsonl").write_text(request("a", prompt="x") + "\n")
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "--input", str(tmp_path / "requests.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_layout_of_a_v4_pro_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(V4_PRO))
+    proc = kvmesh("layout", "--config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    total = next(line for line in proc.stdout.splitlines() if line.startswith("total"))
+    assert total.split() == ["total", "61", "9,848.0"]
+    assert "compressed_sparse_attention" in proc.stdout and "heavily_compressed_attention" in proc.stdout
+    assert "(9.62 GiB)" in proc.stdout
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({**V4_PRO, "model_type": "llama"}), "unsupported model_type"),
+    (json.dumps({k: v for k, v in V4_PRO.items() if k != "head_dim"}), "head_dim"),
+    (None, "config.json not found"),
+])
+def test_layout_of_a_bad_config_exits_2_with_a_message(tmp_path, capsys, config, message):
+    path = tmp_path / "config.json"
+    if config is not None:
+        path.write_text(config)
+    assert main(["layout", "--config", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_layout_with_a_block_size_that_splits_windows_exits_2(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(V4_PRO))
+    assert main(["layout", "--config", str(path), "--block-tokens", "64"]) == 2
+    assert "multiple of 128" in capsys.readouterr().err
+
+
+def test_layout_without_a_config_exits_2(capsys):
+    assert main(["layout"]) == 2
+    assert "--config" in capsys.readouterr().err
