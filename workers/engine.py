@@ -87,7 +87,8 @@ class Engine:
                                  num_blocks * config.block_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
+                      "forward_s": 0.0, "restore_s": 0.0}
 
     def _prefix_cache(self, model_dir: Path, dtype_name: str, swa_blocks: bool) -> PrefixCache:
         c, a = self.config, self.args
@@ -190,10 +191,14 @@ class Engine:
             self.scheduler.free(seq)
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()            # admission restores prefixes here
         if not batch:
             return []
+        t1 = time.perf_counter()
         logits, sampled = self.runner.run(batch)
+        self.stats["restore_s"] += t1 - t0
+        self.stats["forward_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
         outputs = []
         for seq, n in batch:

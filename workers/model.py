@@ -372,6 +372,13 @@ class Block(nn.Module):
         return self.mix(x, "ffn", lambda h: self.ffn(self.ffn_norm(h), step.tokens))
 
 
+def make_ropes(args: ModelArgs, device: str | torch.device = "cpu") -> nn.ModuleDict:
+    """Plain RoPE for SWA layers, the compress RoPE (YaRN when configured) for CSA/HCA."""
+    with torch.device(device):
+        return nn.ModuleDict({"main": Rope(args.main_rope, args.rope_head_dim),
+                              "compress": Rope(args.compress_rope, args.rope_head_dim)})
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, kernel_backend: str = "auto"):
         super().__init__()
@@ -384,8 +391,7 @@ class Transformer(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * c))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
-        self.ropes = nn.ModuleDict({"main": Rope(args.main_rope, args.rope_head_dim),
-                                    "compress": Rope(args.compress_rope, args.rope_head_dim)})
+        self.ropes = make_ropes(args)
         self.kernel_backend = kernel_backend
 
     @property

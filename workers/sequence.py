@@ -62,10 +62,6 @@ class Sequence:
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.length - 1 or (self.num_computed < len(self.prompt))
-
     def remaining_prefill(self) -> int:
         """Tokens to run before the next sample (the whole known sequence)."""
         return self.length - self.num_computed

@@ -1,0 +1,153 @@
+"""Prefix reuse: cold vs warm TTFT per SWA policy, what each policy stores, and how close
+the warm TTFT is to its floor.
+
+For each prompt size, a writer engine prefills a document (cold TTFT) and persists it to a
+fresh store; a *fresh* reader engine on the same store then serves the document plus a
+short unique question (warm TTFT). The floor of the warm TTFT is
+
+    bytes loaded / read bandwidth of the store (measured in this run)  +  model compute of
+    the warm request (the recomputed tokens, the question, the first-token step)
+
+so warm / floor shows the overhead of the restore path itself.
+
+    python bench/prefix_reuse.py                      # 2K, 8K, 16K tokens on the default model
+    python bench/prefix_reuse.py --sizes 2048 --policies full,zero
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+QUESTION_TOKENS = 16
+
+
+def engine(policy: str, store: str, args) -> Engine:
+    """A fresh engine, warmed up on an unrelated short prompt (first-call costs excluded)."""
+    e = Engine(EngineConfig(model=args.model, block_tokens=args.block_tokens, swa_policy=policy, store=store,
+                            kv_cache_bytes=args.kv_cache_mb << 20, max_batched_tokens=args.chunk))
+    e.generate([[2] * 40], FIRST_TOKEN)
+    return e
+
+
+def timed_first_token(e: Engine, prompt: list[int]) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = e.generate([prompt], FIRST_TOKEN)[0]
+    return time.perf_counter() - t0, out
+
+
+def read_bandwidth(root: Path) -> float:
+    """Sequential read bandwidth of the store's files (bytes/s), as a restore reads them."""
+    files = [p for p in root.rglob("*.kv")]
+    total, t0 = 0, time.perf_counter()
+    for p in files:
+        with open(p, "rb") as f:
+            total += len(f.read())
+    return total / max(time.perf_counter() - t0, 1e-9)
+
+
+def run_one(policy: str, size: int, args, doc: list[int], question: list[int]) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+    try:
+        writer = engine(policy, str(root), args)
+        cold_s, cold_out = timed_first_token(writer, doc)
+        writer.flush()
+        stored = writer.prefix.store.stats().total_bytes
+        writer.close()
+        bw = read_bandwidth(root)
+        reader = engine(policy, str(root), args)
+        before = dict(reader.stats)
+        warm_s, warm_out = timed_first_token(reader, doc + question)
+        forward_s = reader.stats["forward_s"] - before["forward_s"]
+        last = reader.prefix.stats.last
+        loaded = reader.prefix.stats.bytes_loaded
+        floor = loaded / bw + forward_s
+        reader.close()
+        return {"policy": policy, "tokens": size, "cold_ttft_s": cold_s, "warm_ttft_s": warm_s,
+                "speedup": cold_s / warm_s, "stored_bytes_per_1k": stored * 1000 / size,
+                "cached_tokens": warm_out.cached_tokens, "recomputed": last.get("recompute", 0),
+                "bytes_loaded": loaded, "load_s": last.get("load_s", 0.0), "compute_s": forward_s,
+                "read_bw": bw, "floor_s": floor, "warm_over_floor": warm_s / floor,
+                "same_first_token": cold_out.token_ids == warm_out.token_ids[:1] or None}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| policy | tokens | cold TTFT s | warm TTFT s | speedup | stored KB/1K tok | cached | recomputed "
+            "| loaded MB | load s | compute s | floor s | warm/floor |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['tokens']} | {r['cold_ttft_s']:.3f} | {r['warm_ttft_s']:.3f} | "
+                     f"{r['speedup']:.1f}x | {r['stored_bytes_per_1k'] / 1024:.0f} | {r['cached_tokens']} | "
+                     f"{r['recomputed']} | {r['bytes_loaded'] / 2**20:.1f} | {r['load_s']:.3f} | "
+                     f"{r['compute_s']:.3f} | {r['floor_s']:.3f} | {r['warm_over_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], size: int, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pts = [r for r in rows if r["tokens"] == size]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for r in pts:
+        ax.scatter(r["stored_bytes_per_1k"] / 2**20, r["warm_ttft_s"] * 1000, s=40)
+        ax.annotate(r["policy"], (r["stored_bytes_per_1k"] / 2**20, r["warm_ttft_s"] * 1000),
+                    textcoords="offset points", xytext=(5, 4), fontsize=8)
+    cold = sum(r["cold_ttft_s"] for r in pts) / max(len(pts), 1) * 1000
+    ax.axhline(cold, color="grey", linestyle="--", linewidth=1, label=f"cold TTFT ({cold:.0f} ms)")
+    ax.set_xlabel("store bytes per 1K prompt tokens (MiB)")
+    ax.set_ylabel("warm TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"SWA policies at {size} tokens: storage vs warm TTFT")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
+    p.add_argument("--sizes", default="2048,8192,16384")
+    p.add_argument("--policies", default="full,periodic:1024,periodic:2048,periodic:4096,zero")
+    p.add_argument("--block-tokens", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=2048, help="max batched tokens per step")
+    p.add_argument("--kv-cache-mb", type=int, default=768)
+    p.add_argument("--out", default="bench/out/prefix_reuse")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        g = torch.Generator().manual_seed(size)
+        doc = torch.randint(3, 500, (size,), generator=g).tolist()
+        question = torch.randint(3, 500, (QUESTION_TOKENS,), generator=g).tolist()
+        for policy in args.policies.split(","):
+            rows.append(run_one(policy, size, args, doc, question))
+            print(f"  {policy:>14} {size:>6}: cold {rows[-1]['cold_ttft_s']:.3f}s warm "
+                  f"{rows[-1]['warm_ttft_s']:.3f}s", file=sys.stderr)
+    print(table(rows))
+    Path(f"{out}.json").write_text(json.dumps(rows, indent=1))
+    sizes = sorted({r["tokens"] for r in rows})
+    plot(rows, 8192 if 8192 in sizes else sizes[-1], Path(f"{out}.png"))
+    print(f"\nwrote {out}.json and {out}.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
