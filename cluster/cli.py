@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"generate": cmd_generate, "layout": cmd_layout}
     if args.command in handlers:
         return handlers[args.command](args)
-    return args.handler(args)
+    handler = getattr(args, "handler", None) or getattr(args, "func")
+    return handler(args)
 
 
 if __name__ == "__main__":
