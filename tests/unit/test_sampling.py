@@ -3,7 +3,6 @@ min_tokens, logprobs, and validation that names the offending field."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

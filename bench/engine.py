@@ -1,0 +1,272 @@
+"""kvmesh engine vs transformers' generate: decode throughput and time to first token.
+
+    python bench/engine.py [--concurrency 1,8,32] [--max-tokens 32] [--prompt-len 128]
+                           [--out bench/out/engine.json]
+
+Both run the same checkpoint (the built-in default model unless --model), in fp32, on the
+same prompts (random token ids, distinct for every request of every run so no prefix is
+reused), greedy, with EOS ignored so every request generates exactly max_tokens.
+
+At concurrency c, all c requests arrive at t0:
+  * kvmesh gets them all at once (continuous batching, chunked prefill), stepped with the
+    synchronous Engine; a token's time is when the step that produced it returns.
+  * transformers serves them one at a time with `generate` (batch 1, its own KV cache), a
+    streamer stamping each token.
+
+Definitions (all times from time.perf_counter):
+  * TTFT (mean over requests):
+      kvmesh      first-token time - t0
+      ref own     first-token time - start of that request's own generate() (no queueing)
+      ref queued  first-token time - t0 (what a client sees when c requests arrive together)
+  * decode tok/s:
+      kvmesh      tokens produced after the last request's first token / (t_end - that time):
+                  the steady state with all c requests decoding
+      ref         sum over requests of (max_tokens - 1) / sum of (t_end - t_first)
+  * end-to-end tok/s: all generated tokens / wall time from t0 to the last token
+  * ratio: kvmesh / reference
+
+A warm-up run of both (own prompts) comes first. Each concurrency level is run --repeats
+times on fresh prompts and the table shows each metric's median (single runs on a shared
+machine are noisy); the kvmesh runs are checked to have reused no cached prefix and to
+have preempted nothing. Both use --threads intra-op threads (default 1). The greedy tokens
+of the two are compared request by request as a sanity check (invariant 1), and the table
+says how many matched. Writes the raw numbers to --out and a plot of throughput vs
+concurrency next to it (.png).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from workers.default_model import ensure_default_model  # noqa: E402
+from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+FIRST_TOKEN_ID = 3          # ids below are bos / eos / pad in the default model
+WARMUP_SEED = 10_000
+KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class RunResult:
+    system: str
+    concurrency: int
+    generated_tokens: int
+    wall_s: float
+    ttft_mean_s: float
+    decode_tok_s: float
+    e2e_tok_s: float
+    ttft_own_mean_s: float | None = None    # reference only: without queueing
+    cached_tokens: int = 0                   # kvmesh only: must be 0 (no prefix reuse)
+    preemptions: int = 0                     # kvmesh only
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(FIRST_TOKEN_ID, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# ---- kvmesh ------------------------------------------------------------------------------------
+def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[RunResult, list[list[int]]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    preempted_before = engine.scheduler.preemptions
+    t0 = time.perf_counter()
+    ids = [f"bench-{t0}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    stamps: dict[str, list[float]] = {rid: [] for rid in ids}
+    final = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            stamps[out.request_id] += [now] * len(out.new_token_ids)
+            if out.finished:
+                final[out.request_id] = out
+    t_end = time.perf_counter()
+    firsts = [s[0] for s in stamps.values()]
+    last_first = max(firsts)
+    after = sum(1 for s in stamps.values() for t in s if t > last_first)
+    total = sum(len(s) for s in stamps.values())
+    result = RunResult(
+        "kvmesh", len(prompts), total, t_end - t0,
+        ttft_mean_s=statistics.mean(f - t0 for f in firsts),
+        decode_tok_s=after / (t_end - last_first) if t_end > last_first else float("nan"),
+        e2e_tok_s=total / (t_end - t0),
+        cached_tokens=sum(final[r].cached_tokens for r in ids),
+        preemptions=engine.scheduler.preemptions - preempted_before)
+    return result, [final[r].token_ids for r in ids]
+
+
+# ---- transformers ----------------------------------------------------------------------------------
+class TimingStreamer:
+    """generate() calls put() with the prompt once, then with each new token."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def put(self, value) -> None:
+        self.calls.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def token_times(self) -> list[float]:
+        return self.calls[1:]
+
+
+def run_reference(model, prompts: list[list[int]], max_tokens: int) -> tuple[RunResult, list[list[int]]]:
+    t0 = time.perf_counter()
+    tokens, own_ttft, queued_ttft, decode_s = [], [], [], []
+    for prompt in prompts:
+        streamer = TimingStreamer()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer)
+        times = streamer.token_times
+        assert len(times) == max_tokens, f"reference produced {len(times)} tokens, expected {max_tokens}"
+        tokens.append(out[0, len(prompt):].tolist())
+        own_ttft.append(times[0] - start)
+        queued_ttft.append(times[0] - t0)
+        decode_s.append(times[-1] - times[0])
+    wall = time.perf_counter() - t0
+    total = max_tokens * len(prompts)
+    result = RunResult(
+        "transformers", len(prompts), total, wall,
+        ttft_mean_s=statistics.mean(queued_ttft),
+        decode_tok_s=(max_tokens - 1) * len(prompts) / sum(decode_s) if sum(decode_s) > 0 else float("nan"),
+        e2e_tok_s=total / wall,
+        ttft_own_mean_s=statistics.mean(own_ttft))
+    return result, tokens
+
+
+def median_run(runs: list[RunResult]) -> RunResult:
+    """Each metric's median over repeated runs (a shared machine makes single runs noisy)."""
+    def med(name):
+        values = [getattr(r, name) for r in runs]
+        return None if values[0] is None else statistics.median(values)
+    first = runs[0]
+    return RunResult(first.system, first.concurrency, first.generated_tokens, med("wall_s"), med("ttft_mean_s"),
+                     med("decode_tok_s"), med("e2e_tok_s"), med("ttft_own_mean_s"),
+                     sum(r.cached_tokens for r in runs), sum(r.preemptions for r in runs))
+
+
+# ---- report ----------------------------------------------------------------------------------------
+def table(rows: list[tuple[RunResult, RunResult, int]], repeats: int) -> str:
+    head = ("| concurrency | kvmesh decode tok/s | ref decode tok/s | decode ratio | kvmesh e2e tok/s "
+            "| ref e2e tok/s | e2e ratio | kvmesh TTFT ms | ref TTFT ms (own) | ref TTFT ms (queued) "
+            "| greedy match |")
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for k, r, matched in rows:
+        lines.append(
+            f"| {k.concurrency} | {k.decode_tok_s:,.1f} | {r.decode_tok_s:,.1f} "
+            f"| {k.decode_tok_s / r.decode_tok_s:.1f}x "
+            f"| {k.e2e_tok_s:,.1f} | {r.e2e_tok_s:,.1f} | {k.e2e_tok_s / r.e2e_tok_s:.1f}x "
+            f"| {k.ttft_mean_s * 1e3:,.0f} | {r.ttft_own_mean_s * 1e3:,.0f} | {r.ttft_mean_s * 1e3:,.0f} "
+            f"| {matched}/{k.concurrency * repeats} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[tuple[RunResult, RunResult, int]], path: Path, model_name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cs = [k.concurrency for k, _, _ in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(cs, [k.decode_tok_s for k, _, _ in rows], "o-", label="kvmesh decode")
+    ax.plot(cs, [k.e2e_tok_s for k, _, _ in rows], "o--", label="kvmesh end-to-end")
+    ax.plot(cs, [r.decode_tok_s for _, r, _ in rows], "s-", label="transformers generate decode (1 at a time)")
+    ax.plot(cs, [r.e2e_tok_s for _, r, _ in rows], "s--", label="transformers generate end-to-end")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"kvmesh engine vs transformers generate ({model_name}, fp32, CPU)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the built-in default model)")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-batched-tokens", type=int, default=1024, help="kvmesh step token budget")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the table shows medians")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads for both systems (default 1: at these shapes a second "
+                             "thread buys little, and on a shared machine OpenMP barriers turn it into noise)")
+    parser.add_argument("--out", default="bench/out/engine.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+
+    # a KV budget with room to spare: a preemption would make the run measure something else
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
+                                 max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES))
+    from transformers import DeepseekV4ForCausalLM
+    reference = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = engine.args.vocab_size
+
+    warm = make_prompts(max(levels), args.prompt_len, vocab, WARMUP_SEED)   # every step shape kvmesh will see
+    run_kvmesh(engine, warm, args.max_tokens)
+    run_reference(reference, warm[:2], args.max_tokens)
+
+    rows, raw = [], []
+    for i, c in enumerate(levels):
+        ks, rs, matched = [], [], 0
+        for rep in range(args.repeats):   # fresh prompts every repeat: no prefix is ever reused
+            prompts = make_prompts(c, args.prompt_len, vocab, seed=1000 * i + rep)
+            k, k_tokens = run_kvmesh(engine, prompts, args.max_tokens)
+            r, r_tokens = run_reference(reference, prompts, args.max_tokens)
+            matched += sum(a == b for a, b in zip(k_tokens, r_tokens))
+            ks.append(k)
+            rs.append(r)
+            print(f"c={c} #{rep}: kvmesh {k.wall_s:.2f}s, transformers {r.wall_s:.2f}s", file=sys.stderr)
+        rows.append((median_run(ks), median_run(rs), matched))
+        assert rows[-1][0].cached_tokens == 0 and rows[-1][0].preemptions == 0, "kvmesh run was not cold"
+        raw.append({"kvmesh": [asdict(k) for k in ks], "transformers": [asdict(r) for r in rs]})
+
+    a = engine.args
+    print(f"model: {model_dir} ({a.num_hidden_layers} layers {'/'.join(t.split('_')[0][:4] for t in a.layer_types)}, "
+          f"hidden {a.hidden_size}, vocab {a.vocab_size}), fp32; prompt {args.prompt_len} tokens, "
+          f"max_tokens {args.max_tokens}, greedy, ignore_eos")
+    print(f"machine: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print()
+    print(table(rows, args.repeats))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": str(model_dir), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "max_batched_tokens": args.max_batched_tokens, "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "repeats": args.repeats,
+        "median": [{"kvmesh": asdict(k), "transformers": asdict(r), "greedy_match": m} for k, r, m in rows],
+        "runs": raw}, indent=2))
+    plot(rows, out.with_suffix(".png"), model_dir.name)
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
