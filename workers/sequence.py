@@ -30,7 +30,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)   # identity: the scheduler's `seq in running` must not compare fields
 class Sequence:
     request_id: str
     prompt: list[int]
