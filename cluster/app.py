@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from .config import PoolConfig, ServeConfig
+from .config import HEAD_IP, PoolConfig, ServeConfig
 from .ingress import Ingress
 from .pools import Colocated, Decode, Prefill
 from .routing import KVAwareRouter
@@ -31,8 +31,18 @@ def _pool(cls: type, pool: PoolConfig, name: str):
                                          graceful_shutdown_timeout_s=5)
 
 
+def ray_head_ip() -> str:
+    """The head node's IP, from the GCS address of the Ray cluster this runs in."""
+    import ray
+    if not ray.is_initialized():
+        raise RuntimeError(f"the config uses {HEAD_IP}: build the app inside a running Ray cluster")
+    return ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+
+
 def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Application:
     config = args if isinstance(args, ServeConfig) else ServeConfig.model_validate(args or {})
+    if HEAD_IP in config.engine.index:
+        config = config.with_head_ip(ray_head_ip())
     if config.mode == "colocated":
         pools = {"colocated": _pool(Colocated, config.colocated, "Colocated").bind(config)}
     else:

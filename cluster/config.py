@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MiB = 1 << 20
+HEAD_IP = "{head_ip}"
 
 
 class ConfigFileError(ValueError):
@@ -46,6 +47,11 @@ class EngineSettings(_Strict):
     index: str = Field("local", description="'local' (embedded, per worker) or redis://host:port/db")
     swa_policy: str = Field("full", description="full | periodic:P | zero")
     host_cache_mb: int = Field(256, ge=0)
+
+    @field_validator("store")
+    @classmethod
+    def _expand_home(cls, v):
+        return str(Path(v).expanduser()) if v and "://" not in v else v
 
     def engine_config(self, worker_id: str | None = None):
         from workers.engine import EngineConfig
@@ -125,6 +131,11 @@ class ServeConfig(_Strict):
     colocated: PoolConfig = PoolConfig()
     ingress: IngressConfig = IngressConfig()
     handoff: HandoffConfig = HandoffConfig()
+
+    def with_head_ip(self, head_ip: str) -> "ServeConfig":
+        """`{head_ip}` in the index spec -> the Ray head's IP (Redis runs on the head)."""
+        index = self.engine.index.replace(HEAD_IP, head_ip)
+        return self.model_copy(update={"engine": self.engine.model_copy(update={"index": index})})
 
     def pool_engine(self, pool: PoolConfig, worker_id: str | None = None):
         engine = self.engine

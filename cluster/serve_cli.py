@@ -54,11 +54,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvmesh is serving {model} ({config.mode}) at {url}/v1\n\nTry:\n  {example_request(url, model)}\n"
           f"\nMetrics: {url}/metrics   Stop: Ctrl-C", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
         pass
+    print("kvmesh serve: shutting down", flush=True)
     serve.shutdown()
     ray.shutdown()
     return 0
