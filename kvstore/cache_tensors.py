@@ -87,9 +87,38 @@ class CacheTensors:
 
     def load_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
         """Fill one block from a stored object; KeyError/RuntimeError if it does not fit."""
+        self.load_blocks([block], [tensors])
+
+    def block_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What one block object must hold: name -> (shape, dtype)."""
+        return {f"{i}.{name}": (tuple(t.shape[1:]), t.dtype)
+                for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
+
+    def load_blocks(self, blocks: list[int], objects: list[dict[str, torch.Tensor]]) -> None:
+        """Fill many blocks at once (one copy per cache tensor); objects must fit block_shapes()."""
+        if not blocks:
+            return
+        idx = torch.tensor(blocks, dtype=torch.long)
         for i, lc in enumerate(self.layers):
             for name, t in lc.blocks.items():
-                t[block].copy_(tensors[f"{i}.{name}"])
+                key = f"{i}.{name}"
+                t[idx] = torch.stack([o[key] for o in objects]).to(t.device, t.dtype)
+
+    def load_packed(self, blocks: list[int], datas: list, table: tuple) -> None:
+        """Fill many blocks from store objects of one layout, straight from their bytes:
+        one stacked copy of the raw data, then one strided copy per cache tensor.
+        `table` rows are (name, dtype, shape, offset, nbytes) and must fit block_shapes()."""
+        if not blocks:
+            return
+        raw = torch.stack([torch.frombuffer(d, dtype=torch.uint8) for d in datas])    # [n, bytes]
+        idx = torch.tensor(blocks, dtype=torch.long)
+        targets = {f"{i}.{name}": t for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
+        for name, dtype, shape, offset, nbytes in table:
+            t = targets[name]
+            field = raw[:, offset:offset + nbytes]
+            if raw.shape[1] % dtype.itemsize or offset % dtype.itemsize:
+                field = field.contiguous()
+            t[idx] = field.view(dtype).view(len(blocks), *shape).to(t.device, t.dtype)
 
     def rebuild_slot(self, slot: int, position: int, block_table: list[int]) -> None:
         """`full` policy: the state at block boundary `position` from the blocks' SWA K=V

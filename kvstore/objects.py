@@ -71,6 +71,8 @@ class CacheObject(NamedTuple):
     parent: int | None
     token_count: int
     tensors: dict[str, torch.Tensor]
+    data: memoryview | None = None   # the verified tensor bytes (set when decoded lazily)
+    table: tuple = ()                # ((name, dtype, shape, offset, nbytes), ...) offsets into `data`
 
 
 def _align_up(n: int) -> int:
@@ -160,8 +162,13 @@ def decode_object(
     expect_fingerprint: str,
     expect_hash: int,
     expect_kind: str | None = None,
+    lazy: bool = False,
 ) -> CacheObject:
     """Verify and decode one store object; raise CorruptObjectError on any mismatch.
+
+    ``lazy`` skips building per-tensor views: the result carries the verified ``data``
+    bytes and the checked ``table`` instead, for callers that unpack many objects of one
+    layout at once.
 
     Tensors are zero-copy views (``torch.frombuffer``) when ``buf`` is writable
     (a bytearray, a copy-on-write mmap); a read-only buffer is copied once so no
@@ -188,7 +195,11 @@ def decode_object(
     if kind not in KINDS or (expect_kind is not None and kind != expect_kind):
         raise CorruptObjectError(f"object kind {kind!r}, expected {expect_kind or KINDS}")
     data_start = _align_up(PREFIX_SIZE + PREFIX_STRUCT.unpack_from(view)[2])
-    tensors = {e["name"]: _tensor_view(view, data_start, header["data_length"], e) for e in entries}
+    table = tuple(_checked_entry(header["data_length"], e) for e in entries)
+    if lazy:
+        data = view[data_start:data_start + int(header["data_length"])]
+        return CacheObject(expect_fingerprint, kind, h, parent, token_count, {}, data, table)
+    tensors = {e[0]: _tensor_view(view, data_start, e) for e in table}
     return CacheObject(expect_fingerprint, kind, h, parent, token_count, tensors)
 
 
@@ -219,20 +230,24 @@ def _verified_header(view: memoryview) -> dict:
     return header
 
 
-def _tensor_view(view: memoryview, data_start: int, data_length: int, entry: dict) -> torch.Tensor:
-    """A tensor viewing its bytes in ``view``, after bounds and size checks."""
+def _checked_entry(data_length: int, entry: dict) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
+    """One tensor-table entry, after bounds and size checks."""
     try:
         name, dtype = entry["name"], _DTYPES[entry["dtype"]]
-        shape = [int(d) for d in entry["shape"]]
+        shape = tuple(int(d) for d in entry["shape"])
         offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptObjectError(f"malformed tensor table entry {entry!r}: {e!r}") from e
-    numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if min(shape, default=0) < 0 or numel * itemsize != nbytes:
-        raise CorruptObjectError(f"tensor {name!r}: shape {shape} of {dtype} is not {nbytes} bytes")
+    if min(shape, default=0) < 0 or math.prod(shape) * dtype.itemsize != nbytes:
+        raise CorruptObjectError(f"tensor {name!r}: shape {list(shape)} of {dtype} is not {nbytes} bytes")
     if offset < 0 or offset % DATA_ALIGN or offset + nbytes > data_length:
         raise CorruptObjectError(f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) outside the data")
-    if numel == 0:
+    return name, dtype, shape, offset, nbytes
+
+
+def _tensor_view(view: memoryview, data_start: int, entry: tuple) -> torch.Tensor:
+    """A tensor viewing its (checked) bytes in ``view``."""
+    _, dtype, shape, offset, nbytes = entry
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(view, dtype=dtype, count=numel, offset=data_start + offset).view(shape)
+    return torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=data_start + offset).view(shape)

@@ -175,8 +175,9 @@ class ObjectStore:
 
     # -- reading -----------------------------------------------------------------
 
-    def get(self, kind: str, h: int) -> CacheObject | None:
-        """The verified object, or None for a missing or corrupt one (then deleted)."""
+    def get(self, kind: str, h: int, lazy: bool = False) -> CacheObject | None:
+        """The verified object, or None for a missing or corrupt one (then deleted).
+        ``lazy``: return the verified bytes and tensor table instead of tensor views."""
         _check_kind(kind)
         path = self._path(kind, h)
         try:
@@ -185,7 +186,7 @@ class ObjectStore:
             self._track(kind, h, None, misses=1)
             return None
         try:
-            obj = decode_object(buf, self._fingerprint, h, kind)
+            obj = decode_object(buf, self._fingerprint, h, kind, lazy=lazy)
         except CorruptObjectError as e:
             log.warning("corrupt store object %s (%s): deleted, served as a miss", path, e)
             self._track(kind, h, None, corrupt=1)

@@ -52,6 +52,8 @@ class PrefixCache:
         self.stats = ReuseStats()
         self._last_renew = time.monotonic()
         self._reconnects = 0
+        self._block_shapes = cache.block_shapes()
+        self._table_ok: tuple = ()
 
     # ---- hashing ------------------------------------------------------------------------------
     def chain(self, seq: Sequence, blocks: int) -> list[int]:
@@ -119,24 +121,27 @@ class PrefixCache:
         def shorter(blocks: int, drop: int | None = None) -> Availability:
             return Availability(blocks, frozenset(c for c in avail.checkpoints if c < blocks and c != drop))
 
+        from_host: list[tuple[int, dict]] = []
+        from_store: list[tuple[int, object]] = []
         for i in range(plan.load_blocks):
             b = self.pool.acquire(hashes[i])
-            if b is None:
-                tensors = self._fetch("block", hashes[i])
-                if tensors is None:
-                    return shorter(i)
-                b = self.pool.allocate()
+            if b is not None:
                 seq.blocks.append(b)
-                try:
-                    self.cache.load_block(b, tensors)
-                except (KeyError, RuntimeError) as e:  # verified but shaped for another layout
-                    log.warning("block %x does not fit this cache (%s): treated as a miss", hashes[i], e)
-                    return shorter(i)
-                self.pool.set_hash(b, hashes[i])
-                self.stats.blocks_from_store += 1
-            else:
-                seq.blocks.append(b)
-                self.stats.blocks_from_memory += 1
+                continue
+            tensors = self.host.get("block", hashes[i])
+            obj = None if tensors is not None else self._fetch_block(hashes[i])
+            if tensors is None and obj is None:
+                return shorter(i)
+            seq.blocks.append(self.pool.allocate())
+            (from_host.append((i, tensors)) if tensors is not None else from_store.append((i, obj)))
+        self.cache.load_blocks([seq.blocks[i] for i, _ in from_host], [t for _, t in from_host])
+        if from_store:
+            self.cache.load_packed([seq.blocks[i] for i, _ in from_store], [o.data for _, o in from_store],
+                                   from_store[0][1].table)
+        for i, _ in from_host + from_store:
+            self.pool.set_hash(seq.blocks[i], hashes[i])
+        self.stats.blocks_from_store += len(from_store)
+        self.stats.blocks_from_memory += plan.load_blocks - len(from_store)
         if plan.checkpoint is not None:
             state = self._fetch("checkpoint", hashes[plan.checkpoint])
             if state is None:
@@ -146,14 +151,36 @@ class PrefixCache:
             self.cache.rebuild_slot(seq.slot, plan.keep_tokens, seq.blocks)
         return None
 
+    def _fetch_block(self, h: int):
+        """A verified block object from the store whose tensor table fits this cache, or None."""
+        if self.store is None:
+            return None
+        obj = self.store.get("block", h, lazy=True)
+        if obj is None:
+            self._forget("block", h)
+            return None
+        if obj.table != self._table_ok:
+            have = {name: (shape, dtype) for name, dtype, shape, _, _ in obj.table}
+            if have != self._block_shapes:
+                log.warning("block %x was written for another cache layout: treated as a miss", h)
+                return None
+            self._table_ok = obj.table
+        self.stats.bytes_loaded += len(obj.data)
+        self.stored.add(("block", h))
+        return obj
+
+    def _forget(self, kind: str, h: int) -> None:
+        """The index pointed at an object the store does not have (or had corrupt): drop it."""
+        if self.index is not None:
+            self.index.remove_blocks([h]) if kind == "block" else self.index.remove_checkpoint(h)
+
     def _fetch(self, kind: str, h: int):
         tensors = self.host.get(kind, h)
         if tensors is not None or self.store is None:
             return tensors
         obj = self.store.get(kind, h)
         if obj is None:
-            if self.index is not None:  # the index was a stale hint
-                (self.index.remove_blocks([h]) if kind == "block" else self.index.remove_checkpoint(h))
+            self._forget(kind, h)
             return None
         self.stats.bytes_loaded += sum(t.numel() * t.element_size() for t in obj.tensors.values())
         self.stored.add((kind, h))
