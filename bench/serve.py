@@ -124,7 +124,7 @@ def handoff_bandwidth(repeats: int) -> list[dict]:
     rows = []
     for mb in HANDOFF_SIZES_MB:
         src = torch.randn(mb * MiB // 4)
-        dst = torch.empty_like(src)
+        dst = torch.zeros_like(src)     # pages touched: no first-touch faults in either timing
         a, b = KVTransferAgent(f"bench-src-{mb}", [src]), KVTransferAgent(f"bench-dst-{mb}", [dst])
         region = [(0, 0, mb * MiB)]
         remote = a.describe(region)

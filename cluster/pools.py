@@ -53,6 +53,7 @@ class _Worker:
         return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
                 "block_tokens": e.config.block_tokens, "fingerprint": getattr(e, "fingerprint", None),
                 "model_dir": str(e.model_dir), "pool": self.POOL, "worker_id": self.worker_id,
+                "held": len(e.held),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def record_routing_stats(self) -> dict:

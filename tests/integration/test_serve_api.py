@@ -7,6 +7,7 @@ object) at `/fallback`. Greedy output must equal the offline engine's, token for
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -174,6 +175,32 @@ def test_without_nixl_the_handoff_falls_back_to_ray_objects_and_says_so(urls, cl
     assert metric(text, 'kvmesh_handoff_bytes_total{transport="ray"}') > 0
     assert metric(text, 'kvmesh_handoff_fallbacks_total{reason="nixl_unavailable"}') >= 1
     assert 'transport="nixl"' not in text
+
+
+def held(app: str) -> int:
+    from ray import serve
+    return serve.get_deployment_handle("Prefill", app).info.remote().result()["held"]
+
+
+def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout(urls, client):
+    from ray import serve
+
+    from cluster.messages import GenRequest
+    for _ in range(3):
+        client.post(f"{urls['disaggregated']}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 3})
+    deadline = time.monotonic() + 5
+    while held("disagg") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held("disagg") == 0, "decode's READ notification did not release the prefill cache"
+    # a handoff nobody decodes (the client went away): released after release_timeout_s
+    prefill = serve.get_deployment_handle("Prefill", "disagg")
+    orphan = prefill.prefill.remote(GenRequest("orphan-1", [5] * 300, SamplingParams(max_tokens=8))).result()
+    assert orphan.source is not None and held("disagg") == 1
+    timeout = small_config().handoff.release_timeout_s
+    deadline = time.monotonic() + timeout + 10
+    while held("disagg") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert held("disagg") == 0
 
 
 def metric(text: str, name: str) -> float:
