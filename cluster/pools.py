@@ -48,7 +48,7 @@ class _Worker:
                                 ray.util.get_node_ip_address(), self.config.handoff.nixl_backend)
         return agent, (NIXL_UNAVAILABLE if agent is None else None)
 
-    def info(self) -> dict:
+    def info(self, hint: RouteHint | None = None) -> dict:
         e = self.engine.engine
         return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
                 "block_tokens": e.config.block_tokens, "fingerprint": getattr(e, "fingerprint", None),
