@@ -67,7 +67,23 @@ class _Worker:
             raise RuntimeError(f"engine loop died: {self.engine._dead!r}")
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters)
+        return WorkerStats(self.POOL, self.worker_id, {**self.engine.stats(), **self._reuse_counters()},
+                           **self.counters)
+
+    def _reuse_counters(self) -> dict:
+        """Store traffic and reuse counters (read-only peeks; the engine's stats() omits them)."""
+        prefix = getattr(self.engine.engine, "prefix", None)
+        store = getattr(prefix, "store", None)
+        out = {"held": len(self.engine.engine.held)}
+        if store is not None:
+            s = store.stats()
+            out.update(store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written,
+                       store_reads=s.reads, store_writes=s.writes, store_corrupt=s.corrupt)
+        if prefix is not None:
+            r = prefix.stats
+            out.update(reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
+                       reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory)
+        return out
 
     def _chunk(self, out, transfer=None) -> Chunk:
         n = len(out.new_token_ids)

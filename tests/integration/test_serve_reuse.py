@@ -114,4 +114,6 @@ def test_prefix_computed_on_one_node_is_reused_on_the_other(two_nodes):
     for chunk in decode.options(stream=True).decode.remote(req, handoff):
         tokens += chunk.token_ids
     assert tokens == cold
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert worker_counter(metrics, "store_bytes_written", holder) > 0
     index.close()
