@@ -78,3 +78,4 @@ class Handoff:
     payload: Any = None             # ray.ObjectRef of dict[str, Tensor] | None
     fallback_reason: str | None = None
     worker: WorkerStats | None = None       # the prefill worker's counters (for the ingress metrics)
+    rng_state: Any = None                   # seeded sampler state after the first token (torch ByteTensor)

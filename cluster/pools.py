@@ -58,32 +58,15 @@ class _Worker:
 
     def record_routing_stats(self) -> dict:
         s = self.engine.stats()
-        free_kv = min(s["free_blocks"] / max(1, s["total_blocks"]),
-                      s["free_slots"] / max(1, self.engine.engine.slots.num_slots))
+        free_kv = min(s["free_blocks"] / max(1, s["total_blocks"]), s["free_slots"] / max(1, s["total_slots"]))
         return {"load": s["running"] + s["waiting"], "free_kv": free_kv}
 
     def check_health(self) -> None:
-        if self.engine._dead is not None:
-            raise RuntimeError(f"engine loop died: {self.engine._dead!r}")
+        if self.engine.dead is not None:
+            raise RuntimeError(f"engine loop died: {self.engine.dead!r}")
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.POOL, self.worker_id, {**self.engine.stats(), **self._reuse_counters()},
-                           **self.counters)
-
-    def _reuse_counters(self) -> dict:
-        """Store traffic and reuse counters (read-only peeks; the engine's stats() omits them)."""
-        prefix = getattr(self.engine.engine, "prefix", None)
-        store = getattr(prefix, "store", None)
-        out = {"held": len(self.engine.engine.held)}
-        if store is not None:
-            s = store.stats()
-            out.update(store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written,
-                       store_reads=s.reads, store_writes=s.writes, store_corrupt=s.corrupt)
-        if prefix is not None:
-            r = prefix.stats
-            out.update(reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
-                       reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory)
-        return out
+        return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters)
 
     def _chunk(self, out, transfer=None) -> Chunk:
         n = len(out.new_token_ids)
@@ -124,6 +107,7 @@ class Prefill(_Worker):
         if last.finish_reason != "held":
             return Handoff(**base)
         held = await self.engine.held_handle(req.request_id)
+        base["rng_state"] = held.rng_state
         if self.agent is not None:
             self.held[req.request_id] = time.monotonic() + self.config.handoff.release_timeout_s
             regions = self.engine.engine.cache.block_regions(held.block_ids, held.slot)
@@ -180,7 +164,8 @@ class Decode(_Worker):
                         self.config.handoff.release_timeout_s)
         if handoff.source is not None and self.agent is None:
             await loader.prefetch(self._fetch_export_async(handoff))
-        resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens)
+        resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
+                        handoff.rng_state)
         first = True
         async for out in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume):
             if loader.error is not None:

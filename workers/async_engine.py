@@ -137,11 +137,27 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped, or None while it runs."""
+        return self._dead
+
     def stats(self) -> dict:
+        """Engine, memory, reuse and store counters (read without stopping the loop)."""
         e = self.engine
-        return {**e.stats, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                "free_blocks": e.blocks.num_free, "total_blocks": e.blocks.num_blocks,
-                "free_slots": e.slots.num_free, "preemptions": e.scheduler.preemptions}
+        out = {**e.stats, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+               "free_blocks": e.blocks.num_free, "total_blocks": e.blocks.num_blocks,
+               "free_slots": e.slots.num_free, "total_slots": e.slots.num_slots,
+               "preemptions": e.scheduler.preemptions, "held": len(e.held)}
+        r = e.prefix.stats
+        out.update(reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
+                   reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
+                   reuse_recomputed_tokens=r.recomputed_tokens)
+        if e.prefix.store is not None:
+            s = e.prefix.store.stats()
+            out.update(store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
+                       store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes)
+        return out
 
     def shutdown(self) -> None:
         """Stop the loop, then flush the engine's write-behind persistence and close its index."""

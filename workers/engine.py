@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class EngineConfig:
     swa_policy: str = "full"            # full | periodic:P | zero
     host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
     worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
+    prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
 
 
 class Engine:
@@ -149,6 +151,8 @@ class Engine:
         if resume is not None:
             seq.output, seq.logprobs, seq.emitted = [resume.first_token], [resume.first_logprob], 1
             seq.cached_tokens = resume.cached_tokens
+            if resume.rng_state is not None and seq.generator is not None:
+                seq.generator.set_state(resume.rng_state)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
@@ -174,12 +178,13 @@ class Engine:
             seq.resume.load(self.cache, list(seq.blocks), seq.slot)
             seq.num_computed = len(seq.prompt)
             return True
-        return self.prefix.restore(seq)
+        return self.prefix.restore(seq) if self.config.prefix_reuse else True
 
     # ---- handoff (prefill role) --------------------------------------------------------------
     def held_handle(self, request_id: str) -> HeldKV:
         seq = self.held[request_id]
-        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens))
+        rng = seq.generator.get_state() if seq.generator is not None else None
+        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng)
 
     def export_held(self, request_id: str) -> dict[str, torch.Tensor]:
         seq = self.held[request_id]
@@ -193,8 +198,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()            # admission restores prefixes here
+        failed = [self._failure(seq, e) for seq, e in self.scheduler.failed]
+        self.scheduler.failed.clear()
         if not batch:
-            return []
+            return failed
         t1 = time.perf_counter()
         logits, sampled = self.runner.run(batch)
         self.stats["restore_s"] += t1 - t0
@@ -203,12 +210,19 @@ class Engine:
         outputs = []
         for seq, n in batch:
             seq.num_computed += n
-            self.prefix.after_step(seq)
+            if self.config.prefix_reuse:
+                self.prefix.after_step(seq)
         for row, b in enumerate(sampled):
             seq = batch[b][0]
             self._append_token(seq, logits[row])
             outputs.append(self._output(seq))
-        return outputs
+        return failed + outputs
+
+    def _failure(self, seq: Sequence, error: Exception) -> RequestOutput:
+        log.warning("request %s failed at admission: %s", seq.request_id, error)
+        seq.finish_reason = "error"
+        self.seqs.pop(seq.request_id, None)
+        return dataclasses.replace(self._output(seq), error=f"{type(error).__name__}: {error}")
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
@@ -224,6 +238,7 @@ class Engine:
             seq.finish_reason = "length"
         if seq.hold_kv and not seq.finish_reason:
             seq.finish_reason = "held"
+            self.stats["cached_tokens"] += seq.cached_tokens
             self.scheduler.detach(seq)
             self.held[seq.request_id] = seq
             self.seqs.pop(seq.request_id, None)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import torch
+
 
 class HeldKV(NamedTuple):
     """A prefilled request whose blocks and state slot stay allocated until released."""
@@ -11,6 +13,7 @@ class HeldKV(NamedTuple):
     slot: int
     num_tokens: int          # prompt tokens in the cache (the first output token is not)
     tokens: list[int]        # prompt + first token
+    rng_state: torch.Tensor | None = None   # the request's sampler state after the first token
 
 
 class Resume(NamedTuple):
@@ -22,3 +25,4 @@ class Resume(NamedTuple):
     first_logprob: float
     load: Callable
     cached_tokens: int = 0
+    rng_state: torch.Tensor | None = None   # continue the seeded sampler where prefill left it

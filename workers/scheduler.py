@@ -27,6 +27,7 @@ class Scheduler:
         self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.failed: list[tuple[Sequence, Exception]] = []   # admissions that raised; reported once
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -108,7 +109,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
             seq = self.waiting[0]
             seq.slot = self.slots.allocate()
-            if self.on_admit and not self.on_admit(seq):
+            try:
+                admitted = self.on_admit(seq) if self.on_admit else True
+            except Exception as e:  # this request cannot start (e.g. its handed-off cache failed to load)
+                self.waiting.popleft()
+                self.finish(seq)
+                self.failed.append((seq, e))
+                continue
+            if not admitted:
                 self.free(seq)
                 break
             n = self.chunk(seq, budget)

@@ -1,0 +1,78 @@
+"""Moving a prefilled request between engines (the disaggregated path without Ray):
+the continuation equals a single-engine run, seeded sampling included; a failed cache
+load fails only that request."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import random_prompt, write_tiny_checkpoint
+from workers.engine import Engine, EngineConfig
+from workers.handoff import Resume
+from workers.sampling import SamplingParams
+
+BT = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), "swa_csa_hca")
+
+
+def engine(model_dir, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), block_tokens=BT, kv_cache_bytes=8 << 20, **kw))
+
+
+def run(e: Engine):
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    return outs
+
+
+def handoff(prefill: Engine, decode: Engine, prompt, params):
+    prefill.add_request("r", prompt, params, hold_kv=True)
+    first = run(prefill)[-1]
+    assert first.finish_reason == "held"
+    held = prefill.held_handle("r")
+    payload = prefill.export_held("r")
+    prefill.release_held("r")
+    resume = Resume(first.token_ids[0], first.logprobs[0],
+                    lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens,
+                    held.rng_state)
+    decode.add_request("r", prompt, params, resume=resume)
+    return [o for o in run(decode) if o.finished][-1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7,
+                                                   ignore_eos=True)])
+def test_a_handed_off_request_continues_exactly_like_a_single_engine_run(model_dir, params):
+    prompt = random_prompt(75, seed=3)
+    single = engine(model_dir).generate([prompt], params)[0]
+    prefill, decode = engine(model_dir), engine(model_dir)
+    moved = handoff(prefill, decode, prompt, params)
+    assert moved.token_ids == single.token_ids
+    assert prefill.blocks.num_free == prefill.blocks.num_blocks     # released after the handoff
+
+
+def test_a_cache_that_fails_to_load_fails_only_its_request(model_dir):
+    e = engine(model_dir)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def broken(cache, blocks, slot):
+        raise OSError("transfer failed")
+
+    e.add_request("bad", random_prompt(20), params, resume=Resume(5, -1.0, broken))
+    e.add_request("good", random_prompt(30), params)
+    outs = {o.request_id: o for o in run(e) if o.finished}
+    assert outs["bad"].finish_reason == "error" and "transfer failed" in outs["bad"].error
+    assert outs["good"].finish_reason == "length" and len(outs["good"].token_ids) == 4
+    assert e.blocks.num_free == e.blocks.num_blocks and e.slots.num_free == e.slots.num_slots
+
+
+def test_prefix_reuse_can_be_switched_off_for_baselines(model_dir):
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = random_prompt(70)
+    on, off = engine(model_dir), engine(model_dir, prefix_reuse=False)
+    assert [on.generate([prompt], params)[0].cached_tokens for _ in range(2)] == [0, 64]
+    assert [off.generate([prompt], params)[0].cached_tokens for _ in range(2)] == [0, 0]
