@@ -104,19 +104,20 @@ class CacheTensors:
                 key = f"{i}.{name}"
                 t[idx] = torch.stack([o[key] for o in objects]).to(t.device, t.dtype)
 
-    def load_packed(self, blocks: list[int], datas: list, table: tuple) -> None:
+    def load_packed(self, blocks: list[int], rows: torch.Tensor, data_start: int, table: tuple) -> None:
         """Fill many blocks from store objects of one layout, straight from their bytes:
-        one stacked copy of the raw data, then one strided copy per cache tensor.
-        `table` rows are (name, dtype, shape, offset, nbytes) and must fit block_shapes()."""
+        `rows[i, data_start:]` holds block i's tensor data, laid out by `table`
+        ((name, dtype, shape, offset, nbytes) rows that fit block_shapes()). One strided
+        copy per cache tensor."""
         if not blocks:
             return
-        raw = torch.stack([torch.frombuffer(d, dtype=torch.uint8) for d in datas])    # [n, bytes]
         idx = torch.tensor(blocks, dtype=torch.long)
         targets = {f"{i}.{name}": t for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
         for name, dtype, shape, offset, nbytes in table:
             t = targets[name]
-            field = raw[:, offset:offset + nbytes]
-            if raw.shape[1] % dtype.itemsize or offset % dtype.itemsize:
+            start = data_start + offset
+            field = rows[:, start:start + nbytes]
+            if rows.shape[1] % dtype.itemsize or start % dtype.itemsize:
                 field = field.contiguous()
             t[idx] = field.view(dtype).view(len(blocks), *shape).to(t.device, t.dtype)
 

@@ -122,23 +122,31 @@ class PrefixCache:
             return Availability(blocks, frozenset(c for c in avail.checkpoints if c < blocks and c != drop))
 
         from_host: list[tuple[int, dict]] = []
-        from_store: list[tuple[int, object]] = []
+        from_store: list[int] = []
         for i in range(plan.load_blocks):
             b = self.pool.acquire(hashes[i])
             if b is not None:
                 seq.blocks.append(b)
                 continue
             tensors = self.host.get("block", hashes[i])
-            obj = None if tensors is not None else self._fetch_block(hashes[i])
-            if tensors is None and obj is None:
+            if tensors is not None:
+                from_host.append((i, tensors))
+            elif self.store is not None:
+                from_store.append(i)
+            else:
                 return shorter(i)
-            seq.blocks.append(self.pool.allocate())
-            (from_host.append((i, tensors)) if tensors is not None else from_store.append((i, obj)))
+            seq.blocks.append(-1)                      # allocated below, once everything is fetched
+        rows, data_start, table, missing = self._fetch_blocks([hashes[i] for i in from_store])
+        if missing is not None:
+            seq.blocks = [b for b in seq.blocks if b >= 0]
+            return shorter(from_store[missing])
+        for i in range(plan.load_blocks):
+            if seq.blocks[i] < 0:
+                seq.blocks[i] = self.pool.allocate()
         self.cache.load_blocks([seq.blocks[i] for i, _ in from_host], [t for _, t in from_host])
         if from_store:
-            self.cache.load_packed([seq.blocks[i] for i, _ in from_store], [o.data for _, o in from_store],
-                                   from_store[0][1].table)
-        for i, _ in from_host + from_store:
+            self.cache.load_packed([seq.blocks[i] for i in from_store], rows, data_start, table)
+        for i in [i for i, _ in from_host] + from_store:
             self.pool.set_hash(seq.blocks[i], hashes[i])
         self.stats.blocks_from_store += len(from_store)
         self.stats.blocks_from_memory += plan.load_blocks - len(from_store)
@@ -151,23 +159,30 @@ class PrefixCache:
             self.cache.rebuild_slot(seq.slot, plan.keep_tokens, seq.blocks)
         return None
 
-    def _fetch_block(self, h: int):
-        """A verified block object from the store whose tensor table fits this cache, or None."""
-        if self.store is None:
-            return None
-        obj = self.store.get("block", h, lazy=True)
-        if obj is None:
-            self._forget("block", h)
-            return None
-        if obj.table != self._table_ok:
-            have = {name: (shape, dtype) for name, dtype, shape, _, _ in obj.table}
-            if have != self._block_shapes:
-                log.warning("block %x was written for another cache layout: treated as a miss", h)
-                return None
-            self._table_ok = obj.table
-        self.stats.bytes_loaded += len(obj.data)
-        self.stored.add(("block", h))
-        return obj
+    def _fetch_blocks(self, hashes: list[int]):
+        """Read block objects from the store in one pass. Returns (rows, data_start, table,
+        missing): rows[i, data_start:] is block i's tensor data laid out by `table`, or
+        `missing` = the index of the first block that is absent, corrupt or of another layout."""
+        if not hashes:
+            return None, 0, (), None
+        rows, objs = self.store.get_rows("block", hashes)
+        for i, (h, obj) in enumerate(zip(hashes, objs)):
+            if obj is None:
+                self._forget("block", h)
+                return None, 0, (), i
+            if obj.table != self._table_ok:
+                have = {name: (shape, dtype) for name, dtype, shape, _, _ in obj.table}
+                if have != self._block_shapes or (i and obj.table != objs[0].table):
+                    log.warning("block %x was written for another cache layout: treated as a miss", h)
+                    return None, 0, (), i
+                self._table_ok = obj.table
+        starts = {(rows.shape[1] if rows is not None else len(o.data)) - len(o.data) for o in objs}
+        if rows is None or len(starts) != 1:   # objects of different sizes: pack their data rows
+            rows = torch.stack([torch.frombuffer(o.data, dtype=torch.uint8) for o in objs])
+            starts = {0}
+        self.stats.bytes_loaded += sum(len(o.data) for o in objs)
+        self.stored.update(("block", h) for h in hashes)
+        return rows, starts.pop(), objs[0].table, None
 
     def _forget(self, kind: str, h: int) -> None:
         """The index pointed at an object the store does not have (or had corrupt): drop it."""
