@@ -133,7 +133,7 @@ def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_d
     out = reader.generate([prompt], GREEDY)[0]
     assert_same(out, cold["many_blocks"])
     assert out.cached_tokens == 4 * BT                      # the hit stops before the corrupt block
-    assert reader.prefix.store.stats().corrupt == 1
+    assert reader.prefix.store.stats().corrupt == 2                 # both found, counted and removed
     reader.flush()                                          # the recomputed blocks were written anew
     assert reader.prefix.store.get("block", chain[4]) is not None
     assert reader.prefix.index.lookup(chain[:10]).stored == 10
