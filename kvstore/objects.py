@@ -28,6 +28,7 @@ before returning anything; every failure is a ``CorruptObjectError``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -195,7 +196,7 @@ def decode_object(
     if kind not in KINDS or (expect_kind is not None and kind != expect_kind):
         raise CorruptObjectError(f"object kind {kind!r}, expected {expect_kind or KINDS}")
     data_start = _align_up(PREFIX_SIZE + PREFIX_STRUCT.unpack_from(view)[2])
-    table = tuple(_checked_entry(header["data_length"], e) for e in entries)
+    table = _checked_table(int(header["data_length"]), json.dumps(entries, separators=(",", ":")))
     if lazy:
         data = view[data_start:data_start + int(header["data_length"])]
         return CacheObject(expect_fingerprint, kind, h, parent, token_count, {}, data, table)
@@ -228,6 +229,15 @@ def _verified_header(view: memoryview) -> dict:
     if header.get("byteorder") != sys.byteorder:
         raise CorruptObjectError(f"byte order {header.get('byteorder')!r}, this host is {sys.byteorder}")
     return header
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_table(data_length: int, entries_json: str) -> tuple:
+    """The checked tensor table; objects of one layout share it, so it is parsed once."""
+    entries = json.loads(entries_json)
+    if not isinstance(entries, list):
+        raise CorruptObjectError("tensor table is not a list")
+    return tuple(_checked_entry(data_length, e) for e in entries)
 
 
 def _checked_entry(data_length: int, entry: dict) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:

@@ -204,8 +204,10 @@ class ObjectStore:
         self._track(kind, h, len(buf), reads=1, bytes_read=len(buf))
         return obj
 
-    def get_rows(self, kind: str, hashes: Sequence[int]) -> tuple[torch.Tensor | None, list[CacheObject | None]]:
-        """Read many same-sized objects straight into the rows of one uint8 tensor.
+    def get_rows(self, kind: str, hashes: Sequence[int], staging: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, list[CacheObject | None]]:
+        """Read many same-sized objects straight into the rows of one uint8 tensor (inside
+        `staging`, a reused flat uint8 buffer, when it is big enough).
 
         Returns (rows [n, size] or None, lazily decoded objects viewing those rows); an
         object that is missing or corrupt is None (corrupt ones are deleted, as in `get`).
@@ -218,7 +220,11 @@ class ObjectStore:
         size = sizes[0]
         if size is None or any(x != size for x in sizes):
             return None, [self.get(kind, h, lazy=True) for h in hashes]
-        rows = torch.empty(len(paths), size, dtype=torch.uint8)
+        need = len(paths) * size
+        if staging is not None and staging.numel() >= need:
+            rows = staging[:need].view(len(paths), size)
+        else:
+            rows = torch.empty(len(paths), size, dtype=torch.uint8)
         view = memoryview(rows.numpy()).cast("B")
         objs: list[CacheObject | None] = []
         for i, (h, path) in enumerate(zip(hashes, paths)):

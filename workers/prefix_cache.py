@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvstore.block_pool import BlockPool, OutOfBlocks
 from kvstore.cache_tensors import CacheTensors
 from kvstore.hashing import PrefixHasher
@@ -43,7 +45,7 @@ class ReuseStats:
 class PrefixCache:
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
-                 worker_id: str):
+                 worker_id: str, staging_bytes: int = 32 << 20):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.bt = hasher.block_tokens
@@ -54,6 +56,9 @@ class PrefixCache:
         self._reconnects = 0
         self._block_shapes = cache.block_shapes()
         self._table_ok: tuple = ()
+        # Reads from the store land here first; touched once now so a restore never
+        # page-faults its way through fresh memory.
+        self._staging = torch.zeros(staging_bytes if store is not None else 0, dtype=torch.uint8)
 
     # ---- hashing ------------------------------------------------------------------------------
     def chain(self, seq: Sequence, blocks: int) -> list[int]:
@@ -165,7 +170,7 @@ class PrefixCache:
         `missing` = the index of the first block that is absent, corrupt or of another layout."""
         if not hashes:
             return None, 0, (), None
-        rows, objs = self.store.get_rows("block", hashes)
+        rows, objs = self.store.get_rows("block", hashes, self._staging)
         for i, (h, obj) in enumerate(zip(hashes, objs)):
             if obj is None:
                 self._forget("block", h)
