@@ -208,7 +208,8 @@ class PrefixCache:
 
     def _release(self, seq: Sequence) -> None:
         for b in seq.blocks:
-            self.pool.release(b)
+            if b >= 0:                                 # -1: a placeholder never allocated
+                self.pool.release(b)
         seq.blocks = []
 
     def _apply(self, seq: Sequence, plan: RestorePlan, load_s: float) -> None:
