@@ -11,7 +11,7 @@ H = attention heads, N = hc_mult streams, C = hidden_size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +37,13 @@ class StepInput:
     ring_from: torch.Tensor     # [B] int64 window rows before this position are invalid (recompute)
     keep_tokens: torch.Tensor   # [B] int64 compressed entries of windows ending <= this are restored: keep
     logits_at: torch.Tensor     # [R] int64 rows of T whose logits are returned
+    cu: list[int] = field(init=False)   # row offsets of each sequence in T (len B + 1)
 
-    @property
-    def cu(self) -> list[int]:
-        return [0] + torch.cumsum(self.lengths, 0).tolist()
+    def __post_init__(self) -> None:
+        self.cu = [0] + torch.cumsum(self.lengths, 0).tolist()
+
+
+PositionRope = dict[str, tuple[torch.Tensor, torch.Tensor]]   # rope type -> (cos, sin) at step.positions
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -178,10 +181,11 @@ class Indexer(nn.Module):
         self.weights_proj = linear(args.hidden_size, args.index_n_heads)
         self.compressor = Compressor(args.hidden_size, args.index_head_dim, args.csa_ratio, True, args.rms_norm_eps)
 
-    def forward(self, x, q_res, step: StepInput, cache: LayerCache, rope: Rope, ops: KernelOps) -> torch.Tensor:
+    def forward(self, x, q_res, step: StepInput, cache: LayerCache, rope: Rope, cos_sin, ops: KernelOps
+                ) -> torch.Tensor:
         self.compressor.update(x, step, cache, "i", rope, ops)
         m = self.compressor.ratio
-        cos, sin = rope(step.positions, x.dtype)
+        cos, sin = cos_sin
         q = apply_rope(self.wq_b(q_res).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5
         key_len = (step.starts + step.lengths) // m
@@ -235,10 +239,9 @@ class Attention(nn.Module):
             cache.swa[blocks, step.positions[new] % bt] = kv[new]
 
     def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes: dict[str, Rope],
-                ops: KernelOps) -> torch.Tensor:
+                pos_rope: PositionRope, ops: KernelOps) -> torch.Tensor:
         t = x.shape[0]
-        rope = ropes["main" if self.layer_type == SWA else "compress"]
-        cos, sin = rope(step.positions, x.dtype)
+        cos, sin = pos_rope["main" if self.layer_type == SWA else "compress"]
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(t, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
         q = apply_rope(q, cos, sin)
@@ -250,7 +253,7 @@ class Attention(nn.Module):
             self.compressor.update(x, step, cache, "", ropes["compress"], ops)
             comp_len = (step.starts + step.lengths) // self.ratio
         if self.indexer is not None:
-            topk = self.indexer(x, q_res, step, cache, ropes["compress"], ops)
+            topk = self.indexer(x, q_res, step, cache, ropes["compress"], pos_rope["compress"], ops)
         out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, cache.comp,
                                    step.block_table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1))
@@ -367,8 +370,9 @@ class Block(nn.Module):
         y = sublayer(collapsed)
         return post.to(x.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.to(x.dtype).transpose(1, 2), x)
 
-    def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes, ops) -> torch.Tensor:
-        x = self.mix(x, "attn", lambda h: self.attn(self.attn_norm(h), step, cache, ropes, ops))
+    def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes, pos_rope: PositionRope,
+                ops) -> torch.Tensor:
+        x = self.mix(x, "attn", lambda h: self.attn(self.attn_norm(h), step, cache, ropes, pos_rope, ops))
         return self.mix(x, "ffn", lambda h: self.ffn(self.ffn_norm(h), step.tokens))
 
 
@@ -404,8 +408,9 @@ class Transformer(nn.Module):
         ops = self.ops
         x = self.embed(step.tokens)
         x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        pos_rope = {name: rope(step.positions, x.dtype) for name, rope in self.ropes.items()}   # once per step
         for layer, lc in zip(self.layers, cache.layers):
-            x = layer(x, step, lc, self.ropes, ops)
+            x = layer(x, step, lc, self.ropes, pos_rope, ops)
         x = x[step.logits_at]
         flat = rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
