@@ -79,3 +79,13 @@ def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tupl
 def random_prompt(n: int, vocab: int = 300, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def random_cache(layout, num_blocks: int, num_slots: int, seed: int):
+    """CacheTensors filled with seeded noise: distinct bytes everywhere a transfer could move."""
+    from kvstore.cache_tensors import CacheTensors
+    cache = CacheTensors(layout, num_blocks=num_blocks, num_slots=num_slots, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.all_tensors():
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache

@@ -11,6 +11,7 @@ from cluster.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader
 from kvstore.cache_tensors import CacheTensors
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
 from kvstore.nixl_transfer import KVTransferAgent, RemoteKV
+from tests import helpers
 
 LAYOUT = CacheLayout.build(LayoutParams((SWA, CSA, HCA), head_dim=16, index_head_dim=8, csa_ratio=4,
                                         hca_ratio=128, window=32, dtype="float32"), block_tokens=128)
@@ -25,11 +26,7 @@ def local_ray():
 
 
 def random_cache(seed: int) -> CacheTensors:
-    cache = CacheTensors(LAYOUT, num_blocks=6, num_slots=3, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    for t in cache.all_tensors():
-        t.copy_(torch.randn(t.shape, generator=g))
-    return cache
+    return helpers.random_cache(LAYOUT, num_blocks=6, num_slots=3, seed=seed)
 
 
 def handoff(**kw) -> Handoff:

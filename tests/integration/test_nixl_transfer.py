@@ -9,6 +9,7 @@ import torch
 from kvstore.cache_tensors import CacheTensors
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
 from kvstore.nixl_transfer import KVTransferAgent, RemoteKV, TransferError, coalesce, make_agent
+from tests import helpers
 
 pytest.importorskip("nixl._api")
 
@@ -17,11 +18,7 @@ LAYOUT = CacheLayout.build(LayoutParams((SWA, CSA, HCA, CSA), head_dim=16, index
 
 
 def random_cache(seed: int) -> CacheTensors:
-    cache = CacheTensors(LAYOUT, num_blocks=8, num_slots=3, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    for t in cache.all_tensors():
-        t.copy_(torch.randn(t.shape, generator=g))
-    return cache
+    return helpers.random_cache(LAYOUT, num_blocks=8, num_slots=3, seed=seed)
 
 
 @pytest.fixture(scope="module")
