@@ -198,25 +198,11 @@ class CacheTensors:
                 t[slot] = src
 
 
-def block_bytes(layout: CacheLayout, swa_blocks: bool) -> int:
-    """Bytes of one block in memory: compressed entries, plus SWA K=V and end-of-block
-    overlap state when blocks carry them (the `full` policy)."""
-    extra = 0
-    if swa_blocks:
-        p = layout.params
-        for t, spec in zip(p.layer_types, layout.specs):
-            extra += layout.block_tokens * p.head_dim
-            if t == CSA:
-                extra += 2 * spec.ratio * (p.head_dim + p.index_head_dim)
-        extra *= layout.specs[0].dtype_bytes
-    return layout.block_bytes + extra
-
-
 def size_pools(layout: CacheLayout, budget_bytes: int, max_slots: int, swa_blocks: bool = False
                ) -> tuple[int, int]:
     """Split a memory budget into (num_blocks, num_slots): up to `max_slots` slots, each
     leaving room for at least one block, and the rest as blocks."""
-    slot_b, block_b = layout.slot_bytes, max(1, block_bytes(layout, swa_blocks))
+    slot_b, block_b = layout.slot_bytes, max(1, layout.resident_block_bytes(swa_blocks))
     slots = max(1, min(max_slots, budget_bytes // (slot_b + block_b)))
     blocks = max(1, (budget_bytes - slots * slot_b) // block_b)
     return int(blocks), int(slots)

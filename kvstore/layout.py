@@ -44,6 +44,10 @@ class LayerSpec:
     def block_bytes(self, block_tokens: int) -> int:
         return 0
 
+    def swa_block_bytes(self, block_tokens: int) -> int:
+        """What a block also carries under the `full` policy: its tokens' SWA K=V."""
+        return block_tokens * self.head_dim * self.dtype_bytes
+
     def state_bytes(self) -> int:
         return self.window * self.head_dim * self.dtype_bytes
 
@@ -67,6 +71,11 @@ class HCASpec(LayerSpec):
 class CSASpec(LayerSpec):
     def block_bytes(self, block_tokens: int) -> int:
         return self.entries_per_block(block_tokens) * (self.head_dim + self.index_head_dim) * self.dtype_bytes
+
+    def swa_block_bytes(self, block_tokens: int) -> int:
+        """Plus the overlap state at the block's end (kv and gate, compressor and indexer)."""
+        overlap = 2 * self.ratio * (self.head_dim + self.index_head_dim) * self.dtype_bytes
+        return super().swa_block_bytes(block_tokens) + overlap
 
     def state_bytes(self) -> int:
         d, di, m = self.head_dim, self.index_head_dim, self.ratio
@@ -114,6 +123,12 @@ class CacheLayout:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers."""
         return sum(s.block_bytes(self.block_tokens) for s in self.specs)
+
+    def resident_block_bytes(self, swa_blocks: bool) -> int:
+        """Bytes of one block in memory: compressed entries, plus SWA K=V and end-of-block
+        overlap state when blocks carry them (the `full` policy)."""
+        extra = sum(s.swa_block_bytes(self.block_tokens) for s in self.specs) if swa_blocks else 0
+        return self.block_bytes + extra
 
     @property
     def slot_bytes(self) -> int:

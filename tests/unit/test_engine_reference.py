@@ -63,12 +63,11 @@ def test_batched_equals_one_at_a_time_and_chunked_equals_whole(checkpoint):
 def test_memory_budget_too_small_for_all_requests_still_completes_them_correctly(checkpoint):
     name, path = checkpoint
     roomy = make_engine(path, name).generate(_prompts(), GREEDY)
-    from kvstore.cache_tensors import block_bytes
     roomy_engine = make_engine(path, name)
     layout = roomy_engine.layout
     needed = sum(-(-(len(p) + GREEDY.max_tokens) // BLOCK_TOKENS[name]) for p in _prompts())
     largest = max(-(-(len(p) + GREEDY.max_tokens) // BLOCK_TOKENS[name]) for p in _prompts())
-    budget = 3 * layout.slot_bytes + largest * block_bytes(layout, roomy_engine.cache.swa_blocks)
+    budget = 3 * layout.slot_bytes + largest * layout.resident_block_bytes(roomy_engine.cache.swa_blocks)
     tight_engine = make_engine(path, name, kv_cache_bytes=budget, max_num_seqs=3)
     assert tight_engine.blocks.num_blocks < needed
     tight = tight_engine.generate(_prompts(), GREEDY)

@@ -166,3 +166,17 @@ def test_size_pools_leaves_each_slot_room_for_a_block_when_memory_is_short():
     blocks, slots = size_pools(layout, budget, max_slots=64)
     assert slots == 3 and blocks >= slots
     assert slots * layout.slot_bytes + blocks * layout.block_bytes <= budget
+
+
+@pytest.mark.parametrize("swa_blocks", [False, True])
+def test_layout_sizes_equal_what_the_cache_tensors_allocate(swa_blocks):
+    import torch
+
+    from kvstore.cache_tensors import CacheTensors
+    from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+    layout = CacheLayout.build(LayoutParams((SWA, CSA, HCA, CSA), 64, 32, 4, 128, 64, "float32"), 128)
+    cache = CacheTensors(layout, num_blocks=3, num_slots=2, dtype=torch.float32, swa_blocks=swa_blocks)
+    per_block = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in lc.blocks.values())
+    per_slot = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in [lc.ring, *lc.tails.values()])
+    assert per_block == layout.resident_block_bytes(swa_blocks)
+    assert per_slot == layout.slot_bytes
