@@ -109,7 +109,7 @@ class Engine:
         span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
         worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,
-                           HostCache(c.host_cache_bytes), worker)
+                           HostCache(c.host_cache_bytes), worker, enabled=c.prefix_reuse)
 
     def flush(self) -> None:
         """Wait until every persisted block and checkpoint is durable in the store."""
@@ -178,7 +178,7 @@ class Engine:
             seq.resume.load(self.cache, list(seq.blocks), seq.slot)
             seq.num_computed = len(seq.prompt)
             return True
-        return self.prefix.restore(seq) if self.config.prefix_reuse else True
+        return self.prefix.restore(seq)
 
     # ---- handoff (prefill role) --------------------------------------------------------------
     def held_handle(self, request_id: str) -> HeldKV:
@@ -210,8 +210,7 @@ class Engine:
         outputs = []
         for seq, n in batch:
             seq.num_computed += n
-            if self.config.prefix_reuse:
-                self.prefix.after_step(seq)
+            self.prefix.after_step(seq)
         for row, b in enumerate(sampled):
             seq = batch[b][0]
             self._append_token(seq, logits[row])

@@ -45,9 +45,10 @@ class ReuseStats:
 class PrefixCache:
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
-                 worker_id: str, staging_bytes: int = 32 << 20):
+                 worker_id: str, staging_bytes: int = 32 << 20, enabled: bool = True):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
+        self.enabled = enabled              # False: no restore, no persistence (baselines)
         self.bt = hasher.block_tokens
         self.writer = WriteBehind(store) if store is not None else None
         self.stored: set[tuple[str, int]] = set()   # objects this process knows are durable
@@ -97,6 +98,8 @@ class PrefixCache:
 
     def restore(self, seq: Sequence) -> bool:
         """Restore the longest usable prefix into seq (blocks + slot). False = out of memory."""
+        if not self.enabled:
+            return True
         self.stats.lookups += 1
         hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
         if not hashes:
@@ -229,7 +232,7 @@ class PrefixCache:
     # ---- after a step: name, persist, checkpoint ------------------------------------------------
     def cut(self, seq: Sequence, start: int) -> int | None:
         """Where a prefill chunk starting at `start` must end so a checkpoint can be taken."""
-        if self.policy.kind != "periodic":
+        if self.policy.kind != "periodic" or not self.enabled:
             return None
         cuts = [(start // self.policy.period + 1) * self.policy.period]
         prompt_end = len(seq.prompt) // self.bt * self.bt
@@ -238,6 +241,8 @@ class PrefixCache:
         return min(cuts)
 
     def after_step(self, seq: Sequence) -> None:
+        if not self.enabled:
+            return
         full = min(seq.num_computed, seq.length) // self.bt
         if full > seq.hashed_blocks:
             hashes = self.chain(seq, full)
