@@ -65,10 +65,10 @@ class PrefixCache:
     def chain(self, seq: Sequence, blocks: int) -> list[int]:
         """Prefix hashes of seq's first `blocks` full blocks (cached on the sequence)."""
         hashes = seq.chain
-        tokens = seq.tokens
         while len(hashes) < blocks:
             i = len(hashes)
-            hashes.append(self.hasher.next_hash(hashes[-1] if hashes else None, tokens[i * self.bt:(i + 1) * self.bt]))
+            block = seq.token_slice(i * self.bt, (i + 1) * self.bt)
+            hashes.append(self.hasher.next_hash(hashes[-1] if hashes else None, block))
         return hashes[:blocks]
 
     # ---- admission: restore -------------------------------------------------------------------

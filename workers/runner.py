@@ -22,7 +22,7 @@ class ModelRunner:
         offset = 0
         for b, (seq, n) in enumerate(batch):
             start = seq.num_computed
-            tokens += seq.tokens[start:start + n]
+            tokens += seq.token_slice(start, start + n)
             positions += range(start, start + n)
             q_seq += [b] * n
             starts.append(start)

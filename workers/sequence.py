@@ -58,6 +58,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole prompt + output list."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p:end - p]
+        return self.prompt[start:end] + (self.output[:end - p] if end > p else [])
+
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
