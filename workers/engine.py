@@ -252,7 +252,8 @@ class Engine:
         seq.emitted = len(seq.output)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt, token_ids=list(seq.output),
-            new_token_ids=new, logprobs=list(seq.logprobs), text=self.tokenizer.decode(seq.output),
+            new_token_ids=new, logprobs=list(seq.logprobs),
+            text=self.tokenizer.decode(seq.output) if seq.status == Status.FINISHED else "",
             finished=seq.status == Status.FINISHED, finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens)
 

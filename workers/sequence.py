@@ -22,7 +22,7 @@ class RequestOutput:
     token_ids: list[int]            # all generated so far
     new_token_ids: list[int]        # generated since the previous output for this request
     logprobs: list[float]
-    text: str
+    text: str                       # the decoded output; set on the final output only ("" before)
     finished: bool
     finish_reason: str | None       # "stop" | "length" | "abort" | "error"
     prompt_tokens: int
