@@ -45,7 +45,7 @@ class LocalServe:
         if self.address:
             ray.init(address=self.address)
         else:
-            ray.init(num_cpus=self.num_cpus, include_dashboard=False)
+            ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         return self
 

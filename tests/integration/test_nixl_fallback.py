@@ -20,7 +20,7 @@ SRC_BLOCKS, SRC_SLOT, DST_BLOCKS, DST_SLOT = [3, 4], 1, [0, 5], 2
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     yield
     ray.shutdown()
 
