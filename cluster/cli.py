@@ -1,4 +1,4 @@
-"""`kvmesh` command line: generate (offline batch), layout, store, serve."""
+"""`kvmesh` command line: generate (offline batch), layout, inspect, store, serve."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,33 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvstore.layout import CacheLayout, LayoutParams
+    from workers.inspect import format_stats, resident_bytes, weight_stats
+    from workers.loader import CheckpointError, load_model
+    try:
+        stats = weight_stats(Path(args.model))
+        margs, model = load_model(args.model, dtype=args.dtype)
+    except CheckpointError as e:
+        print(f"kvmesh inspect: {e}", file=sys.stderr)
+        return 2
+    resident = resident_bytes(model)
+    quant = margs.raw.get("quantization_config")
+    print(format_stats(stats))
+    print(f"quantization: {json.dumps(quant) if quant else 'none'}; expert_dtype "
+          f"{(quant or {}).get('expert_dtype', margs.raw.get('expert_dtype', '-'))}")
+    print(f"MTP layers: {len(model.mtp)} ({stats.mtp_params:,} params, loaded and kept)")
+    print(f"resident after load: {resident:,} B ({resident / 2**30:.2f} GiB), "
+          f"{resident / max(stats.file_bytes, 1):.3f}x the file's tensor bytes")
+    for dtype in ("bfloat16",):
+        layout = CacheLayout.build(LayoutParams(margs.layer_types, margs.head_dim, margs.index_head_dim,
+                                                margs.csa_ratio, margs.hca_ratio, margs.sliding_window, dtype),
+                                   args.block_tokens)
+        print(f"KV cache ({dtype}, block_tokens {args.block_tokens}): {layout.bytes_per_token():,.1f} B/token "
+              f"classical, {layout.swa_bytes_per_token():,.0f} B/token SWA K=V, {layout.slot_bytes:,} B per state slot")
+    return 0
+
+
 def format_layout(layout, context: int) -> str:
     counts, per_type = layout.layer_count_by_type(), layout.bytes_per_token_by_type()
     rows = [("layer type", "layers", "classical B/token")]
@@ -86,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--context", type=int, default=1 << 20)
     lay.add_argument("--block-tokens", type=int, default=128)
     lay.add_argument("--dtype", default=None, help="cache dtype (default bfloat16)")
+    ins = sub.add_parser("inspect", help="a checkpoint's parameters and bytes per dtype, resident bytes, KV bytes")
+    ins.add_argument("--model", required=True)
+    ins.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: checkpoint's)")
+    ins.add_argument("--block-tokens", type=int, default=128)
     try:
         from .store_cli import add_store_parser
         add_store_parser(sub)
@@ -101,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "layout": cmd_layout}
+    handlers = {"generate": cmd_generate, "layout": cmd_layout, "inspect": cmd_inspect}
     if args.command in handlers:
         return handlers[args.command](args)
     handler = getattr(args, "handler", None) or getattr(args, "func")

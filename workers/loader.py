@@ -2,7 +2,10 @@
 
 Accepts `model.safetensors` or shards listed in `model.safetensors.index.json`, names with
 or without the `model.` prefix that `save_pretrained` adds, per-expert tensors
-(`ffn.experts.E.w1.weight`) which are stacked here, and ignores the MTP head (`mtp.*`).
+(`ffn.experts.E.w1.weight`) which are stacked here, and the MTP layers (`mtp.N.*`, kept as
+`Transformer.mtp`). Released checkpoints load as shipped: FP8 linears (`.scale` or
+`.weight_scale_inv`) become `FP8Linear`, FP4/FP8 routed experts `QuantExperts` (workers/quant.py);
+nothing is dequantized at load.
 """
 from __future__ import annotations
 
@@ -14,12 +17,17 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelArgs
-from .model import Rope, Transformer
+from .model import Experts, Rope, Transformer
+from .quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
-EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+MTP_LAYER = re.compile(r"^mtp\.(\d+)\.")
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 RENAMES = [
     (re.compile(r"^model\."), ""),
+    (re.compile(r"\.weight_scale_inv$"), ".scale"),
+    (re.compile(r"\.attn\.kv_norm\."), ".attn.norm."),
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
     (re.compile(r"^lm_head\.weight$"), "head.weight"),
     (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
@@ -69,14 +77,6 @@ def weights_identity(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def check_not_quantized(args: ModelArgs, model_dir: Path) -> None:
-    q = args.raw.get("quantization_config")
-    if q:
-        raise CheckpointError(
-            f"{model_dir}: quantized checkpoint ({q.get('quant_method', q)}); kvmesh loads bf16/fp32 weights "
-            "only - dequantize it to bf16 first")
-
-
 def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
@@ -90,24 +90,86 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def to_model_state(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical names; per-expert tensors stacked to `...experts.w1` (+ `...experts.w1_scale`)."""
     state, experts = {}, {}
     for name, t in raw.items():
         name = canonical_name(name)
-        if name.startswith("mtp."):
-            continue
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or name.endswith(("scale_inv", ".scale")):
-            raise CheckpointError(f"tensor {name} is FP8/FP4-quantized; dequantize the checkpoint to bf16 first")
         m = EXPERT.match(name)
         if m:
-            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+            key = f"{m[1]}.{m[3]}" + ("_scale" if m[4] == "scale" else "")
+            experts.setdefault(key, {})[int(m[2])] = t
         else:
             state[name] = t
     for name, per_expert in experts.items():
         n = max(per_expert) + 1
         if sorted(per_expert) != list(range(n)):
             raise CheckpointError(f"{name}: experts {sorted(set(range(n)) - set(per_expert))} missing")
+        shapes = {tuple(t.shape) for t in per_expert.values()}
+        if len(shapes) != 1:
+            raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
         state[name] = torch.stack([per_expert[i] for i in range(n)])
     return state
+
+
+def mtp_layer_count(state: dict[str, torch.Tensor]) -> int:
+    ids = {int(m[1]) for m in map(MTP_LAYER.match, state) if m}
+    if ids and ids != set(range(len(ids))):
+        raise CheckpointError(f"MTP layers {sorted(ids)} are not numbered 0..{len(ids) - 1}")
+    return len(ids)
+
+
+def _is_quantized(state: dict[str, torch.Tensor], name: str) -> bool:
+    return f"{name}.scale" in state or f"{name}_scale" in state or (
+        name in state and state[name].dtype in QUANT_DTYPES) or (
+        f"{name}.weight" in state and state[f"{name}.weight"].dtype in QUANT_DTYPES)
+
+
+def install_quantized(model: Transformer, state: dict[str, torch.Tensor], fmt: QuantFormat | None) -> set[str]:
+    """Swap every linear / routed-expert module whose checkpoint tensors are quantized for its
+    quantized twin (built from those tensors, which leave `state`); returns the names installed."""
+    installed: set[str] = set()
+    for path, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and _is_quantized(state, path):
+            new = _fp8_linear(path, module, state, fmt)
+        elif isinstance(module, Experts) and _is_quantized(state, f"{path}.w1"):
+            new = _quant_experts(path, module, state, fmt)
+        else:
+            continue
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+        installed |= {f"{path}.{k}" for k, _ in new.named_parameters()}
+    return installed
+
+
+def _require_format(name: str, fmt: QuantFormat | None) -> QuantFormat:
+    if fmt is None:
+        raise CheckpointError(f"{name} is quantized but config.json has no quantization_config")
+    return fmt
+
+
+def _fp8_linear(path: str, module: torch.nn.Linear, state: dict, fmt: QuantFormat | None) -> FP8Linear:
+    fmt = _require_format(path, fmt)
+    w, s = state.pop(f"{path}.weight", None), state.pop(f"{path}.scale", None)
+    if w is None:
+        raise CheckpointError(f"{path}.scale without {path}.weight")
+    check_fp8(path, w, s, fmt.block, (module.out_features, module.in_features))
+    return FP8Linear(w, s, fmt.block)
+
+
+def _quant_experts(path: str, module: Experts, state: dict, fmt: QuantFormat | None) -> QuantExperts:
+    fmt = _require_format(f"{path}.w1", fmt)
+    weights = {}
+    for w in ("w1", "w2", "w3"):
+        q, s = state.pop(f"{path}.{w}", None), state.pop(f"{path}.{w}_scale", None)
+        if q is None:
+            raise CheckpointError(f"{path}.{w}: missing")
+        shape = tuple(getattr(module, w).shape)
+        if fmt.expert_dtype == "fp4":
+            check_fp4(f"{path}.{w}", q, s, shape)
+        else:
+            check_fp8(f"{path}.{w}", q, s, fmt.block, shape[-2:])
+        weights[w] = (q, s)
+    return QuantExperts(weights, fmt, module.limit)
 
 
 def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu",
@@ -119,26 +181,40 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
         args = ModelArgs.from_file(model_dir / "config.json")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    check_not_quantized(args, model_dir)
+    try:
+        fmt = QuantFormat.from_config(args.raw, str(model_dir / "config.json"))
+    except QuantFormatError as e:
+        raise CheckpointError(str(e)) from None
     dtype_name = dtype or args.torch_dtype
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r}; use one of {sorted(DTYPES)}")
     state = to_model_state(read_tensors(weight_files(model_dir)))
     with torch.device("meta"):
-        model = Transformer(args, kernel_backend)
+        model = Transformer(args, kernel_backend, mtp_layer_count(state))
+    try:
+        quantized = install_quantized(model, state, fmt)
+    except QuantFormatError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
     expected = {k: v for k, v in list(model.named_parameters()) + list(model.named_buffers())
                 if not k.startswith("ropes.")}
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state) - quantized)
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{model_dir}: checkpoint does not match config: missing {missing[:8]}"
                               f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
     for k, v in expected.items():
-        if tuple(state[k].shape) != tuple(v.shape):
+        if k not in quantized and tuple(state[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{model_dir}: {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+    for k, t in state.items():
+        if t.dtype in QUANT_DTYPES:
+            raise CheckpointError(f"{model_dir}: {k} is {t.dtype} but has no scale; kvmesh expects FP8/FP4 "
+                                  "weights with their `.scale` / `.weight_scale_inv`")
     target = DTYPES[dtype_name]
     converted = {}
     for k in expected:
+        if k in quantized:
+            converted[k] = expected[k].to(device)
+            continue
         src = state[k]
         want = src.dtype if not src.is_floating_point() else (torch.float32 if FP32_PARAM.search(k) else target)
         converted[k] = src.to(device=device, dtype=want)

@@ -22,6 +22,7 @@ from kernels.rope import apply_rope
 from kvstore.cache_tensors import CacheTensors, LayerCache
 
 from .config import CSA, HCA, SWA, ModelArgs, RopeArgs
+from .quant import grouped_linear
 
 
 @dataclass
@@ -258,10 +259,8 @@ class Attention(nn.Module):
                                    step.block_table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1))
         out = apply_rope(out, cos, -sin)
-        g = self.args.o_groups
-        grouped = out.reshape(t, g, -1).transpose(0, 1)                       # [G, T, H*D/G]
-        wo_a = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)
-        return self.wo_b(torch.bmm(grouped, wo_a.transpose(1, 2)).transpose(0, 1).reshape(t, -1))
+        grouped = out.reshape(t, self.args.o_groups, -1)                      # [T, G, H*D/G]
+        return self.wo_b(grouped_linear(self.wo_a, grouped))                  # wo_a: [G*R, H*D/G]
 
 
 class Experts(nn.Module):
@@ -351,12 +350,12 @@ def hc_weights(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelArgs, layer_type: str, mlp_type: str):
         super().__init__()
         self.args = args
         n, c = args.hc_mult, args.hidden_size
-        self.attn = Attention(args, args.layer_types[layer_id])
-        self.ffn = MoE(args, args.mlp_layer_types[layer_id] == "hash_moe")
+        self.attn = Attention(args, layer_type)
+        self.ffn = MoE(args, mlp_type == "hash_moe")
         self.attn_norm, self.ffn_norm = RMSNorm(c, args.rms_norm_eps), RMSNorm(c, args.rms_norm_eps)
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * c)))
@@ -376,6 +375,23 @@ class Block(nn.Module):
         return self.mix(x, "ffn", lambda h: self.ffn(self.ffn_norm(h), step.tokens))
 
 
+class MTPLayer(Block):
+    """Multi-token-prediction layer `mtp.N.*` as the release ships it: a sliding-window MoE
+    block whose input is e_proj(enorm(embed(next token))) + h_proj(hnorm(main model streams)),
+    with its own final norm and mHC head (the vocabulary head is the main model's). Loaded and
+    kept with the model so a speculative-decoding draft can run it; the main forward does not."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, SWA, "moe")
+        n, c = args.hc_mult, args.hidden_size
+        self.e_proj, self.h_proj = linear(c, c), linear(c, c)
+        self.enorm, self.hnorm = RMSNorm(c, args.rms_norm_eps), RMSNorm(c, args.rms_norm_eps)
+        self.norm = RMSNorm(c, args.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * c))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+
 def make_ropes(args: ModelArgs, device: str | torch.device = "cpu") -> nn.ModuleDict:
     """Plain RoPE for SWA layers, the compress RoPE (YaRN when configured) for CSA/HCA."""
     with torch.device(device):
@@ -384,12 +400,13 @@ def make_ropes(args: ModelArgs, device: str | torch.device = "cpu") -> nn.Module
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, kernel_backend: str = "auto"):
+    def __init__(self, args: ModelArgs, kernel_backend: str = "auto", mtp_layers: int = 0):
         super().__init__()
         self.args = args
         n, c = args.hc_mult, args.hidden_size
         self.embed = nn.Embedding(args.vocab_size, c)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(args, t, m) for t, m in zip(args.layer_types, args.mlp_layer_types))
+        self.mtp = nn.ModuleList(MTPLayer(args) for _ in range(mtp_layers))
         self.norm = RMSNorm(c, args.rms_norm_eps)
         self.head = linear(c, args.vocab_size)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * c))
