@@ -3,12 +3,12 @@
 Every request model forbids unknown fields and coerces nothing ("1" is not 1), so a
 malformed request is a 400 naming the field, never a 5xx from deeper down.
 vLLM extensions accepted: `ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids`,
-`return_token_ids`.
+`return_token_ids`, and for chat `chat_template_kwargs` (e.g. V4's `{"thinking": true}`).
 """
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -135,6 +135,15 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, v):
+        reserved = sorted(set(v or {}) & {"messages", "add_generation_prompt"})
+        if reserved:
+            raise ValueError(f"{reserved} cannot be set through chat_template_kwargs")
+        return v
 
     @property
     def token_limit(self) -> int | None:

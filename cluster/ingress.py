@@ -189,10 +189,12 @@ class Ingress:
         body = parse_body(raw, ChatCompletionRequest)
         try:
             text = render_chat(self.tokenizer.chat_template, [(m.role, m.text) for m in body.messages],
-                               body.add_generation_prompt)
+                               body.add_generation_prompt,
+                               **{**self.tokenizer.special_tokens, **(body.chat_template_kwargs or {})})
         except Exception as e:  # a template's raise_exception, or a broken template
             raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-        return body, self.tokenizer.encode(text), body.token_limit, body.logprobs
+        encode = self.tokenizer.encode_rendered if self.tokenizer.chat_template else self.tokenizer.encode
+        return body, encode(text), body.token_limit, body.logprobs
 
     async def _serve(self, endpoint: str, raw: bytes):
         timer = RequestTimer(self.metrics)

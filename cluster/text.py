@@ -7,6 +7,8 @@ message, then the assistant header the model continues from:
 """
 from __future__ import annotations
 
+import json
+
 REPLACEMENT = "\ufffd"   # what a decoder emits for an incomplete UTF-8 sequence
 
 
@@ -16,19 +18,24 @@ def plain_chat_prompt(messages: list[tuple[str, str]], add_generation_prompt: bo
 
 
 def render_chat(template: str | None, messages: list[tuple[str, str]], add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "") -> str:
-    """The checkpoint's Jinja chat template (as transformers renders it), or the plain one."""
+                bos_token: str = "", eos_token: str = "", **template_kwargs) -> str:
+    """The checkpoint's Jinja chat template rendered as transformers' `apply_chat_template`
+    renders it (the tokenizer's special tokens, then `chat_template_kwargs` such as V4's
+    `thinking` switch, over them), or the plain one."""
     if not template:
         return plain_chat_prompt(messages, add_generation_prompt)
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
 
     def raise_exception(message):
         raise ValueError(message)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    variables = {"bos_token": bos_token, "eos_token": eos_token, **template_kwargs}
     return env.from_string(template).render(
-        messages=[{"role": r, "content": c} for r, c in messages], add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token, eos_token=eos_token)
+        messages=[{"role": r, "content": c} for r, c in messages],
+        add_generation_prompt=add_generation_prompt, **variables)
 
 
 class Detokenizer:

@@ -225,7 +225,8 @@ class Engine:
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.args.eos_token_ids))
+        eos = set(self.args.eos_token_ids) | set(self.tokenizer.stop_token_ids)    # config + end-of-turn
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
         banned = tuple(stops) if len(seq.output) < p.min_tokens else ()
         token, logprob = sample(logits, p, seq.generator, banned)
         seq.output.append(token)

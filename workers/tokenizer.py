@@ -1,5 +1,12 @@
 """Tokenizers: `tokenizer.json` through the `tokenizers` library, or bytes for checkpoints
-that ship none."""
+that ship none.
+
+`encode(text)` is a *prompt* encoding and adds BOS/EOS exactly as transformers (v5) does for
+these files: tokenizer.json's post-processor decides (transformers ignores tokenizer_config's
+`add_bos_token` / `add_eos_token` when a tokenizer.json exists).
+`encode_rendered(text)` adds nothing (a rendered chat template carries its own BOS).
+The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`.
+"""
 from __future__ import annotations
 
 import json
@@ -13,9 +20,14 @@ class Tokenizer:
 
     vocab_size: int
     chat_template: str | None = None
+    special_tokens: dict[str, str] = {}      # bos_token, eos_token, ... as the template sees them
+    stop_token_ids: tuple[int, ...] = ()     # end-of-turn ids (the tokenizer's EOS)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -34,16 +46,33 @@ class ByteTokenizer(Tokenizer):
         return data.decode("utf-8", errors="replace")
 
 
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
 class HFTokenizer(Tokenizer):
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as _Tok
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
-        cfg = path.parent / "tokenizer_config.json"
-        if cfg.exists():
-            self.chat_template = json.loads(cfg.read_text()).get("chat_template")
+        cfg_path = path.parent / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        jinja = path.parent / "chat_template.jinja"
+        self.chat_template = jinja.read_text() if jinja.exists() else cfg.get("chat_template")
+        self.special_tokens = {k: t for k in SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None}
+        self.bos_id, self.eos_id = (self._id(self.special_tokens.get(k)) for k in ("bos_token", "eos_token"))
+        self.stop_token_ids = () if self.eos_id is None else (self.eos_id,)
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def encode_rendered(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
