@@ -19,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-capacity-mb", type=int, help="store capacity; LRU-evicted beyond it")
     p.add_argument("--index", default="local", help="prefix index: local (embedded) or redis://host:port/db")
     p.add_argument("--swa-policy", default="full", help="full | periodic:P | zero (default full)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
+                   help="compressed entries + indexer keys (default auto = the compute dtype)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -27,6 +29,7 @@ def engine_config(args: argparse.Namespace):
                         kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels,
                         store=args.store, index=args.index, swa_policy=args.swa_policy,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         store_capacity_bytes=(args.store_capacity_mb << 20) if args.store_capacity_mb else None)
 
 
@@ -43,14 +46,30 @@ def cmd_layout(args: argparse.Namespace) -> int:
         return 2
     try:
         a = ModelArgs.from_file(Path(args.config) if args.config else Path(args.model) / "config.json")
-        layout = CacheLayout.build(LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio,
-                                                a.hca_ratio, a.sliding_window, args.dtype or "bfloat16"),
-                                   args.block_tokens)
+        layouts = {kv: CacheLayout.build(LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio,
+                                                      a.hca_ratio, a.sliding_window, args.dtype or "bfloat16",
+                                                      kv, a.rope_head_dim), args.block_tokens)
+                   for kv in ("auto", "fp8")}
     except (ConfigError, ValueError) as e:
         print(f"kvmesh layout: {e}", file=sys.stderr)
         return 2
-    print(format_layout(layout, args.context))
+    print(format_layout(layouts["auto"], args.context))
+    print()
+    print(format_kv_dtypes(layouts))
     return 0
+
+
+def format_kv_dtypes(layouts: dict) -> str:
+    """Classical cache per token and per 1M tokens, for each kv_cache_dtype."""
+    rows = [("kv_cache_dtype", "B/token", "GiB per 1M tokens", "vs first")]
+    base = None
+    for kv, layout in layouts.items():
+        per_token = layout.bytes_per_token()
+        base = base or per_token
+        name = layout.params.entry_dtype if kv == "auto" else kv
+        rows.append((name, f"{per_token:,.1f}", f"{per_token * 1e6 / 2**30:,.2f}", f"{per_token / base:.3f}x"))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}" for r in rows)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

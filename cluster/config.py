@@ -47,6 +47,8 @@ class EngineSettings(_Strict):
     index: str = Field("local", description="'local' (embedded, per worker) or redis://host:port/db")
     swa_policy: str = Field("full", description="full | periodic:P | zero")
     host_cache_mb: int = Field(256, ge=0)
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = Field(
+        "auto", description="compressed entries + indexer keys: auto (= dtype), bfloat16, or fp8 (V4's FP8 records)")
 
     @field_validator("store")
     @classmethod
@@ -62,7 +64,7 @@ class EngineSettings(_Strict):
             kernel_backend=self.kernel_backend, store=self.store,
             store_capacity_bytes=self.store_capacity_mb * MiB if self.store_capacity_mb else None,
             index=self.index, swa_policy=self.swa_policy, host_cache_bytes=self.host_cache_mb * MiB,
-            worker_id=worker_id)
+            kv_cache_dtype=self.kv_cache_dtype, worker_id=worker_id)
 
 
 class Autoscaling(_Strict):

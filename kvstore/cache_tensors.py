@@ -8,6 +8,9 @@ Shapes (NB blocks, S slots, EPB = block_tokens / ratio entries per block):
     itail_kv/itail_gate[S, m, 2Di]              CSA indexer
     ovl_kv/ovl_gate[S, m, D], iovl_*[S, m, Di]  CSA overlap state (gate -inf = no previous window)
 
+With `kv_dtype="fp8"` comp and idx are uint8 pages of FP8 records [NB, EPB x record bytes]
+(`kvstore/fp8_kv.py`); the model writes and reads them through `write_entries` / `paged`.
+
 With `swa_blocks` (the `full` SWA policy) blocks also carry what rebuilding the state at
 any block boundary needs:
     swa[NB, block_tokens, D]                    every layer (K=V of the block's tokens)
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .fp8_kv import Fp8EntryFormat
 from .layout import CSA, HCA, CacheLayout
 
 
@@ -27,6 +31,34 @@ class LayerCache:
     ring: torch.Tensor
     blocks: dict[str, torch.Tensor] = field(default_factory=dict)   # paged, indexed by block id
     tails: dict[str, torch.Tensor] = field(default_factory=dict)    # per slot
+    formats: dict[str, Fp8EntryFormat] = field(default_factory=dict)  # FP8 record fields ("comp", "idx")
+
+    def write_entries(self, name: str, blocks: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Store entries x [N, D] at (blocks[i], slots[i]) of paged field `name`."""
+        store = self.blocks[name]
+        if name in self.formats:
+            self.formats[name].write(store, blocks, slots, x)
+        else:
+            store[blocks, slots] = x.to(store.dtype)
+
+    def entries_per_block(self, name: str) -> int:
+        store = self.blocks[name]
+        return store.shape[1] // self.formats[name].entry_bytes if name in self.formats else store.shape[1]
+
+    def paged(self, name: str, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(paged [NB', EPB, D] in `dtype`, block table into it) for the attention kernels. A float
+        cache of that dtype is returned as is; FP8 records (or another float dtype) are decoded
+        for the blocks `block_table` references only."""
+        store = self.blocks[name]
+        if name not in self.formats and store.dtype == dtype:
+            return store, block_table
+        used = torch.unique(block_table[block_table >= 0]).long()
+        if name in self.formats:
+            dense = self.formats[name].read(store, used, dtype)
+        else:
+            dense = store[used].to(dtype)
+        local = torch.searchsorted(used, block_table.long().clamp(min=0)).to(block_table.dtype)
+        return dense, torch.where(block_table >= 0, local, block_table)
 
     @property
     def comp(self) -> torch.Tensor | None:
@@ -53,6 +85,14 @@ class CacheTensors:
         p, bt = layout.params, layout.block_tokens
         z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
         ninf = lambda *s: torch.full(s, float("-inf"), dtype=dtype, device=device)  # noqa: E731
+        fmts = p.entry_formats()
+        entry_dtype = torch.bfloat16 if p.kv_dtype == "bfloat16" else dtype
+
+        def entries(name: str, n: int, dim: int) -> torch.Tensor:
+            if name in fmts:
+                return torch.zeros(num_blocks, fmts[name].block_bytes(n), dtype=torch.uint8, device=device)
+            return torch.zeros(num_blocks, n, dim, dtype=entry_dtype, device=device)
+
         self.layers: list[LayerCache] = []
         for t, spec in zip(p.layer_types, layout.specs):
             lc = LayerCache(ring=z(num_slots, p.window, p.head_dim))
@@ -60,11 +100,12 @@ class CacheTensors:
             if swa_blocks:
                 lc.blocks["swa"] = z(num_blocks, bt, d)
             if t in (CSA, HCA):
-                lc.blocks["comp"] = z(num_blocks, bt // m, d)
+                lc.blocks["comp"] = entries("comp", bt // m, d)
+                lc.formats = {k: f for k, f in fmts.items() if k == "comp" or t == CSA}
                 w = 2 * d if t == CSA else d
                 lc.tails.update(tail_kv=z(num_slots, m, w), tail_gate=z(num_slots, m, w))
             if t == CSA:
-                lc.blocks["idx"] = z(num_blocks, bt // m, di)
+                lc.blocks["idx"] = entries("idx", bt // m, di)
                 if swa_blocks:
                     lc.blocks.update(bovl_kv=z(num_blocks, m, d), bovl_gate=z(num_blocks, m, d),
                                      biovl_kv=z(num_blocks, m, di), biovl_gate=z(num_blocks, m, di))

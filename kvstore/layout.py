@@ -14,6 +14,11 @@ The state cache is one fixed-size slot per running request:
                   | overlap: m x head_dim (kv, gate) | indexer overlap: m x index_head_dim (kv, gate) |
     HCA adds:     | tails: m' x head_dim (kv, gate) |
 
+With `kv_dtype="fp8"` the compressed entries and indexer keys are FP8 records
+(`kvstore/fp8_kv.py`: e4m3 non-RoPE dims + ue8m0 scales + bf16 RoPE dims, 584 B instead of
+1,024 B per entry at V4's shape; indexer keys e4m3 + an fp32 scale, 132 B instead of 256 B);
+the SWA rings, tails and overlap state stay in the compute dtype.
+
 kvstore imports nothing from workers: `LayoutParams` carries the plain numbers.
 """
 from __future__ import annotations
@@ -21,9 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .fp8_kv import Fp8EntryFormat
+
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYOUT_VERSION = 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+KV_DTYPES = ("auto", "bfloat16", "fp8")
 
 
 class LayoutError(ValueError):
@@ -37,6 +45,8 @@ class LayerSpec:
     dtype_bytes: int
     ratio: int = 0
     index_head_dim: int = 0
+    entry_bytes: int = 0            # one compressed entry (head_dim values, or an FP8 record)
+    index_entry_bytes: int = 0      # one indexer key
 
     def entries_per_block(self, block_tokens: int) -> int:
         return block_tokens // self.ratio if self.ratio else 0
@@ -60,7 +70,7 @@ class SWASpec(LayerSpec):
 @dataclass(frozen=True)
 class HCASpec(LayerSpec):
     def block_bytes(self, block_tokens: int) -> int:
-        return self.entries_per_block(block_tokens) * self.head_dim * self.dtype_bytes
+        return self.entries_per_block(block_tokens) * self.entry_bytes
 
     def state_bytes(self) -> int:
         tails = 2 * self.ratio * self.head_dim
@@ -70,7 +80,7 @@ class HCASpec(LayerSpec):
 @dataclass(frozen=True)
 class CSASpec(LayerSpec):
     def block_bytes(self, block_tokens: int) -> int:
-        return self.entries_per_block(block_tokens) * (self.head_dim + self.index_head_dim) * self.dtype_bytes
+        return self.entries_per_block(block_tokens) * (self.entry_bytes + self.index_entry_bytes)
 
     def swa_block_bytes(self, block_tokens: int) -> int:
         """Plus the overlap state at the block's end (kv and gate, compressor and indexer)."""
@@ -95,7 +105,20 @@ class LayoutParams:
     csa_ratio: int
     hca_ratio: int
     window: int
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"         # compute dtype: SWA rings, tails, overlap state
+    kv_dtype: str = "auto"          # compressed entries + indexer keys: auto (= dtype) | bfloat16 | fp8
+    rope_dim: int = 0               # trailing RoPE dims of an entry (kept in bf16 under fp8)
+
+    @property
+    def entry_dtype(self) -> str:
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    def entry_formats(self) -> dict[str, Fp8EntryFormat]:
+        """FP8 record formats by block field ("comp", "idx"); empty for a float cache."""
+        if self.entry_dtype != "fp8":
+            return {}
+        return {"comp": Fp8EntryFormat.main(self.head_dim, self.rope_dim),
+                "idx": Fp8EntryFormat.indexer(self.index_head_dim)}
 
 
 @dataclass(frozen=True)
@@ -108,10 +131,20 @@ class CacheLayout:
     def build(cls, params: LayoutParams, block_tokens: int = 128) -> "CacheLayout":
         if params.dtype not in DTYPE_BYTES:
             raise LayoutError(f"unsupported cache dtype {params.dtype!r}; one of {sorted(DTYPE_BYTES)}")
+        if params.kv_dtype not in KV_DTYPES:
+            raise LayoutError(f"unsupported kv_cache_dtype {params.kv_dtype!r}; one of {KV_DTYPES}")
+        if params.entry_dtype == "fp8" and not 0 < params.rope_dim < params.head_dim:
+            raise LayoutError(f"kv_cache_dtype fp8 needs 0 < rope_dim < head_dim, got {params.rope_dim}")
         b = DTYPE_BYTES[params.dtype]
+        fmts = params.entry_formats()
+        eb = DTYPE_BYTES.get(params.entry_dtype, 0)
+        entry = fmts["comp"].entry_bytes if fmts else params.head_dim * eb
+        index_entry = fmts["idx"].entry_bytes if fmts else params.index_head_dim * eb
         ratio = {CSA: params.csa_ratio, HCA: params.hca_ratio, SWA: 0}
         specs = tuple(SPEC_FOR_TYPE[t](head_dim=params.head_dim, window=params.window, dtype_bytes=b,
-                                       ratio=ratio[t], index_head_dim=params.index_head_dim if t == CSA else 0)
+                                       ratio=ratio[t], index_head_dim=params.index_head_dim if t == CSA else 0,
+                                       entry_bytes=entry if t != SWA else 0,
+                                       index_entry_bytes=index_entry if t == CSA else 0)
                       for t in params.layer_types)
         unit = math.lcm(*[s.ratio for s in specs if s.ratio] or [1])
         if block_tokens <= 0 or block_tokens % unit:

@@ -58,6 +58,7 @@ class EngineConfig:
     store_capacity_bytes: int | None = None
     index: str = "local"                # "local" (embedded) or "redis://host:port/db"
     swa_policy: str = "full"            # full | periodic:P | zero
+    kv_cache_dtype: str = "auto"        # compressed entries + indexer keys: auto (= dtype) | bfloat16 | fp8
     host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
     worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
     prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
@@ -75,13 +76,14 @@ class Engine:
         a = self.args
         self.layout = CacheLayout.build(
             LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
-                         a.sliding_window, dtype_name), config.block_tokens)
+                         a.sliding_window, dtype_name, config.kv_cache_dtype, a.rope_head_dim), config.block_tokens)
         self.policy = SwaPolicy.parse(config.swa_policy, config.block_tokens)
         swa_blocks = self.policy.kind == "full"
         num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs, swa_blocks)
         self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device, swa_blocks)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
-        self.prefix = self._prefix_cache(model_dir, dtype_name, swa_blocks)
+        kv = config.kv_cache_dtype    # part of the fingerprint: a bf16 object is never read as fp8
+        self.prefix = self._prefix_cache(model_dir, dtype_name if kv == "auto" else f"{dtype_name}/kv:{kv}", swa_blocks)
         self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,
                                    config.max_batched_tokens, on_admit=self._admit, cut=self.prefix.cut)
         self.runner = ModelRunner(self.model, self.cache, config.device)

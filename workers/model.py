@@ -114,8 +114,8 @@ class Compressor(nn.Module):
         write the entries into the paged cache and update tails and overlap state."""
         kv, gate = self.wkv(x), self.wgate(x)
         tails = cache.tails
-        store = cache.blocks["idx" if prefix else "comp"]
-        m, epb = self.ratio, store.shape[1]
+        field = "idx" if prefix else "comp"
+        m, epb = self.ratio, cache.entries_per_block(field)
         tail_kv, tail_gate = tails[f"{prefix}tail_kv"], tails[f"{prefix}tail_gate"]
         cu = step.cu
         for b in range(step.lengths.shape[0]):
@@ -149,7 +149,7 @@ class Compressor(nn.Module):
             if keep.any():
                 w = windows[keep]
                 blocks = step.block_table[b, (w // epb)].long()
-                store[blocks, w % epb] = entries[keep].to(store.dtype)
+                cache.write_entries(field, blocks, w % epb, entries[keep])
 
 
     def carry_overlap(self, win_kv, win_gate, windows, keep, cache: LayerCache, prefix: str, slot: int,
@@ -190,7 +190,8 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(q_res).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5
         key_len = (step.starts + step.lengths) // m
-        return ops.indexer_topk(q, weights, step.positions, step.q_seq, cache.idx, step.block_table,
+        keys, table = cache.paged("idx", step.block_table, x.dtype)
+        return ops.indexer_topk(q, weights, step.positions, step.q_seq, keys, table,
                                 key_len, m, self.topk, self.head_dim ** -0.5)
 
 
@@ -255,8 +256,9 @@ class Attention(nn.Module):
             comp_len = (step.starts + step.lengths) // self.ratio
         if self.indexer is not None:
             topk = self.indexer(x, q_res, step, cache, ropes["compress"], pos_rope["compress"], ops)
-        out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, cache.comp,
-                                   step.block_table, comp_len, topk, self.attn_sink,
+        comp, table = cache.paged("comp", step.block_table, x.dtype) if self.compressor else (None, step.block_table)
+        out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, comp,
+                                   table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1))
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.args.o_groups, -1)                      # [T, G, H*D/G]
