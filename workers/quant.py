@@ -4,7 +4,8 @@
 * `FP8Linear`: a drop-in for the model's `nn.Linear` holding e4m3 weight + block scales.
 * `QuantExperts`: the routed experts stacked, FP4-packed (or FP8), same forward as the
   dense `Experts`.
-The matmuls themselves are `kernels.quant_ops` (dequantize a band of rows just in time).
+The matmuls themselves are `kernels.quant_ops` (torch: dequantize a band of rows just in
+time) on CPU and `kernels.triton_quant` (fused-dequant GEMMs) on CUDA; `quant_kernels` picks.
 """
 from __future__ import annotations
 
@@ -95,6 +96,14 @@ def _check_scale(name: str, scale: torch.Tensor, want: tuple[int, ...], what: st
         raise QuantFormatError(f"{name}.scale: shape {tuple(scale.shape)}, expected {tuple(want)} ({what})")
 
 
+def quant_kernels(x: torch.Tensor):
+    """Triton on CUDA, the torch reference elsewhere (same signatures)."""
+    if x.is_cuda:
+        from kernels import triton_quant
+        return triton_quant
+    return quant_ops
+
+
 class FP8Linear(nn.Module):
     """y = x @ W.T with W block-scaled e4m3 [out, in]; `rows(a, b)` gives W[a:b] @ x."""
 
@@ -106,7 +115,7 @@ class FP8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        return quant_ops.fp8_linear(x, self.weight, self.scale, self.block, rows)
+        return quant_kernels(x).fp8_linear(x, self.weight, self.scale, self.block, rows)
 
 
 def grouped_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -135,14 +144,30 @@ class QuantExperts(nn.Module):
     def _proj(self, w: str, e: int, x: torch.Tensor) -> torch.Tensor:
         q, s = getattr(self, w)[e], getattr(self, f"{w}_scale")[e]
         if self.fmt.expert_dtype == "fp4":
-            return quant_ops.fp4_linear(x, q, s)
-        return quant_ops.fp8_linear(x, q, s, self.fmt.block)
+            return quant_kernels(x).fp4_linear(x, q, s)
+        return quant_kernels(x).fp8_linear(x, q, s, self.fmt.block)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from .model import swiglu
+        if x.is_cuda and self.fmt.expert_dtype == "fp4":
+            return self._grouped(x, idx, weights, swiglu)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, k = torch.where(idx == e)
             h = swiglu(self._proj("w1", e, x[tok]), self._proj("w3", e, x[tok]), self.limit)
             out.index_add_(0, tok, (self._proj("w2", e, h) * weights[tok, k, None]).to(out.dtype))
         return out
+
+    def _grouped(self, x, idx, weights, swiglu) -> torch.Tensor:
+        """CUDA: every (token, expert) pair sorted by expert through one grouped GEMM per projection."""
+        from kernels.triton_quant import fp4_grouped_linear
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        tok = order // idx.shape[1]
+        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        xs = x[tok]
+        h = swiglu(fp4_grouped_linear(xs, self.w1, self.w1_scale, offsets),
+                   fp4_grouped_linear(xs, self.w3, self.w3_scale, offsets), self.limit)
+        down = fp4_grouped_linear(h, self.w2, self.w2_scale, offsets) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tok, down.to(x.dtype))

@@ -76,3 +76,12 @@ def test_kvmesh_layout_reports_both_kv_dtypes_per_token_and_per_million(tmp_path
     assert rows["bfloat16"][1] == bf16 and rows["fp8"][1] == fp8
     per_m = float(rows["fp8"][2])
     assert per_m == round(float(fp8.replace(",", "")) * 1e6 / 2 ** 30, 2)
+
+
+def test_serve_config_passes_kv_cache_dtype_and_rejects_unknown_ones():
+    from pydantic import ValidationError
+
+    from cluster.config import EngineSettings
+    assert EngineSettings(kv_cache_dtype="fp8").engine_config().kv_cache_dtype == "fp8"
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        EngineSettings(kv_cache_dtype="int4")
