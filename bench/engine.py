@@ -25,6 +25,11 @@ Definitions (all times from time.perf_counter):
   * end-to-end tok/s: all generated tokens / wall time from t0 to the last token
   * ratio: kvmesh / reference
 
+With --quantized the comparison is instead kvmesh against itself on one released-format
+checkpoint (FP8 block-scaled linears, FP4 experts, ~96M parameters, generated here): as
+shipped (weights kept quantized, dequantized just in time) vs the same weights dequantized to
+a bf16 checkpoint, both bf16 compute, same prompts; plus resident weight bytes of each.
+
 A warm-up run of both (own prompts) comes first. Each concurrency level is run --repeats
 times on fresh prompts and the table shows each metric's median (single runs on a shared
 machine are noisy); the kvmesh runs are checked to have reused no cached prefix and to
@@ -203,6 +208,74 @@ def plot(rows: list[tuple[RunResult, RunResult, int]], path: Path, model_name: s
     plt.close(fig)
 
 
+# ---- quantized vs bf16 (--quantized) ----------------------------------------------------------------
+QUANT_CONFIG = dict(model_type="deepseek_v4", vocab_size=8192, hidden_size=512, num_hidden_layers=6,
+                    num_attention_heads=8, head_dim=128, qk_rope_head_dim=32, q_lora_rank=256,
+                    moe_intermediate_size=512, n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
+                    o_groups=4, o_lora_rank=128, index_n_heads=4, index_head_dim=64, index_topk=8,
+                    sliding_window=32, hc_mult=4, num_hash_layers=1,
+                    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                    layer_types=["sliding_attention", "compressed_sparse_attention",
+                                 "heavily_compressed_attention"] * 2,
+                    max_position_embeddings=4096, dtype="bfloat16")
+
+
+def quantized_main(args, levels: list[int]) -> int:
+    import tempfile
+
+    from tests.quant_checkpoint import dequantize_checkpoint, random_released_checkpoint
+    from workers.inspect import resident_bytes
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-quant-"))
+    qdir = random_released_checkpoint(root / "fp8-fp4", QUANT_CONFIG)
+    ddir = dequantize_checkpoint(qdir, root / "bf16")
+    engines = {name: Engine(EngineConfig(model=str(d), dtype="bfloat16", max_num_seqs=max(levels),
+                                         max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES))
+               for name, d in (("fp8/fp4", qdir), ("bf16", ddir))}
+    files = {"fp8/fp4": (qdir / "model.safetensors").stat().st_size, "bf16": (ddir / "model.safetensors").stat().st_size}
+    resident = {name: resident_bytes(e.model) for name, e in engines.items()}
+    vocab = QUANT_CONFIG["vocab_size"]
+    warm = make_prompts(max(levels), args.prompt_len, vocab, WARMUP_SEED)
+    for e in engines.values():
+        run_kvmesh(e, warm, args.max_tokens)
+    lines = ["| concurrency | FP8/FP4 decode tok/s | bf16 decode tok/s | decode ratio | FP8/FP4 TTFT ms "
+             "| bf16 TTFT ms | greedy tokens equal |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    raw = []
+    for i, c in enumerate(levels):
+        runs = {name: [] for name in engines}
+        same = 0
+        for rep in range(args.repeats):
+            prompts = make_prompts(c, args.prompt_len, vocab, seed=1000 * i + rep)
+            toks = {}
+            for name, e in engines.items():
+                r, toks[name] = run_kvmesh(e, prompts, args.max_tokens)
+                runs[name].append(r)
+            same += sum(a == b for a, b in zip(toks["fp8/fp4"], toks["bf16"]))
+            print(f"c={c} #{rep}: " + ", ".join(f"{n} {rs[-1].wall_s:.2f}s" for n, rs in runs.items()),
+                  file=sys.stderr)
+        q, d = median_run(runs["fp8/fp4"]), median_run(runs["bf16"])
+        lines.append(f"| {c} | {q.decode_tok_s:,.1f} | {d.decode_tok_s:,.1f} | {q.decode_tok_s / d.decode_tok_s:.2f}x "
+                     f"| {q.ttft_mean_s * 1e3:,.0f} | {d.ttft_mean_s * 1e3:,.0f} | {same}/{c * args.repeats} |")
+        raw.append({n: [asdict(r) for r in rs] for n, rs in runs.items()})
+    print(f"model: {QUANT_CONFIG['num_hidden_layers']} layers, hidden {QUANT_CONFIG['hidden_size']}, "
+          f"{QUANT_CONFIG['n_routed_experts']} experts; bf16 compute; prompt {args.prompt_len} tokens, "
+          f"max_tokens {args.max_tokens}, greedy, ignore_eos; torch path (CPU), medians of {args.repeats}")
+    print(f"machine: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f} (shared machine: expect noise)")
+    print()
+    print("\n".join(lines))
+    print()
+    print("| weights | file bytes | resident bytes | resident / file | resident vs bf16 |")
+    print("|---|---:|---:|---:|---:|")
+    for name in engines:
+        print(f"| {name} | {files[name]:,} | {resident[name]:,} | {resident[name] / files[name]:.3f} "
+              f"| {resident[name] / resident['bf16']:.3f}x |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": QUANT_CONFIG, "files": files, "resident": resident, "runs": raw}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the built-in default model)")
@@ -215,9 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads for both systems (default 1: at these shapes a second "
                              "thread buys little, and on a shared machine OpenMP barriers turn it into noise)")
     parser.add_argument("--out", default="bench/out/engine.json")
+    parser.add_argument("--quantized", action="store_true",
+                        help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.quantized:
+        return quantized_main(args, levels)
     model_dir = Path(args.model) if args.model else ensure_default_model()
 
     # a KV budget with room to spare: a preemption would make the run measure something else

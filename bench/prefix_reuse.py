@@ -20,6 +20,10 @@ so warm / floor shows the overhead of the restore path itself.
 
     python bench/prefix_reuse.py                      # 2K, 8K, 16K tokens on the default model
     python bench/prefix_reuse.py --sizes 2048 --policies full,zero
+    python bench/prefix_reuse.py --kv-cache-dtypes auto,fp8   # each policy with both KV dtypes
+
+With `--kv-cache-dtypes` each policy runs once per KV dtype (`fp8`: V4's FP8 records for
+the compressed entries and indexer keys; the SWA state stays in the compute dtype).
 """
 from __future__ import annotations
 
@@ -43,10 +47,11 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 QUESTION_TOKENS = 16
 
 
-def engine(policy: str, store: str, args) -> Engine:
+def engine(policy: str, store: str, args, kv: str = "auto") -> Engine:
     """A fresh engine, warmed up on an unrelated short prompt (first-call costs excluded)."""
     e = Engine(EngineConfig(model=args.model, block_tokens=args.block_tokens, swa_policy=policy, store=store,
-                            kv_cache_bytes=args.kv_cache_mb << 20, max_batched_tokens=args.chunk))
+                            kv_cache_bytes=args.kv_cache_mb << 20, max_batched_tokens=args.chunk,
+                            kv_cache_dtype=kv))
     e.generate([[2] * 40], FIRST_TOKEN)
     return e
 
@@ -67,10 +72,10 @@ def read_bandwidth(root: Path) -> float:
     return total / max(time.perf_counter() - t0, 1e-9)
 
 
-def run_one(policy: str, size: int, args, doc: list[int], question: list[int]) -> list[dict]:
+def run_one(policy: str, size: int, args, doc: list[int], question: list[int], kv: str = "auto") -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     try:
-        writer = engine(policy, str(root), args)
+        writer = engine(policy, str(root), args, kv)
         cold_s, cold_out = timed_first_token(writer, doc)
         writer.flush()
         stored = writer.prefix.store.stats().total_bytes
@@ -79,7 +84,7 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int]) -
         rows = []
         cut = size - 5 * args.block_tokens - 7
         for scenario, prompt in (("doc-end", doc + question), ("mid-doc", doc[:cut] + question)):
-            reader = engine(policy, str(root), args)
+            reader = engine(policy, str(root), args, kv)
             before = dict(reader.stats)
             warm_s, warm_out = timed_first_token(reader, prompt)
             forward_s = reader.stats["forward_s"] - before["forward_s"]
@@ -87,7 +92,7 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int]) -
             loaded = reader.prefix.stats.bytes_loaded
             floor = loaded / bw + forward_s
             reader.close()
-            rows.append({"policy": policy, "tokens": size, "scenario": scenario, "cold_ttft_s": cold_s,
+            rows.append({"policy": policy, "kv": kv, "tokens": size, "scenario": scenario, "cold_ttft_s": cold_s,
                          "warm_ttft_s": warm_s, "speedup": cold_s / warm_s,
                          "stored_bytes_per_1k": stored * 1000 / size, "prompt_tokens": len(prompt),
                          "cached_tokens": warm_out.cached_tokens, "recomputed": last.get("recompute", 0),
@@ -99,11 +104,11 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int]) -
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| policy | tokens | hit | cold TTFT s | warm TTFT s | speedup | stored KB/1K tok | cached "
+    head = ("| policy | kv | tokens | hit | cold TTFT s | warm TTFT s | speedup | stored KB/1K tok | cached "
             "| recomputed | loaded MB | load s | compute s | floor s | warm/floor |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['tokens']} | {r['scenario']} | {r['cold_ttft_s']:.3f} | "
+        lines.append(f"| {r['policy']} | {r.get('kv', 'auto')} | {r['tokens']} | {r['scenario']} | {r['cold_ttft_s']:.3f} | "
                      f"{r['warm_ttft_s']:.3f} | "
                      f"{r['speedup']:.1f}x | {r['stored_bytes_per_1k'] / 1024:.0f} | {r['cached_tokens']} | "
                      f"{r['recomputed']} | {r['bytes_loaded'] / 2**20:.1f} | {r['load_s']:.3f} | "
@@ -144,6 +149,7 @@ def main() -> int:
     p.add_argument("--block-tokens", type=int, default=128)
     p.add_argument("--chunk", type=int, default=2048, help="max batched tokens per step")
     p.add_argument("--kv-cache-mb", type=int, default=768)
+    p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto, bfloat16, fp8")
     p.add_argument("--out", default="bench/out/prefix_reuse")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -154,9 +160,9 @@ def main() -> int:
         g = torch.Generator().manual_seed(size)
         doc = torch.randint(3, 500, (size,), generator=g).tolist()
         question = torch.randint(3, 500, (QUESTION_TOKENS,), generator=g).tolist()
-        for policy in args.policies.split(","):
-            rows += run_one(policy, size, args, doc, question)
-            print(f"  {policy:>14} {size:>6}: cold {rows[-1]['cold_ttft_s']:.3f}s warm "
+        for policy, kv in [(p_, k) for p_ in args.policies.split(",") for k in args.kv_cache_dtypes.split(",")]:
+            rows += run_one(policy, size, args, doc, question, kv)
+            print(f"  {policy:>14} {kv:>8} {size:>6}: cold {rows[-1]['cold_ttft_s']:.3f}s warm "
                   f"{rows[-2]['warm_ttft_s']:.3f}s / {rows[-1]['warm_ttft_s']:.3f}s", file=sys.stderr)
     print(table(rows))
     Path(f"{out}.json").write_text(json.dumps(rows, indent=1))

@@ -21,14 +21,16 @@ import torch.nn.functional as F
 FP4_GROUP = 32                      # inputs per FP4 scale
 BAND_BYTES = 8 << 20                # dequantized rows materialized at once (per matmul)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_E2M1_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_E2M1_PAIRS: dict[torch.device, torch.Tensor] = {}
 
 
-def _e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    key = (device, dtype)
-    if key not in _E2M1_TABLES:
-        _E2M1_TABLES[key] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device).to(dtype)
-    return _E2M1_TABLES[key]
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: the two e2m1 values (low nibble first) of every byte."""
+    if device not in _E2M1_PAIRS:
+        v = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+        b = torch.arange(256, device=device)
+        _E2M1_PAIRS[device] = torch.stack([v[b & 0xF], v[b >> 4]], -1)
+    return _E2M1_PAIRS[device]
 
 
 def _band_rows(k: int, multiple: int, dtype: torch.dtype) -> int:
@@ -40,10 +42,16 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
                 dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Rows [r0, r1) (default all) of a block-scaled e4m3 [N, K] weight, dense in `dtype`."""
     r0, r1 = rows or (0, weight.shape[0])
-    k = weight.shape[1]
+    n, k = r1 - r0, weight.shape[1]
     bn, bk = block
-    row_scale = scale.float()[torch.arange(r0, r1, device=weight.device) // bn]          # [r1-r0, K/bk]
-    return (weight[r0:r1].float() * row_scale.repeat_interleave(bk, 1)[:, :k]).to(dtype)
+    row_scale = scale.float()[torch.arange(r0, r1, device=weight.device) // bn]          # [n, ceil(K/bk)]
+    w = weight[r0:r1].float()
+    full, rem = divmod(k, bk)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    out[:, :full * bk] = (w[:, :full * bk].view(n, full, bk) * row_scale[:, :full, None]).view(n, -1)
+    if rem:
+        out[:, full * bk:] = w[:, full * bk:] * row_scale[:, full:]
+    return out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -58,15 +66,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[N, K/2] int8 -> [N, K] e2m1 values (low nibble first)."""
-    u8 = packed.view(torch.uint8)
-    table = _e2m1_table(packed.device, dtype)
-    return torch.stack([table[(u8 & 0xF).long()], table[(u8 >> 4).long()]], -1).flatten(-2)
+    pairs = _e2m1_pairs(packed.device)[packed.view(torch.uint8).long()]      # [N, K/2, 2]
+    return pairs.flatten(-2).to(dtype)
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[N, K/2] int8 + [N, K/32] scales -> [N, K] dense."""
     values = unpack_fp4(packed, torch.float32)
-    return (values * scale.float().repeat_interleave(FP4_GROUP, -1)).to(dtype)
+    grouped = values.view(*values.shape[:-1], -1, FP4_GROUP) * scale.float().unsqueeze(-1)
+    return grouped.flatten(-2).to(dtype)
 
 
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

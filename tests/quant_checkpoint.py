@@ -146,3 +146,30 @@ def random_released_checkpoint(dst: Path, config: dict, seed: int = 0, **quant_k
     out = quantize_checkpoint(src, dst, mtp_layers=0, **quant_kw)
     (src / "model.safetensors").unlink()
     return out
+
+
+def dequantize_checkpoint(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The same weights dense (FP8/FP4 dequantized to `dtype`, quantization_config dropped):
+    the baseline a released checkpoint is compared against."""
+    from kernels.quant_ops import dequant_fp4, dequant_fp8
+    tensors = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    cfg.pop("expert_dtype", None)
+    block = tuple(q["weight_block_size"])
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".scale", ".weight_scale_inv")):
+            continue
+        stem = name.removesuffix(".weight")
+        s = tensors.get(f"{stem}.scale", tensors.get(f"{stem}.weight_scale_inv"))
+        if s is None:
+            out[name] = t
+        elif t.dtype == torch.int8:
+            out[name] = dequant_fp4(t, s, dtype)
+        else:
+            out[name] = dequant_fp8(t, s, block, dtype)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
