@@ -90,12 +90,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"MTP layers: {len(model.mtp)} ({stats.mtp_params:,} params, loaded and kept)")
     print(f"resident after load: {resident:,} B ({resident / 2**30:.2f} GiB), "
           f"{resident / max(stats.file_bytes, 1):.3f}x the file's tensor bytes")
-    for dtype in ("bfloat16",):
+    dtype = str(model.head.weight.dtype).removeprefix("torch.")
+    for kv in ("auto", "fp8"):
         layout = CacheLayout.build(LayoutParams(margs.layer_types, margs.head_dim, margs.index_head_dim,
-                                                margs.csa_ratio, margs.hca_ratio, margs.sliding_window, dtype),
-                                   args.block_tokens)
-        print(f"KV cache ({dtype}, block_tokens {args.block_tokens}): {layout.bytes_per_token():,.1f} B/token "
-              f"classical, {layout.swa_bytes_per_token():,.0f} B/token SWA K=V, {layout.slot_bytes:,} B per state slot")
+                                                margs.csa_ratio, margs.hca_ratio, margs.sliding_window, dtype,
+                                                kv, margs.rope_head_dim), args.block_tokens)
+        print(f"KV cache (kv_cache_dtype {layout.params.entry_dtype}, block_tokens {args.block_tokens}): "
+              f"{layout.bytes_per_token():,.1f} B/token classical, {layout.swa_bytes_per_token():,.0f} B/token "
+              f"SWA K=V, {layout.slot_bytes:,} B per state slot")
     return 0
 
 

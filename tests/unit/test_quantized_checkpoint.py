@@ -199,4 +199,5 @@ def test_kvmesh_inspect_reports_dtypes_mtp_resident_bytes_and_kv_per_token(flash
     assert "MTP layers: 1" in out and "expert_dtype fp4" in out
     ratio = float(out.split("x the file's tensor bytes")[0].rsplit(", ", 1)[1])
     assert 0.95 < ratio < 1.05
-    assert "B/token classical" in out
+    assert "kv_cache_dtype bfloat16, block_tokens 16): 28.0 B/token classical" in out
+    assert "kv_cache_dtype fp8, block_tokens 16): 20.0 B/token classical" in out
