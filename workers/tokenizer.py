@@ -5,7 +5,8 @@ that ship none.
 these files: tokenizer.json's post-processor decides (transformers ignores tokenizer_config's
 `add_bos_token` / `add_eos_token` when a tokenizer.json exists).
 `encode_rendered(text)` adds nothing (a rendered chat template carries its own BOS).
-The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`.
+The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`;
+generation ends on the tokenizer's EOS and generation_config.json's `eos_token_id`s.
 """
 from __future__ import annotations
 
@@ -64,7 +65,11 @@ class HFTokenizer(Tokenizer):
         self.chat_template = jinja.read_text() if jinja.exists() else cfg.get("chat_template")
         self.special_tokens = {k: t for k in SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None}
         self.bos_id, self.eos_id = (self._id(self.special_tokens.get(k)) for k in ("bos_token", "eos_token"))
-        self.stop_token_ids = () if self.eos_id is None else (self.eos_id,)
+        gen_path = path.parent / "generation_config.json"
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+        ends = ([] if self.eos_id is None else [self.eos_id]) + [int(i) for i in gen_eos]
+        self.stop_token_ids = tuple(dict.fromkeys(ends))     # the tokenizer's EOS + generation_config's
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

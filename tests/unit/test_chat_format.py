@@ -137,3 +137,11 @@ def test_generation_stops_on_the_tokenizers_end_of_turn_token(tmp_path):
     out = Engine(EngineConfig(model=str(ckpt), block_tokens=16, kv_cache_bytes=8 << 20)).generate([prompt], params)[0]
     assert out.token_ids == free.token_ids[:free.token_ids.index(eos_id) + 1]
     assert out.finish_reason == "stop"
+
+
+def test_end_of_turn_ids_are_the_tokenizers_eos_and_generation_configs(tmp_path):
+    path = write_tokenizer(tmp_path)
+    tok = load_tokenizer(path)
+    assert tok.stop_token_ids == (tok.eos_id,) and tok.eos_id == 1
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    assert load_tokenizer(path).stop_token_ids == (1, 5)
