@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelArgs
-from .model import Experts, Rope, Transformer
+from .model import Experts, Rope, Transformer, swiglu
 from .quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
@@ -169,7 +169,7 @@ def _quant_experts(path: str, module: Experts, state: dict, fmt: QuantFormat | N
         else:
             check_fp8(f"{path}.{w}", q, s, fmt.block, shape[-2:])
         weights[w] = (q, s)
-    return QuantExperts(weights, fmt, module.limit)
+    return QuantExperts(weights, fmt, module.limit, swiglu)
 
 
 def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu",

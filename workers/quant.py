@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -133,13 +134,14 @@ class QuantExperts(nn.Module):
     """Routed experts, quantized: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] dense shapes, stored
     FP4-packed (`fp4`) or block-scaled FP8 (`fp8`); forward as the dense `Experts`."""
 
-    def __init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], fmt: QuantFormat, limit: float):
+    def __init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], fmt: QuantFormat, limit: float,
+                 act: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]):
         super().__init__()
         for w in ("w1", "w2", "w3"):
             q, s = weights[w]
             self.register_parameter(w, nn.Parameter(q, requires_grad=False))
             self.register_parameter(f"{w}_scale", nn.Parameter(s, requires_grad=False))
-        self.fmt, self.limit = fmt, limit
+        self.fmt, self.limit, self.act = fmt, limit, act       # act: the model's clamped SwiGLU
 
     def _proj(self, w: str, e: int, x: torch.Tensor) -> torch.Tensor:
         q, s = getattr(self, w)[e], getattr(self, f"{w}_scale")[e]
@@ -148,17 +150,16 @@ class QuantExperts(nn.Module):
         return quant_kernels(x).fp8_linear(x, q, s, self.fmt.block)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from .model import swiglu
         if x.is_cuda and self.fmt.expert_dtype == "fp4":
-            return self._grouped(x, idx, weights, swiglu)
+            return self._grouped(x, idx, weights)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, k = torch.where(idx == e)
-            h = swiglu(self._proj("w1", e, x[tok]), self._proj("w3", e, x[tok]), self.limit)
+            h = self.act(self._proj("w1", e, x[tok]), self._proj("w3", e, x[tok]), self.limit)
             out.index_add_(0, tok, (self._proj("w2", e, h) * weights[tok, k, None]).to(out.dtype))
         return out
 
-    def _grouped(self, x, idx, weights, swiglu) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """CUDA: every (token, expert) pair sorted by expert through one grouped GEMM per projection."""
         from kernels.triton_quant import fp4_grouped_linear
         flat = idx.flatten()
@@ -167,7 +168,7 @@ class QuantExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.w1.shape[0])
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         xs = x[tok]
-        h = swiglu(fp4_grouped_linear(xs, self.w1, self.w1_scale, offsets),
+        h = self.act(fp4_grouped_linear(xs, self.w1, self.w1_scale, offsets),
                    fp4_grouped_linear(xs, self.w3, self.w3_scale, offsets), self.limit)
         down = fp4_grouped_linear(h, self.w2, self.w2_scale, offsets) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tok, down.to(x.dtype))

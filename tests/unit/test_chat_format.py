@@ -42,7 +42,9 @@ def write_tokenizer(path, *, add_bos=None, post_bos=False, template_file=True):
     if post_bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
     tok.save(str(path / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": {"__type": "AddedToken", "content": BOS, "lstrip": False, "rstrip": False, "normalized": True, "single_word": False},
+    bos = {"__type": "AddedToken", "content": BOS, "lstrip": False, "rstrip": False, "normalized": True,
+           "single_word": False}                                   # the AddedToken form real configs use
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
            "eos_token": EOS}
     if add_bos is not None:
         cfg["add_bos_token"], cfg["add_eos_token"] = add_bos, False

@@ -62,7 +62,6 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-@pytest.mark.slow
 def test_a_100m_parameter_checkpoint_stays_within_10_percent_of_its_file_bytes(tmp_path):
     from workers.inspect import weight_stats
     from workers.loader import load_model

@@ -201,3 +201,32 @@ def test_kvmesh_inspect_reports_dtypes_mtp_resident_bytes_and_kv_per_token(flash
     assert 0.95 < ratio < 1.05
     assert "kv_cache_dtype bfloat16, block_tokens 16): 28.0 B/token classical" in out
     assert "kv_cache_dtype fp8, block_tokens 16): 20.0 B/token classical" in out
+
+
+def test_sharded_release_with_scales_in_another_shard_loads_the_same(flash_dir, tmp_path):
+    tensors = load_file(str(flash_dir / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": [n for n in names if not n.endswith(".scale")],
+              "model-00002-of-00002.safetensors": [n for n in names if n.endswith(".scale")]}
+    out = tmp_path / "sharded"
+    out.mkdir()
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(out / shard))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    (out / "config.json").write_text((flash_dir / "config.json").read_text())
+    prompt = random_prompt(40, seed=4)
+    a, b = engine(flash_dir).generate([prompt], GREEDY)[0], engine(out).generate([prompt], GREEDY)[0]
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_quantized_weights_with_the_fp8_kv_cache_restore_equals_cold(flash_dir, tmp_path):
+    base = random_prompt(200, seed=8)
+    prompt = base[:176] + random_prompt(5, seed=9)
+    cold = engine(flash_dir, kv_cache_dtype="fp8").generate([prompt], GREEDY)[0]
+    writer = engine(flash_dir, kv_cache_dtype="fp8", store=str(tmp_path))
+    writer.generate([base], GREEDY)
+    writer.flush()
+    out = engine(flash_dir, kv_cache_dtype="fp8", store=str(tmp_path)).generate([prompt], GREEDY)[0]
+    assert out.cached_tokens > 0
+    assert_same(out, cold.token_ids, cold.logprobs)

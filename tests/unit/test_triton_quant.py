@@ -75,9 +75,9 @@ def test_quant_experts_grouped_path_equals_the_per_expert_torch_path():
     for w, shape in (("w1", (n, k)), ("w3", (n, k)), ("w2", (k, n))):
         qs = [quantize_fp4(torch.randn(shape, generator=_gen(20 + i)) * 0.1, True) for i in range(e)]
         weights[w] = (torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs]))
-    experts = QuantExperts(weights, QuantFormat(expert_dtype="fp4"), limit=10.0)
+    from workers.model import swiglu
+    experts = QuantExperts(weights, QuantFormat(expert_dtype="fp4"), limit=10.0, act=swiglu)
     x = torch.randn(t, k, generator=_gen(3))
     idx = torch.stack([torch.randperm(e, generator=_gen(30 + i))[:topk] for i in range(t)])
     gate = torch.rand(t, topk, generator=_gen(4))
-    from workers.model import swiglu
-    torch.testing.assert_close(experts._grouped(x, idx, gate, swiglu), experts(x, idx, gate), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(experts._grouped(x, idx, gate), experts(x, idx, gate), atol=1e-4, rtol=1e-4)
