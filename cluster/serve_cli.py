@@ -1,15 +1,32 @@
-"""`kvmesh serve`: a local Ray, the app on this machine, the URL and an example request."""
+"""`kvmesh serve`: the app on its own local Ray (or on an existing cluster when asked),
+the URL and an example request.
+
+    kvmesh serve                               # a new local Ray, private to this command
+    kvmesh serve --address HEAD_IP:6379        # attach to a running cluster (or $RAY_ADDRESS)
+
+A local run never attaches to a Ray cluster started earlier on the machine
+(`ray.init(address="local")`). Attaching uses Ray's token authentication when a token is
+available here (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH` or `~/.ray/auth_token`, the file
+`ray get-auth-token --generate` writes), unless `RAY_AUTH_MODE` says otherwise.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import threading
+from pathlib import Path
 
 DEFAULT_PORT = 8000
 LOCAL_MIN_CPUS = 4   # logical CPUs for a local Ray, so the default pools fit a small laptop
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+class PortInUseError(OSError):
+    """The HTTP port is taken by another process."""
 
 
 def add_serve_parser(subparsers) -> None:
@@ -20,7 +37,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                   help="join this Ray cluster instead of starting a local one (default: $RAY_ADDRESS)")
+                   help="attach to this Ray cluster (HOST:PORT or auto) instead of starting a local one "
+                        "(default: $RAY_ADDRESS)")
     p.set_defaults(handler=cmd_serve)
 
 
@@ -29,25 +47,61 @@ def example_request(url: str, model: str) -> str:
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUseError when (host, port) cannot be bound."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(f"port {port} on {host} is in use ({e.strerror}); pick another with --port") from e
+
+
+def token_available(env: dict[str, str] | None = None) -> bool:
+    """A Ray auth token is at hand: in the environment, at RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token."""
+    env = os.environ if env is None else env
+    if env.get("RAY_AUTH_TOKEN"):
+        return True
+    path = Path(env["RAY_AUTH_TOKEN_PATH"]) if env.get("RAY_AUTH_TOKEN_PATH") else Path.home() / ".ray" / "auth_token"
+    return path.is_file() and path.stat().st_size > 0
+
+
+def use_token_auth_if_available() -> None:
+    """Ray enables token auth only for clusters it finds by itself; an explicit address needs
+    RAY_AUTH_MODE=token, set here (before Ray reads it) when a token exists and no mode is set."""
+    if AUTH_MODE_ENV not in os.environ and token_available():
+        os.environ[AUTH_MODE_ENV] = "token"
+
+
+def start_ray(address: str | None) -> None:
+    import ray
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(address="local", num_cpus=max(LOCAL_MIN_CPUS, os.cpu_count() or 1))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .config import ConfigFileError, load_config
     overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode}.items() if v is not None}
     try:
         config = load_config(args.config, overrides)
-    except ConfigFileError as e:
+        if not args.address:       # attached, the HTTP proxy runs on the cluster's head, not here
+            check_port_free(args.host, args.port)
+    except (ConfigFileError, PortInUseError) as e:
         print(f"kvmesh serve: {e}", file=sys.stderr)
         return 2
+    if args.address:
+        use_token_auth_if_available()
     import httpx
     import ray
     from ray import serve
 
     from .app import build_app
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        ray.init(num_cpus=max(LOCAL_MIN_CPUS, os.cpu_count() or 1))
+    start_ray(args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="kvmesh", route_prefix="/")
+    print(f"kvmesh serve: on Ray at {ray.get_runtime_context().gcs_address}"
+          f"{' (attached)' if args.address else ' (a new local cluster)'}", flush=True)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
     model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
@@ -59,6 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     while not stop.wait(1.0):
         pass
     print("kvmesh serve: shutting down", flush=True)
-    serve.shutdown()
+    if args.address:
+        serve.delete("kvmesh")     # the cluster and its Serve instance stay up for others
+    else:
+        serve.shutdown()
     ray.shutdown()
     return 0
