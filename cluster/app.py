@@ -50,4 +50,4 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         pools = {"prefill": prefill, "decode": _pool(Decode, config.decode, "Decode").bind(config, prefill)}
     ing = config.ingress
     return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-                           ray_actor_options={"num_cpus": ing.num_cpus}).bind(config, pools)
+                           ray_actor_options={"num_cpus": ing.num_cpus, "resources": dict(ing.resources)}).bind(config, pools)

@@ -112,6 +112,8 @@ class PoolConfig(_Strict):
 class IngressConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom node resources that pin the ingress (e.g. to the head)")
     max_ongoing_requests: int = Field(1024, ge=1)
     model_name: str | None = Field(None, description="the name /v1/models reports; default: the model dir's name")
     token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")

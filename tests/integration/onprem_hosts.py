@@ -1,0 +1,202 @@
+"""Linux network namespaces as the machines of an on-premises cluster, for one test.
+
+Each "host" is a network namespace on a private bridge (10.213.N.0/24, N free on this
+machine) AND its own PID and mount namespace: an `sshd` (private config, throwaway keys,
+listening on the host's address only) runs as the child of a tiny init that is PID 1 of
+the host, with a private /root, /tmp, /run, /dev/shm and /mnt (where /mnt/kvmesh is one
+folder bind-mounted on every host: the shared store). Everything run over SSH on a host
+lives in that host: `ray stop` there sees only that host's processes, /tmp/ray is its own.
+Killing the init kills every process of the host; `close()` removes the namespaces, the
+bridge, the veths, the processes and the files, also after a failure.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+SSH_UP_WITHIN_S = 30.0
+
+# PID 1 of a host: private mounts, then sshd, reaping every orphan until sshd exits
+HOST_INIT = """
+import os, subprocess, sys
+home, shared, config, log, *keep = sys.argv[1:]
+def mount(*args):
+    subprocess.run(["mount", *args], check=True)
+mount("--make-rprivate", "/")
+for path, size in (("/tmp", "4g"), ("/dev/shm", "2g"), ("/run", "64m"), ("/mnt", "16m")):
+    mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", path)
+os.makedirs("/run/sshd")
+os.makedirs("/mnt/kvmesh")
+mount("--bind", shared, "/mnt/kvmesh")
+for path in keep:          # parts of the real /root the hosts need (a Python installed there)
+    target = os.path.join(home, os.path.relpath(path, "/root"))
+    os.makedirs(target, exist_ok=True)
+    mount("--bind", path, target)
+mount("--rbind", home, "/root")
+sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", config], stderr=open(log, "ab"))
+while os.wait()[0] != sshd.pid:
+    pass
+"""
+
+SSHD_CONFIG = """ListenAddress {ip}
+Port 22
+HostKey {host_key}
+AuthorizedKeysFile {authorized}
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PidFile none
+AcceptEnv none
+"""
+
+
+def run(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True, timeout=60, **kw)
+
+
+class HostsUnavailable(RuntimeError):
+    """Network namespaces (or sshd) cannot be used on this machine."""
+
+
+def check_prerequisites() -> None:
+    if os.geteuid() != 0:
+        raise HostsUnavailable("needs root (ip netns, unshare)")
+    for tool in ("ip", "unshare", "ssh", "ssh-keygen", "rsync", "mount"):
+        if not shutil.which(tool):
+            raise HostsUnavailable(f"`{tool}` is not installed")
+    if not Path(SSHD).exists():
+        raise HostsUnavailable(f"{SSHD} is missing: scripts/setup.sh installs openssh-server")
+    probe = f"kvoprobe{os.getpid() % 10000}"
+    made = run("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        raise HostsUnavailable(f"cannot create a network namespace: {made.stderr.strip()}")
+    run("ip", "netns", "del", probe, check=False)
+
+
+def free_subnet() -> int:
+    used = run("ip", "-4", "-o", "addr").stdout + run("ip", "-4", "route").stdout
+    links = run("ip", "-o", "link").stdout
+    free = [n for n in range(1, 255) if f"10.213.{n}." not in used and f"kvo{n}" not in links]
+    if not free:
+        raise HostsUnavailable("no free 10.213.N.0/24 subnet")
+    return random.choice(free)
+
+
+class Hosts:
+    """`count` hosts: ips[i] is 10.213.N.(i+1); the bridge (this side) is 10.213.N.254."""
+
+    def __init__(self, count: int, keep: tuple[str, ...] = ()):
+        """`keep`: folders under /root that stay visible on the hosts (each has a private /root)."""
+        self.keep = [str(Path(p)) for p in keep if Path(p).is_relative_to("/root")]
+        self.net = free_subnet()
+        self.prefix = f"kvo{self.net}"
+        self.root = Path(tempfile.mkdtemp(prefix="kvo-", dir="/var/tmp"))   # /tmp is private on the hosts
+        self.ips = [f"10.213.{self.net}.{i + 1}" for i in range(count)]
+        self.bridge = f"{self.prefix}br"
+        self.namespaces: list[str] = []
+        self.inits: list[subprocess.Popen] = []
+        self.key = self.root / "id_ed25519"
+        self.shared = self.root / "shared"
+
+    # -- bring-up ---------------------------------------------------------------------
+    def start(self) -> "Hosts":
+        self.shared.mkdir()
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvmesh-onprem-test", "-f", str(self.key))
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / "host_key"))
+        (self.root / "host_init.py").write_text(HOST_INIT)
+        run("ip", "link", "add", self.bridge, "type", "bridge")
+        run("ip", "addr", "add", f"10.213.{self.net}.254/24", "dev", self.bridge)
+        run("ip", "link", "set", self.bridge, "up")
+        for i, ip in enumerate(self.ips):
+            self._add_host(i, ip)
+        for ip in self.ips:
+            self._wait_for_ssh(ip)
+        return self
+
+    def _add_host(self, i: int, ip: str) -> None:
+        ns, outside, inside = f"{self.prefix}-{i}", f"{self.prefix}h{i}", f"{self.prefix}p{i}"
+        run("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+        run("ip", "link", "set", outside, "master", self.bridge, "up")
+        run("ip", "link", "set", inside, "netns", ns)
+        run("ip", "-n", ns, "link", "set", inside, "name", "eth0")
+        run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        run("ip", "-n", ns, "link", "set", "eth0", "up")
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+        # a default route only so that programs find their address (Ray asks the kernel which
+        # source address would reach a public IP); this side does not forward, nothing leaves
+        run("ip", "-n", ns, "route", "add", "default", "via", f"10.213.{self.net}.254")
+        host = self.root / f"host{i}"
+        (host / "home").mkdir(parents=True)
+        config = host / "sshd_config"
+        config.write_text(SSHD_CONFIG.format(ip=ip, host_key=self.root / "host_key",
+                                             authorized=self.root / "id_ed25519.pub"))
+        self.inits.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+             "/usr/bin/python3", str(self.root / "host_init.py"), str(host / "home"), str(self.shared),
+             str(config), str(host / "sshd.log"), *self.keep],
+            stdout=subprocess.DEVNULL, stderr=open(host / "init.log", "ab"), start_new_session=True))
+
+    def ssh_args(self, ip: str) -> list[str]:
+        return ["ssh", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
+                f"root@{ip}"]
+
+    def ssh(self, ip: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.ssh_args(ip), command], capture_output=True, text=True, timeout=timeout)
+
+    def _wait_for_ssh(self, ip: str) -> None:
+        deadline = time.monotonic() + SSH_UP_WITHIN_S
+        while True:
+            out = self.ssh(ip, "true", timeout=15)
+            if out.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                logs = "".join(p.read_text() for p in self.root.glob("host*/*.log"))
+                raise RuntimeError(f"sshd on {ip} did not answer: {out.stderr.strip()}\n{logs[-2000:]}")
+            time.sleep(0.5)
+
+    # -- inspection -------------------------------------------------------------------
+    def processes(self, ip: str) -> list[str]:
+        """Command lines of every process the host can see (its own PID namespace)."""
+        script = ("import os\nfor p in os.listdir('/proc'):\n if p.isdigit():\n  try: print(open(f'/proc/{p}/cmdline',"
+                  "'rb').read().replace(b'\\0', b' ').decode(errors='replace'))\n  except OSError: pass")
+        out = self.ssh(ip, f"/usr/bin/python3 -c \"{script}\"")
+        if out.returncode != 0:
+            raise RuntimeError(f"cannot list processes on {ip}: {out.stderr}")
+        return [line for line in out.stdout.splitlines() if line.strip()]
+
+    def check_isolated(self) -> None:
+        """Each host sees only its own processes (PID 1 is its init), so `ray stop` there is safe."""
+        for ip in self.ips:
+            seen = self.processes(ip)
+            init = self.ssh(ip, "cat /proc/1/cmdline").stdout
+            if "host_init.py" not in init or len(seen) > 20:
+                raise RuntimeError(f"host {ip} is not in its own PID namespace: PID 1 is {init!r}, "
+                                   f"{len(seen)} processes visible")
+
+    # -- teardown ---------------------------------------------------------------------
+    def close(self) -> None:
+        for proc in self.inits:        # unshare --kill-child: the host's PID 1 and all it holds die
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.inits:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for ns in self.namespaces:
+            run("ip", "netns", "del", ns, check=False)
+        run("ip", "link", "del", self.bridge, check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
