@@ -16,11 +16,13 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
+PYTHON = str(Path(sys.executable).resolve())   # the interpreter itself (a venv's python is a link)
 SSH_UP_WITHIN_S = 30.0
 
 # PID 1 of a host: private mounts, then sshd, reaping every orphan until sshd exits
@@ -59,6 +61,13 @@ AcceptEnv none
 """
 
 
+def python_home() -> list[str]:
+    """The folder of PYTHON when it lives under /root (pyenv): it stays visible on the hosts,
+    whose /root is private."""
+    real = Path(PYTHON)
+    return [str(Path("/root") / real.relative_to("/root").parts[0])] if real.is_relative_to("/root") else []
+
+
 def run(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), check=check, capture_output=True, text=True, timeout=60, **kw)
 
@@ -94,9 +103,8 @@ def free_subnet() -> int:
 class Hosts:
     """`count` hosts: ips[i] is 10.213.N.(i+1); the bridge (this side) is 10.213.N.254."""
 
-    def __init__(self, count: int, keep: tuple[str, ...] = ()):
-        """`keep`: folders under /root that stay visible on the hosts (each has a private /root)."""
-        self.keep = [str(Path(p)) for p in keep if Path(p).is_relative_to("/root")]
+    def __init__(self, count: int):
+        self.keep = python_home()
         self.net = free_subnet()
         self.prefix = f"kvo{self.net}"
         self.root = Path(tempfile.mkdtemp(prefix="kvo-", dir="/var/tmp"))   # /tmp is private on the hosts
@@ -143,7 +151,7 @@ class Hosts:
                                              authorized=self.root / "id_ed25519.pub"))
         self.inits.append(subprocess.Popen(
             ["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-             "/usr/bin/python3", str(self.root / "host_init.py"), str(host / "home"), str(self.shared),
+             PYTHON, str(self.root / "host_init.py"), str(host / "home"), str(self.shared),
              str(config), str(host / "sshd.log"), *self.keep],
             stdout=subprocess.DEVNULL, stderr=open(host / "init.log", "ab"), start_new_session=True))
 
@@ -171,7 +179,7 @@ class Hosts:
         """Command lines of every process the host can see (its own PID namespace)."""
         script = ("import os\nfor p in os.listdir('/proc'):\n if p.isdigit():\n  try: print(open(f'/proc/{p}/cmdline',"
                   "'rb').read().replace(b'\\0', b' ').decode(errors='replace'))\n  except OSError: pass")
-        out = self.ssh(ip, f"/usr/bin/python3 -c \"{script}\"")
+        out = self.ssh(ip, f"{PYTHON} -c \"{script}\"")
         if out.returncode != 0:
             raise RuntimeError(f"cannot list processes on {ip}: {out.stderr}")
         return [line for line in out.stdout.splitlines() if line.strip()]
@@ -187,15 +195,13 @@ class Hosts:
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
-        for proc in self.inits:        # unshare --kill-child: the host's PID 1 and all it holds die
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        # unshare ignores SIGTERM while it waits; once it dies, --kill-child kills the host's
+        # PID 1, and with it every process of the host's PID namespace
         for proc in self.inits:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for proc in self.inits:
+            proc.wait()
         for ns in self.namespaces:
             run("ip", "netns", "del", ns, check=False)
         run("ip", "link", "del", self.bridge, check=False)

@@ -49,21 +49,13 @@ print("PLACEMENT " + json.dumps(out))
 """
 
 
-def python_home() -> tuple[str, ...]:
-    """The folder of the Python the venv runs on, when it lives under /root (pyenv)."""
-    real = Path(sys.executable).resolve()
-    if real.is_relative_to("/root"):
-        return (str(Path("/root") / real.relative_to("/root").parts[0]),)
-    return ()
-
-
 @pytest.fixture
 def hosts():
     try:
         check_prerequisites()
     except HostsUnavailable as e:
         pytest.skip(f"on-prem cluster test needs network namespaces: {e}")
-    h = Hosts(3, keep=python_home())
+    h = Hosts(3)
     try:
         yield h.start()
     finally:
@@ -216,3 +208,41 @@ def test_ray_up_onprem_serves_prefill_and_decode_on_their_hosts_and_ray_down_sto
               f"`ray up` -> first completion {t_serving:.1f} s, `ray down` {t_down:.1f} s, "
               f"every Ray process and Redis gone {t_stopped:.1f} s after `ray down` began "
               f"(2 shared cores, other jobs running)")
+
+
+def test_namespace_hosts_are_isolated_and_leave_nothing_behind():
+    """What makes `ray stop` on a host safe on a shared machine, and the cleanup."""
+    try:
+        check_prerequisites()
+    except HostsUnavailable as e:
+        pytest.skip(f"needs network namespaces: {e}")
+    h = Hosts(2)
+    try:
+        h.start()
+        h.check_isolated()
+        head, other = h.ips
+        assert h.ssh(head, "cat /proc/1/cmdline").stdout.count("host_init.py") == 1
+        assert h.ssh(head, f"echo > /dev/tcp/{other}/22 && echo reached").stdout.strip() == "reached"
+        assert h.ssh(head, "touch /tmp/mine && ls /tmp").stdout.split() == ["mine"]
+        assert h.ssh(other, "ls /tmp").stdout.split() == []
+        assert h.ssh(other, "touch /mnt/kvmesh/shared && echo ok").stdout.strip() == "ok"
+        assert (h.shared / "shared").exists()
+    finally:
+        h.close()
+    names = (h.prefix + "-0", h.prefix + "-1", h.bridge)
+    listed = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names[2:]) and not h.root.exists()
+    assert not any(n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                   for n in names[:2])
+    assert not any(str(h.root) in p for p in _all_command_lines())
+
+
+def _all_command_lines() -> list[str]:
+    lines = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                lines.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return lines
