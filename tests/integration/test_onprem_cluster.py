@@ -82,7 +82,8 @@ class Launcher:
         venv_bin = str(Path(sys.executable).parent)
         self.env = {"PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": str(self.home),
                     "TMPDIR": str(self.home / "tmp"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                    "LANG": "C.UTF-8"}
+                    "LANG": "C.UTF-8",
+                    **{k: os.environ[k] for k in ("USER", "LOGNAME") if k in os.environ}}  # ssh_control_dir
         self.log = hosts.root / "launcher.log"
         # every host already has the project's environment, so the setup command's
         # `test -x .venv/bin/kvmesh` skips scripts/setup.sh (which a fresh machine runs; the
