@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +48,7 @@ def other_ray():
         yield f"127.0.0.1:{port}", token
     finally:
         stop_cluster([temp_dir, f":{port}"])
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
