@@ -55,6 +55,16 @@ class BlockPool:
             else:
                 self.cached[b] = None
 
+    def fork(self, b: int) -> int:
+        """Share a referenced block with one more sequence (n > 1 forks): refcount + 1."""
+        assert self.ref[b] > 0, f"fork of free block {b}"
+        self.ref[b] += 1
+        return b
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
     def set_hash(self, b: int, h: int) -> None:
         """Name a full block by its prefix hash; a block already holding `h` wins."""
         if h in self.by_hash or self.block_hash[b] is not None:

@@ -121,6 +121,19 @@ class CacheTensors:
                 if name in lc.tails:
                     lc.tails[name][slot].fill_(float("-inf"))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-fork of a partly written block (every block tensor, every layer)."""
+        for lc in self.layers:
+            for t in lc.blocks.values():
+                t[dst].copy_(t[src])
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """A forked sequence starts from its parent's state: rings, tails, overlap state."""
+        for lc in self.layers:
+            lc.ring[dst].copy_(lc.ring[src])
+            for t in lc.tails.values():
+                t[dst].copy_(t[src])
+
     def block_state(self, block: int) -> dict[str, torch.Tensor]:
         """Copies of one block's tensors across layers, named '{layer}.{field}'."""
         return {f"{i}.{name}": t[block].to("cpu", copy=True)

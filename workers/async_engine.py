@@ -105,7 +105,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                        hold_kv: bool = False, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields one RequestOutput per new token; the last has finished=True. Validation
+        """Yields one RequestOutput per new token (n > 1: of each sequence, `index` says which);
+        the last has all_finished=True. Validation
         errors (InvalidRequestError) are raised from the first iteration."""
         if self._dead:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
@@ -124,7 +125,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                if item.all_finished:
                     finished = True
                     return
         finally:

@@ -34,7 +34,9 @@ from .default_model import ensure_default_model
 from .loader import load_model, weights_identity
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
-from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator, sample
+from .grammar import GuideCompiler
+from .sampler import SampleRow, sample_batch
+from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
 from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
@@ -90,7 +92,10 @@ class Engine:
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
         self.seqs: dict[str, Sequence] = {}
+        self.groups: dict[str, list[Sequence]] = {}   # n > 1: every sequence of a request, index order
         self.held: dict[str, Sequence] = {}
+        self.guides = GuideCompiler(self.tokenizer, a.vocab_size,
+                                    sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "restore_s": 0.0}
 
@@ -150,21 +155,29 @@ class Engine:
                 f"of {self.max_model_len} tokens")
         seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic(),
                        hold_kv=hold_kv, resume=resume)
+        seq.guide = self.guides.guide(params.guide) if params.guide else None
         if resume is not None:
             seq.output, seq.logprobs, seq.emitted = [resume.first_token], [resume.first_logprob], 1
+            seq.top_logprobs = [list(resume.first_top)]
+            seq.siblings = list(resume.siblings)
             seq.cached_tokens = resume.cached_tokens
+            if seq.guide is not None:
+                seq.guide.accept(resume.first_token)
             if resume.rng_state is not None and seq.generator is not None:
                 seq.generator.set_state(resume.rng_state)
         self.seqs[request_id] = seq
+        if params.n > 1:
+            self.groups[request_id] = [seq]
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
         return seq
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq.status != Status.FINISHED:
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+        for s in self.groups.pop(request_id, None) or ([seq] if seq is not None else []):
+            if s.status != Status.FINISHED:
+                s.finish_reason = "abort"
+                self.scheduler.finish(s)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -179,6 +192,13 @@ class Engine:
                 return False
             seq.resume.load(self.cache, list(seq.blocks), seq.slot)
             seq.num_computed = len(seq.prompt)
+            for i, (token, logprob, top) in enumerate(seq.siblings, start=1):
+                child = self._child(seq, i)
+                child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
+                if child.guide is not None:
+                    child.guide.accept(token)
+                self._attach(seq, child)
+            seq.siblings = []
             return True
         return self.prefix.restore(seq)
 
@@ -213,11 +233,74 @@ class Engine:
         for seq, n in batch:
             seq.num_computed += n
             self.prefix.after_step(seq)
+        seqs, rows, born = [], [], set()
         for row, b in enumerate(sampled):
             seq = batch[b][0]
-            self._append_token(seq, logits[row])
-            outputs.append(self._output(seq))
+            seqs.append(seq)
+            rows.append(row)
+            if seq.params.n > 1 and not seq.output and seq.index == 0:   # the fork point: n first tokens
+                for i in range(1, seq.params.n):
+                    seqs.append(self._child(seq, i))
+                    rows.append(row)
+                    born.add(id(seqs[-1]))
+        picked = list(zip(seqs, *sample_batch(logits[rows], [self._sample_row(s) for s in seqs])))
+        held_forks = set()
+        for s, token, logprob, top in picked:
+            if id(s) in born:
+                parent = self.seqs[s.request_id]
+                if parent.hold_kv:      # prefill role: the forks happen on the decode worker
+                    parent.siblings.append((token, logprob, top))
+                    held_forks.add(id(s))
+                else:
+                    self._attach(parent, s)
+        for s, token, logprob, top in picked:
+            if id(s) in held_forks:
+                continue
+            self._append_token(s, token, logprob, top)
+            outputs.append(self._output(s))
         return failed + outputs
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.params
+        stops = self._stops(p)
+        banned = tuple(stops) if len(seq.output) < p.min_tokens else ()
+        allowed = seq.guide.allowed() if seq.guide is not None else None
+        return SampleRow(p, seq.generator, banned, seq.prompt if p.penalized else [],
+                         seq.output if p.penalized else [], allowed)
+
+    def _stops(self, p: SamplingParams) -> set[int]:
+        eos = set(self.args.eos_token_ids) | set(self.tokenizer.stop_token_ids)    # config + end-of-turn
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+
+    # ---- n > 1: forks share the prompt's blocks -------------------------------------------------
+    def _child(self, parent: Sequence, index: int) -> Sequence:
+        """Sequence `index` of parent's request: the same prompt, its own sampler and grammar state."""
+        p = parent.params
+        child = Sequence(parent.request_id, parent.prompt, p, make_generator(p, index), arrival=parent.arrival)
+        child.index, child.cached_tokens, child.chain = index, parent.cached_tokens, list(parent.chain)
+        child.guide = self.guides.guide(p.guide) if p.guide else None
+        return child
+
+    def _attach(self, parent: Sequence, child: Sequence) -> None:
+        """Fork `child` off `parent`'s cache: full blocks are shared (refcount + 1), the partly
+        written last block and the state slot are copied. Without a free slot or block, the
+        child waits and recomputes its tokens like a preempted request."""
+        group = self.groups.setdefault(parent.request_id, [parent])
+        group.append(child)
+        full, partial = divmod(parent.num_computed, self.config.block_tokens)
+        if not self.slots.num_free or (partial and not self.blocks.can_allocate(1)):
+            self.scheduler.add(child)
+            return
+        child.slot = self.slots.allocate()
+        self.cache.copy_slot(parent.slot, child.slot)
+        child.blocks = [self.blocks.fork(b) for b in parent.blocks[:full]]
+        if partial:
+            child.blocks.append(self.blocks.allocate())
+            self.cache.copy_block(parent.blocks[full], child.blocks[-1])
+        child.num_computed, child.hashed_blocks = parent.num_computed, min(parent.hashed_blocks, full)
+        child.ring_from, child.keep_tokens = parent.ring_from, parent.keep_tokens
+        child.status = Status.RUNNING
+        self.scheduler.running.append(child)
 
     def _failure(self, seq: Sequence, error: Exception) -> RequestOutput:
         log.warning("request %s failed at admission: %s", seq.request_id, error)
@@ -225,16 +308,18 @@ class Engine:
         self.seqs.pop(seq.request_id, None)
         return dataclasses.replace(self._output(seq), error=f"{type(error).__name__}: {error}")
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: list) -> None:
         p = seq.params
-        eos = set(self.args.eos_token_ids) | set(self.tokenizer.stop_token_ids)    # config + end-of-turn
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
-        banned = tuple(stops) if len(seq.output) < p.min_tokens else ()
-        token, logprob = sample(logits, p, seq.generator, banned)
+        stops = self._stops(p)
         seq.output.append(token)
         seq.logprobs.append(logprob)
+        seq.top_logprobs.append(top)
         self.stats["generated_tokens"] += 1
+        if seq.guide is not None:
+            seq.guide.accept(token)
         if token in stops and len(seq.output) >= p.min_tokens:
+            seq.finish_reason = "stop"
+        elif seq.guide is not None and seq.guide.done:
             seq.finish_reason = "stop"
         elif len(seq.output) >= p.max_tokens:
             seq.finish_reason = "length"
@@ -244,33 +329,47 @@ class Engine:
             self.scheduler.detach(seq)
             self.held[seq.request_id] = seq
             self.seqs.pop(seq.request_id, None)
+            self.groups.pop(seq.request_id, None)
         elif seq.finish_reason:
             self.prefix.on_finish(seq)
-            self.stats["cached_tokens"] += seq.cached_tokens
+            self.stats["cached_tokens"] += seq.cached_tokens if seq.index == 0 else 0
             self.scheduler.finish(seq)
-            self.seqs.pop(seq.request_id, None)
+            if self._group_finished(seq.request_id):
+                self.seqs.pop(seq.request_id, None)
+                self.groups.pop(seq.request_id, None)
+
+    def _group_finished(self, request_id: str) -> bool:
+        group = self.groups.get(request_id)
+        if group is None:
+            return True
+        return len(group) == group[0].params.n and all(s.status == Status.FINISHED for s in group)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output[seq.emitted:]
         seq.emitted = len(seq.output)
+        finished = seq.status == Status.FINISHED
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt, token_ids=list(seq.output),
             new_token_ids=new, logprobs=list(seq.logprobs),
-            text=self.tokenizer.decode(seq.output) if seq.status == Status.FINISHED else "",
-            finished=seq.status == Status.FINISHED, finish_reason=seq.finish_reason,
-            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens)
+            text=self.tokenizer.decode(seq.output) if finished else "",
+            finished=finished, finish_reason=seq.finish_reason,
+            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, index=seq.index,
+            top_logprobs=seq.top_logprobs[len(seq.top_logprobs) - len(new):] if new else [],
+            all_finished=finished and (seq.hold_kv or self._group_finished(seq.request_id)),
+            siblings=list(seq.siblings) if seq.hold_kv else [])
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
-        """Run all prompts concurrently to completion; results in input order."""
+        """Run all prompts concurrently to completion; results in input order (a request
+        with n > 1 gives its n outputs one after another, by index)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
-        final: dict[str, RequestOutput] = {}
+        final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[r] for r in ids]
+                    final[out.request_id, out.index] = out
+        return [final[r, i] for r, p in zip(ids, params_list) for i in range(p.n)]

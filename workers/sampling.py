@@ -1,4 +1,4 @@
-"""Sampling parameters (validated once) and the sampler."""
+"""Sampling parameters (validated once) and the one-row sampler (`workers.sampler` batches it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1   # int64, as OpenAI-style APIs take seeds
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
@@ -27,6 +29,14 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = True
+    top_logprobs: int = 0           # alternatives reported per output token (under the raw distribution)
+    n: int = 1                      # sequences forked from one prefill
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (CTRL / HF semantics)
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    guide: tuple[str, str] | None = None   # ("json_object" | "json_schema", schema JSON): workers.grammar
 
     def validate(self) -> "SamplingParams":
         def bad(field: str, why: str):
@@ -51,36 +61,41 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not (
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for pair in self.logit_bias:
+            if (len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 0
+                    or not isinstance(pair[1], (int, float)) or not -100.0 <= pair[1] <= 100.0):
+                bad("logit_bias", f"must map token ids >= 0 to biases in [-100, 100], got {pair!r}")
         return self
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+
+def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | None:
+    """The seeded generator of sequence `index` of a request (each of n forks draws its own)."""
     if params.temperature == 0.0 or params.seed is None:
         return None
-    return torch.Generator().manual_seed(params.seed)
+    return torch.Generator().manual_seed((params.seed + index) % (1 << 64))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            banned: tuple[int, ...] = ()) -> tuple[int, float]:
     """Pick one token from fp32 logits [V]; returns (token, logprob under the model's
     unmodified distribution). `banned` ids are excluded (EOS before min_tokens)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    work = logits.clone()
-    if banned:
-        work[list(banned)] = float("-inf")
-    if params.temperature == 0.0:
-        token = int(work.argmax())
-        return token, float(logprobs[token])
-    work = work / params.temperature
-    if params.top_k:
-        kth = torch.topk(work, min(params.top_k, work.numel())).values[-1]
-        work = work.masked_fill(work < kth, float("-inf"))
-    probs = torch.softmax(work, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
-        mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order[keep], True)
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logprobs[token])
+    from .sampler import SampleRow, sample_batch
+    out = sample_batch(logits[None], [SampleRow(params, generator, banned)])
+    return out.tokens[0], out.logprobs[0]

@@ -28,6 +28,10 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    index: int = 0                  # which of the request's n sequences
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # per new token
+    all_finished: bool = True       # every sequence of the request has finished (n > 1)
+    siblings: list[tuple[int, float, list]] = field(default_factory=list)   # held: the other n-1 first tokens
 
 
 @dataclass(eq=False)   # identity: the scheduler's `seq in running` must not compare fields
@@ -53,6 +57,10 @@ class Sequence:
     end_state: tuple | None = None  # (position, slot state) at the latest block boundary while decoding
     finish_reason: str | None = None
     emitted: int = 0                # output tokens already reported
+    index: int = 0                  # which of the request's n sequences (children fork from 0)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    guide: object | None = None     # workers.grammar.Guide when the output is grammar-constrained
+    siblings: list[tuple[int, float, list]] = field(default_factory=list)   # first tokens of forks to come
 
     @property
     def tokens(self) -> list[int]:
