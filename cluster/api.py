@@ -2,20 +2,24 @@
 
 Every request model forbids unknown fields and coerces nothing ("1" is not 1), so a
 malformed request is a 400 naming the field, never a 5xx from deeper down.
-vLLM extensions accepted: `ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids`,
-`return_token_ids`, and for chat `chat_template_kwargs` (e.g. V4's `{"thinking": true}`).
+vLLM extensions accepted: `ignore_eos`, `min_tokens`, `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `return_token_ids`, and for chat `chat_template_kwargs` (e.g. V4's
+`{"thinking": true}`). A field this server does not implement (`suffix`,
+`tools`, ...) is a 400 naming it, never silently ignored.
 """
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from workers.sampling import SamplingParams
+from workers.grammar import check_schema
+from workers.sampling import MAX_N, InvalidRequestError, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 64
 
 
 class APIError(Exception):
@@ -51,6 +55,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -64,13 +82,36 @@ class _Request(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise ValueError("response_format.json_schema: required when type is json_schema")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -90,24 +131,73 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        f = self.response_format
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_object":
+            return ("json_object", "")
+        try:
+            return ("json_schema", check_schema(f.json_schema.schema_))
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "response_format") from None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated per prompt (best_of of them when set, else n)."""
+        return getattr(self, "best_of", None) or self.n
+
+    @property
+    def top_n(self) -> int:
+        return 0
+
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                              top_logprobs=self.top_n, n=self.num_sequences,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p, logit_bias=bias,
+                              guide=self.guide)
+
+
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[list[int], Field(min_length=1)]
 
 
 class CompletionRequest(_Request):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: _Text | _Ids | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[_Ids], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="not supported: must be false")
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of: not supported with stream")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one string, one token list, or a batch of either."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+
+    @property
+    def top_n(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(BaseModel):
@@ -145,9 +235,50 @@ class ChatCompletionRequest(_Request):
             raise ValueError(f"{reserved} cannot be set through chat_template_kwargs")
         return v
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_n(self) -> int:
+        return self.top_logprobs or 0 if self.logprobs else 0
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvmesh")
+    except PackageNotFoundError:
+        return "0.0.0+local"
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
@@ -166,7 +297,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
             raise bad_request(f"unknown field `{param}`", param) from None
         if err["type"] == "missing":
             raise bad_request(f"missing required field `{param}`", param) from None
-        raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        msg = err["msg"].removeprefix("Value error, ")
+        if not param and ":" in msg:     # a model-level check names its field first
+            param = msg.split(":")[0]
+            raise bad_request(msg, param) from None
+        raise bad_request(f"{param}: {msg}" if param else msg, param) from None
 
 
 def _is_union_tag(p) -> bool:

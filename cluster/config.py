@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 MiB = 1 << 20
 HEAD_IP = "{head_ip}"
@@ -119,6 +119,8 @@ class IngressConfig(_Strict):
     token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")
     max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
+    api_keys: list[SecretStr] = Field(default_factory=list,
+                                      description="accepted `Authorization: Bearer` keys; empty = no auth")
 
 
 class HandoffConfig(_Strict):

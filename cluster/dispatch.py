@@ -65,7 +65,8 @@ class Dispatcher:
             except RETRYABLE as e:
                 log.warning("request %s attempt %d failed after %d tokens: %s", req.request_id, attempt + 1,
                             len(sent), e)
-                if attempt == self.max_retries:
+                # n > 1 forks cannot resume as one continuation once tokens were sent
+                if attempt == self.max_retries or (sent and req.params.n > 1):
                     raise WorkerFailed(f"the worker serving this request failed ({type(e).__name__}) and "
                                        f"{self.max_retries} retries did not complete it") from e
                 self.metrics.retries.inc()
@@ -81,8 +82,14 @@ class Dispatcher:
             handoff = await self._first(self.pools["prefill"].prefill.remote(req, hint=hint))
         if handoff.worker is not None:
             self.metrics.workers.update(handoff.worker)
+        last = len(handoff.siblings)
         yield Chunk([handoff.first_token], [handoff.first_logprob], handoff.finished, handoff.finish_reason,
-                    handoff.prompt_len, handoff.cached_tokens)
+                    handoff.prompt_len, handoff.cached_tokens, top_logprobs=[list(handoff.first_top)],
+                    all_finished=handoff.finished and not last, prompt_logprobs=handoff.prompt_logprobs)
+        for i, (token, logprob, top) in enumerate(handoff.siblings, start=1):   # the forks' first tokens
+            yield Chunk([token], [logprob], handoff.finished, handoff.finish_reason, handoff.prompt_len,
+                        handoff.cached_tokens, index=i, top_logprobs=[list(top)],
+                        all_finished=handoff.finished and i == last)
         if handoff.finished:
             return
         async for chunk in self._stream("decode", self.pools["decode"].options(stream=True)

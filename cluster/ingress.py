@@ -1,16 +1,20 @@
 """The OpenAI-compatible front end: a FastAPI app served by one Serve deployment.
 
-    POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /health   GET /metrics
+    POST /v1/completions   POST /v1/chat/completions   GET /v1/models[/{id}]   GET /health   GET /metrics
+    POST /tokenize   POST /detokenize   GET /version       (all but /health need the API key when one is set)
 
 The ingress tokenizes, validates (every 4xx is decided here or by the engine's
 InvalidRequestError, before any byte of a stream is sent), looks up the prefix index
 for the prefill router, and turns the pool's chunks into OpenAI bodies or SSE events.
 """
 
+import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from pathlib import Path
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,14 +28,15 @@ from workers.default_model import ensure_default_model
 from workers.sampling import InvalidRequestError
 from workers.tokenizer import load_tokenizer
 
-from .api import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, model_not_found, overloaded,
-                  parse_body)
+from .api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                  bad_request, model_not_found, overloaded, package_version, parse_body)
 from .config import ServeConfig
 from .dispatch import Dispatcher, WorkerFailed
 from .locator import PrefixLocator
 from .messages import GenRequest
-from .metrics import Metrics, RequestTimer
-from .responses import Generation, sse
+from .metrics import Metrics, RequestTimer, scrape_pools
+from .auth import ApiKeys
+from .responses import Reply, sse
 from .text import render_chat
 
 log = logging.getLogger(__name__)
@@ -74,29 +79,62 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
     return APIError(500, f"internal error: {type(cause).__name__}: {cause}", type="internal_error")
 
 
+async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(i, chunk) from several chunk streams as they arrive (a batch of prompts)."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for chunk in stream:
+                await queue.put((i, chunk))
+            await queue.put((i, done))
+        except Exception as e:
+            await queue.put((i, e))
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _Events:
     """One accepted request: its remaining chunks as a whole body or as SSE."""
 
-    def __init__(self, ingress, endpoint: str, body, gen: Generation, first, chunks, timer: RequestTimer):
-        self.ingress, self.endpoint, self.body, self.gen = ingress, endpoint, body, gen
+    def __init__(self, ingress, endpoint: str, body, resp: Reply, first, chunks, timer: RequestTimer):
+        self.ingress, self.endpoint, self.body, self.resp = ingress, endpoint, body, resp
         self.first, self.chunks, self.timer = first, chunks, timer
 
     async def _deltas(self):
         try:
-            yield self._feed(self.first)
-            if not self.gen.done:
-                async for chunk in self.chunks:
-                    yield self._feed(chunk)
-                    if self.gen.done:
+            yield self._feed(*self.first)
+            if not self.resp.done:
+                async for prompt, chunk in self.chunks:
+                    yield self._feed(prompt, chunk)
+                    if self.resp.done:
                         break
         finally:
             await self.chunks.aclose()
-            self.timer.done()
-            self.ingress.metrics.cached_tokens.inc(self.gen.cached_tokens)
+            self.timer.done(sum(len(p) for p in self.resp.prompts))
+            self.ingress.metrics.cached_tokens.inc(self.resp.cached_tokens)
 
-    def _feed(self, chunk):
+    def _feed(self, prompt: int, chunk):
         self.timer.tokens(len(chunk.token_ids))
-        return self.gen.feed(chunk)
+        return self.resp.feed(prompt, chunk)
 
     async def whole(self):
         try:
@@ -106,26 +144,32 @@ class _Events:
             return _error_response(to_api_error(e, self.ingress.config.ingress.retry_after_s))
         b = self.body
         if self.endpoint == "completions":
-            return self.gen.completion(b.logprobs is not None, b.return_token_ids)
-        return self.gen.chat(b.logprobs, b.top_logprobs or 0, b.return_token_ids)
+            return self.resp.completion(b.logprobs, b.return_token_ids)
+        return self.resp.chat(b.logprobs, b.top_n, b.return_token_ids)
 
     async def sse(self):
-        b, g, chat = self.body, self.gen, self.endpoint == "chat"
+        b, r, chat = self.body, self.resp, self.endpoint == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
         if chat:
-            yield sse(g.chat_chunk(None, False, 0, b.return_token_ids))
-        offset, first = 0, True
+            yield sse(r.chat_opening(b.return_token_ids))
+        offsets: dict[int, int] = {}
         try:
-            async for delta in self._deltas():
-                detail = delta.token_ids and (b.return_token_ids or b.logprobs)
-                if not (delta.text or detail or g.done):
+            async for choice, delta in self._deltas():
+                detail = delta.token_ids and (b.return_token_ids or b.logprobs is not None and b.logprobs is not False)
+                first = choice.index not in offsets
+                if not (delta.text or detail or choice.done or (first and choice.echo)):
                     continue
                 if chat:
-                    yield sse(g.chat_chunk(delta, b.logprobs, b.top_logprobs or 0, b.return_token_ids))
+                    event = r.chat_chunk(choice, delta, b.logprobs, b.top_n, b.return_token_ids)
                 else:
-                    yield sse(g.completion_chunk(delta, offset, b.logprobs is not None, b.return_token_ids, first))
-                offset, first = offset + len(delta.text), False
+                    event = r.completion_chunk(choice, delta, offsets.get(choice.index, 0), b.logprobs,
+                                               b.return_token_ids, first)
+                if b.continuous_usage:
+                    event["usage"] = r.usage()
+                yield sse(event)
+                offsets[choice.index] = offsets.get(choice.index, 0) + len(event["choices"][0].get("text", ""))
             if b.include_usage:
-                yield sse(g.usage_chunk("chat.completion.chunk" if chat else "text_completion"))
+                yield sse(r.usage_chunk(obj))
         except Exception as e:
             yield sse(to_api_error(e, self.ingress.config.ingress.retry_after_s).body())
         yield sse("[DONE]")
@@ -139,11 +183,13 @@ class Ingress:
         model_dir = Path(config.engine.model) if config.engine.model else ensure_default_model()
         self.model_name = config.ingress.model_name or model_dir.name
         self.tokenizer = load_tokenizer(model_dir)
+        self.keys = ApiKeys(config.ingress.api_keys)
         self.metrics = Metrics()
         self.pools = pools
         self.locator = PrefixLocator(config.engine.index)
         self.dispatch = Dispatcher(config.mode, pools, self.metrics, config.ingress.token_timeout_s,
                                    config.ingress.max_retries, self.locator.hint)
+        self.metrics.workers.attach(self._worker_stats)
         self.limits: dict | None = None
 
     async def _limits(self) -> dict:
@@ -156,69 +202,127 @@ class Ingress:
             self.locator.configure(infos[0].get("fingerprint"), infos[0]["block_tokens"])
         return self.limits
 
+    async def _worker_stats(self) -> list:
+        """Every replica's live counters, read now (a scrape of each replica of each pool)."""
+        return await scrape_pools(self.pools)
+
+    def _auth(self, request: Request) -> None:
+        self.keys.check(request.url.path.removeprefix(request.scope.get("root_path", "")) or "/",
+                        request.headers.get("authorization"))
+
     # ---- endpoints ----------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
         return {"status": "ok", "mode": self.config.mode}
 
+    def _model_card(self, limits: dict) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
+                "root": self.model_name, "parent": None, "max_model_len": limits["max_model_len"]}
+
     @api.get("/v1/models")
-    async def models(self):
-        limits = await self._limits()
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvmesh", "max_model_len": limits["max_model_len"]}]}
+    async def models(self, request: Request):
+        self._auth(request)
+        return {"object": "list", "data": [self._model_card(await self._limits())]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        self._auth(request)
+        if model_id not in (self.model_name, self.config.engine.model):
+            raise model_not_found(model_id, self.model_name)
+        return self._model_card(await self._limits())
+
+    @api.get("/version")
+    async def version(self, request: Request):
+        self._auth(request)
+        return {"version": package_version()}
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        self._auth(request)
+        body = parse_body(await request.body(), TokenizeRequest)
+        ids = self._tokenize_body(body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": (await self._limits())["max_model_len"]}
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        self._auth(request)
+        body = parse_body(await request.body(), DetokenizeRequest)
+        vocab = (await self._limits())["vocab_size"]
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     @api.get("/metrics")
-    async def metrics(self):
-        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self, request: Request):
+        self._auth(request)
+        return Response(await self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
+        self._auth(request)
         return await self._serve("completions", await request.body())
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        self._auth(request)
         return await self._serve("chat", await request.body())
 
     # ---- the common path ----------------------------------------------------------------------
-    def _prompt(self, endpoint: str, raw: bytes):
-        """-> (request body, prompt token ids, max_tokens, logprobs wanted)."""
-        if endpoint == "completions":
-            body = parse_body(raw, CompletionRequest)
-            ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-            return body, ids, body.max_tokens, body.logprobs is not None
-        body = parse_body(raw, ChatCompletionRequest)
+    def _tokenize_body(self, body) -> list[int]:
+        if body.prompt is not None:
+            return self.tokenizer.encode(body.prompt)
+        return self._chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+        """Chat messages through the checkpoint's template (or the plain one) -> token ids."""
         try:
-            text = render_chat(self.tokenizer.chat_template, [(m.role, m.text) for m in body.messages],
-                               body.add_generation_prompt,
-                               **{**self.tokenizer.special_tokens, **(body.chat_template_kwargs or {})})
+            text = render_chat(self.tokenizer.chat_template, [(m.role, m.text) for m in messages],
+                               add_generation_prompt, **{**self.tokenizer.special_tokens, **(kwargs or {})})
         except Exception as e:  # a template's raise_exception, or a broken template
             raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
         encode = self.tokenizer.encode_rendered if self.tokenizer.chat_template else self.tokenizer.encode
-        return body, encode(text), body.token_limit, body.logprobs
+        return encode(text)
+
+    def _prompt(self, endpoint: str, raw: bytes):
+        """-> (request body, token ids of each prompt, max_tokens, logprobs wanted)."""
+        if endpoint == "completions":
+            body = parse_body(raw, CompletionRequest)
+            ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
+            return body, ids, body.max_tokens, body.logprobs is not None
+        body = parse_body(raw, ChatCompletionRequest)
+        ids = self._chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return body, [ids], body.token_limit, body.logprobs
 
     async def _serve(self, endpoint: str, raw: bytes):
         timer = RequestTimer(self.metrics)
         try:
-            body, ids, max_tokens, logprobs = self._prompt(endpoint, raw)
+            body, prompts, max_tokens, logprobs = self._prompt(endpoint, raw)
             if body.model not in (None, self.model_name, self.config.engine.model):
                 raise model_not_found(body.model, self.model_name)
-            req = await self._request(endpoint, body, ids, max_tokens, logprobs)
-            gen = Generation(req.request_id, self.model_name, self.tokenizer, body.stop_strings, req.prompt)
-            chunks = self.dispatch.stream(req)
+            prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
+            rid = f"{prefix}-{uuid.uuid4().hex}"
+            echo = getattr(body, "echo", False)
+            reqs = [await self._request(endpoint, body, ids, max_tokens, logprobs, f"{rid}-{i}", echo)
+                    for i, ids in enumerate(prompts)]
+            resp = Reply(rid, self.model_name, self.tokenizer, body.stop_strings, prompts,
+                            body.num_sequences, keep=body.n,
+                            echo=[self.tokenizer.decode(p) for p in prompts] if echo else None)
+            chunks = merge([self.dispatch.stream(r) for r in reqs])
             first = await chunks.__anext__()      # errors before the first token are still a status code
         except Exception as e:
             err = to_api_error(e, self.config.ingress.retry_after_s)
             self.metrics.request(endpoint, err.status)
             return _error_response(err)
         self.metrics.request(endpoint, 200)
-        self.metrics.prompt_tokens.inc(len(ids))
-        events = _Events(self, endpoint, body, gen, first, chunks, timer)
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        events = _Events(self, endpoint, body, resp, first, chunks, timer)
         if body.stream:
             return StreamingResponse(events.sse(), media_type="text/event-stream")
         return await events.whole()
 
     async def _request(self, endpoint: str, body, ids: list[int], max_tokens: int | None,
-                       logprobs: bool) -> GenRequest:
+                       logprobs: bool, request_id: str, echo: bool = False) -> GenRequest:
         limits = await self._limits()
         if not ids:
             raise bad_request("the prompt is empty", "prompt" if endpoint == "completions" else "messages")
@@ -231,8 +335,10 @@ class Ingress:
             raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                               f"model's context of {limits['max_model_len']} tokens", "max_tokens")
         try:
-            params = body.sampling_params(max_tokens or room, logprobs).validate()
+            params = body.sampling_params(max_tokens or room, logprobs)
+            if echo and body.logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+            params.validate()
         except InvalidRequestError as e:
             raise bad_request(str(e), str(e).split(":")[0]) from None
-        prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
-        return GenRequest(f"{prefix}-{uuid.uuid4().hex}", ids, params)
+        return GenRequest(request_id, ids, params)

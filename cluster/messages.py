@@ -54,6 +54,10 @@ class Chunk:
     cached_tokens: int
     transfer: TransferReport | None = None
     worker: WorkerStats | None = None       # on the last chunk: the replica's counters
+    index: int = 0                          # which of the request's n sequences
+    top_logprobs: list = field(default_factory=list)   # per token: [(id, logprob)] best first
+    all_finished: bool = True               # with `finished`: every sequence of the request is done
+    prompt_logprobs: list | None = None     # echo: per prompt token None (the first) or (logprob, top)
 
 
 @dataclass(frozen=True)
@@ -79,3 +83,6 @@ class Handoff:
     fallback_reason: str | None = None
     worker: WorkerStats | None = None       # the prefill worker's counters (for the ingress metrics)
     rng_state: Any = None                   # seeded sampler state after the first token (torch ByteTensor)
+    first_top: tuple = ()                   # the first token's top logprobs
+    siblings: tuple = ()                    # n > 1: (token, logprob, top) of sequences 1..n-1 (forked in decode)
+    prompt_logprobs: list | None = None

@@ -1,49 +1,150 @@
 """Prometheus metrics of the ingress (one private registry per ingress replica).
 
 Latency and token counts are measured where the client sees them (the ingress). What
-happens inside the pools (handoff bytes, fallbacks) arrives with each request's
-chunks; worker counters (store bytes, queue lengths, free KV) come from the latest
-snapshot each worker attached to a finished request.
+happens inside the pools (handoff bytes, fallbacks) arrives with each request's chunks.
+Worker state is read when /metrics is scraped: the ingress asks every live replica of
+every pool for its counters (`scrape_pools`), so gauges are current and a replica that
+is gone drops out. Names follow vLLM's (`kvmesh:` for `vllm:`) where vLLM has the metric,
+so its dashboards translate:
+
+| kvmesh                                      | vLLM                                   |
+| kvmesh:num_requests_running / _waiting      | vllm:num_requests_running / _waiting   |
+| kvmesh:kv_cache_usage_perc                  | vllm:kv_cache_usage_perc (0..1)        |
+| kvmesh:prefix_cache_queries_total           | vllm:prefix_cache_queries (tokens)     |
+| kvmesh:prefix_cache_hits_total{tier}        | vllm:prefix_cache_hits (tokens), by tier|
+| kvmesh:request_queue_time_seconds           | vllm:request_queue_time_seconds        |
+| kvmesh_time_to_first_token_seconds          | vllm:time_to_first_token_seconds       |
+| kvmesh:inter_token_latency_seconds          | vllm:inter_token_latency_seconds       |
+| kvmesh:e2e_request_latency_seconds          | vllm:e2e_request_latency_seconds       |
+| kvmesh:request_prompt_tokens / _generation_ | vllm:request_prompt_tokens / _generation_tokens |
+| kvmesh_prompt_tokens_total / _generated_... | vllm:prompt_tokens / generation_tokens |
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import deque
+from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .messages import TransferReport, WorkerStats
+from .messages import RouteHint, TransferReport, WorkerStats
+
+log = logging.getLogger(__name__)
+SCRAPE_TIMEOUT_S = 2.0
+REPLICA_PREFIX = "SERVE_REPLICA::"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RATE_WINDOW_S = 10.0
 
 
 class WorkerSnapshots:
-    """A collector over the latest WorkerStats of every worker seen: every numeric engine
-    counter becomes `kvmesh_worker_<name>{pool, worker}` (running, waiting, free_blocks,
-    cached_tokens, store bytes, ... whatever the engine reports)."""
+    """A collector over the live WorkerStats of every replica, read at scrape time:
+    vLLM-named gauges, counters and the queue-time histogram per {pool, worker}, and every
+    other numeric engine counter as `kvmesh_worker_<name>{pool, worker}`."""
 
     def __init__(self):
         self.latest: dict[str, WorkerStats] = {}
+        self._source: Callable[[], Awaitable[list[WorkerStats]]] | None = None
+
+    def attach(self, source: Callable[[], Awaitable[list[WorkerStats]]]) -> None:
+        self._source = source
 
     def update(self, stats: WorkerStats) -> None:
-        self.latest[stats.worker_id] = stats
+        if self._source is None:       # without a live source, the latest report stands in
+            self.latest[stats.worker_id] = stats
+
+    async def refresh(self) -> None:
+        if self._source is not None:
+            self.latest = {w.worker_id: w for w in await self._source()}
 
     def collect(self):
+        workers = list(self.latest.values())
+        yield from self._vllm_named(workers)
         rows: dict[str, list[tuple[list[str], float]]] = {}
-        for w in self.latest.values():
+        for w in workers:
             values = {**w.engine, "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes, "fallbacks": w.fallbacks}
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     rows.setdefault(key, []).append(([w.pool, w.worker_id], float(value)))
         for key, samples in sorted(rows.items()):
-            g = GaugeMetricFamily(f"kvmesh_worker_{key}", f"worker counter {key} (latest report)",
+            g = GaugeMetricFamily(f"kvmesh_worker_{key}", f"worker counter {key} (read at scrape)",
                                   labels=["pool", "worker"])
             for labels, value in samples:
                 g.add_metric(labels, value)
             yield g
+
+    @staticmethod
+    def _vllm_named(workers: list[WorkerStats]):
+        labels = ["pool", "worker"]
+        gauges = {"kvmesh:num_requests_running": ("running", "requests in the engine's running batch"),
+                  "kvmesh:num_requests_waiting": ("waiting", "requests waiting for admission"),
+                  "kvmesh:kv_cache_usage_perc": ("kv_cache_usage", "fraction of KV blocks in use (0..1)"),
+                  "kvmesh:kv_cache_free_blocks": ("free_blocks", "free (or evictable) KV blocks")}
+        for name, (key, doc) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for w in workers:
+                g.add_metric([w.pool, w.worker_id], float(w.engine.get(key, 0)))
+            yield g
+        queries = CounterMetricFamily("kvmesh:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      labels=labels)
+        hits = CounterMetricFamily("kvmesh:prefix_cache_hits", "prompt tokens restored, by the tier they came "
+                                   "from (device pool, host memory, shared store)", labels=labels + ["tier"])
+        store = CounterMetricFamily("kvmesh:store_bytes", "bytes read from / written to the shared store",
+                                    labels=labels + ["direction"])
+        nixl = CounterMetricFamily("kvmesh:nixl_bytes", "KV bytes this worker read over NIXL", labels=labels)
+        queue = HistogramMetricFamily("kvmesh:request_queue_time_seconds", "arrival to first scheduled step",
+                                      labels=labels)
+        for w in workers:
+            e, ids = w.engine, [w.pool, w.worker_id]
+            queries.add_metric(ids, float(e.get("prefix_query_tokens", 0)))
+            for tier, n in (e.get("prefix_hit_tokens") or {}).items():
+                hits.add_metric(ids + [tier], float(n))
+            store.add_metric(ids + ["read"], float(e.get("store_bytes_read", 0)))
+            store.add_metric(ids + ["write"], float(e.get("store_bytes_written", 0)))
+            nixl.add_metric(ids, float(w.nixl_bytes))
+            q = e.get("queue_time")
+            if q:
+                queue.add_metric(ids, [(_le(b), float(c)) for b, c in q["buckets"]], q["sum"])
+        yield from (queries, hits, store, nixl, queue)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+async def scrape_pools(pools: dict, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[WorkerStats]:
+    """Ask every live replica of every pool for its counters (pinned by replica id through
+    the pools' router); a replica that does not answer within timeout_s is left out."""
+    import ray
+    from ray import serve
+    app = serve.get_replica_context().app_name
+    named = await asyncio.to_thread(ray.util.list_named_actors, True)
+    calls = []
+    for handle in pools.values():
+        prefix = f"{REPLICA_PREFIX}{app}#{handle.deployment_name}#"
+        for entry in named:
+            name = entry["name"] if isinstance(entry, dict) else entry
+            if name.startswith(prefix):
+                wid = name[len(prefix):]
+                calls.append((wid, handle.stats.remote(hint=RouteHint(require_worker=wid))))
+    results = await asyncio.gather(*(asyncio.wait_for(_await(c), timeout_s) for _, c in calls),
+                                   return_exceptions=True)
+    out: dict[str, WorkerStats] = {}
+    for (wid, _), r in zip(calls, results):
+        if isinstance(r, WorkerStats) and r.worker_id == wid:
+            out[wid] = r
+        elif isinstance(r, BaseException):
+            log.debug("metrics: replica %s did not answer: %r", wid, r)
+    return list(out.values())
+
+
+async def _await(response):
+    return await response
 
 
 class Metrics:
@@ -53,6 +154,14 @@ class Metrics:
                                 registry=r)
         self.ttft = Histogram("kvmesh_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvmesh:inter_token_latency_seconds", "gap between successive output chunks "
+                             "per token", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("kvmesh:e2e_request_latency_seconds", "arrival to the last token",
+                             buckets=LATENCY_BUCKETS + (60.0, 120.0), registry=r)
+        self.request_prompt = Histogram("kvmesh:request_prompt_tokens", "prompt tokens per request",
+                                        buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation = Histogram("kvmesh:request_generation_tokens", "output tokens per request",
+                                            buckets=TOKEN_BUCKETS, registry=r)
         self.tpot = Histogram("kvmesh_time_per_output_token_seconds", "mean gap between output tokens",
                               buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvmesh_prompt_tokens", "prompt tokens", registry=r)
@@ -90,7 +199,8 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
 
-    def exposition(self) -> bytes:
+    async def exposition(self) -> bytes:
+        await self.workers.refresh()
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
@@ -114,9 +224,16 @@ class RequestTimer:
         if self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.start)
+        else:
+            for _ in range(n):
+                self.metrics.itl.observe((now - self.last) / n)
         self.last, self.count = now, self.count + n
         self.metrics.tokens(n)
 
-    def done(self) -> None:
+    def done(self, prompt_tokens: int = 0) -> None:
         if self.first is not None and self.count > 1:
             self.metrics.tpot.observe((self.last - self.first) / (self.count - 1))
+        if self.first is not None:
+            self.metrics.e2e.observe(self.last - self.start)
+            self.metrics.request_prompt.observe(prompt_tokens)
+            self.metrics.request_generation.observe(self.count)

@@ -65,14 +65,16 @@ class _Worker:
         if self.engine.dead is not None:
             raise RuntimeError(f"engine loop died: {self.engine.dead!r}")
 
-    def stats(self) -> WorkerStats:
+    def stats(self, hint: RouteHint | None = None) -> WorkerStats:
+        """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`)."""
         return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters)
 
     def _chunk(self, out, transfer=None) -> Chunk:
         n = len(out.new_token_ids)
         return Chunk(list(out.new_token_ids), list(out.logprobs[len(out.logprobs) - n:]) if n else [],
                      out.finished, out.finish_reason, out.prompt_tokens, out.cached_tokens, transfer,
-                     self.stats() if out.finished else None)
+                     self.stats() if out.all_finished else None, out.index, list(out.top_logprobs),
+                     out.all_finished, out.prompt_logprobs)
 
 
 class Colocated(_Worker):
@@ -103,7 +105,9 @@ class Prefill(_Worker):
         base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
                     first_logprob=last.logprobs[0], finished=last.finish_reason != "held",
                     finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
-                    worker_id=self.worker_id, fingerprint=self.layout_id, worker=self.stats())
+                    worker_id=self.worker_id, fingerprint=self.layout_id, worker=self.stats(),
+                    first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
+                    siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs)
         if last.finish_reason != "held":
             return Handoff(**base)
         held = await self.engine.held_handle(req.request_id)
@@ -165,7 +169,7 @@ class Decode(_Worker):
         if handoff.source is not None and self.agent is None:
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
-                        handoff.rng_state)
+                        handoff.rng_state, handoff.siblings, handoff.first_top)
         first = True
         async for out in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume):
             if loader.error is not None:

@@ -1,8 +1,10 @@
 """OpenAI response bodies, built from the chunks a generation streams.
 
-`Generation` folds chunks into text (stop strings applied), token ids and logprobs;
-the functions below shape them as `text_completion` / `chat.completion` objects or as
-their streamed `.chunk` events (Server-Sent Events, `data: {...}` then `data: [DONE]`).
+A request has one or more prompts and n sequences per prompt; choice `p * n + i` is
+sequence i of prompt p. `Choice` folds its chunks into text (stop strings applied),
+token ids, logprobs and top logprobs; `Reply` shapes the choices as
+`text_completion` / `chat.completion` objects or as their streamed `.chunk` events
+(Server-Sent Events, `data: {...}` then `data: [DONE]`), with usage over all of them.
 """
 from __future__ import annotations
 
@@ -18,17 +20,17 @@ class Delta(NamedTuple):
     text: str
     token_ids: list[int]
     logprobs: list[float]
+    tops: list[list[tuple[int, float]]]
 
 
-class Generation:
-    def __init__(self, request_id: str, model: str, tokenizer, stops: list[str], prompt_ids: list[int]):
-        self.id, self.model, self.created = request_id, model, int(time.time())
-        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
+class Choice:
+    def __init__(self, index: int, tokenizer, stops: list[str], echo: str = ""):
+        self.index, self.echo = index, echo
         self.detok = Detokenizer(tokenizer.decode, stops)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
-        self.cached_tokens = 0
 
     @property
     def done(self) -> bool:
@@ -38,101 +40,178 @@ class Generation:
     def text(self) -> str:
         return self.detok.text
 
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
     def feed(self, chunk: Chunk) -> Delta:
-        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
+        tops = list(chunk.top_logprobs) or [[] for _ in chunk.token_ids]
+        self.tops += tops
         text = self.detok.add(chunk.token_ids)
         if self.detok.stopped:
             self.finish_reason = "stop"
         elif chunk.finished:
             text += self.detok.finish()
             self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
-        return Delta(text, chunk.token_ids, chunk.logprobs)
+        return Delta(text, chunk.token_ids, chunk.logprobs, tops)
+
+    def whole(self) -> Delta:
+        return Delta(self.text, self.token_ids, self.logprobs, self.tops)
+
+
+class Reply:
+    def __init__(self, request_id: str, model: str, tokenizer, stops: list[str], prompts: list[list[int]],
+                 n: int, keep: int | None = None, echo: list[str] | None = None):
+        """n sequences per prompt; keep: return only the best `keep` of them by cumulative
+        logprob (best_of); echo: each prompt's text, prepended to its choices' text."""
+        self.id, self.model, self.created = request_id, model, int(time.time())
+        self.tokenizer, self.prompts, self.n, self.keep = tokenizer, prompts, n, keep or n
+        self.echo = echo
+        self.prompt_logprobs: list[list] = [[] for _ in prompts]   # echo + logprobs: per prompt token
+        self.choices = {p * n + i: Choice(p * n + i, tokenizer, stops, echo[p] if echo else "")
+                        for p in range(len(prompts)) for i in range(n)}
+        self.cached = [0] * len(prompts)
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.choices.values())
+
+    def feed(self, prompt: int, chunk: Chunk) -> tuple[Choice, Delta]:
+        self.cached[prompt] = max(self.cached[prompt], chunk.cached_tokens)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs[prompt] = chunk.prompt_logprobs
+        choice = self.choices[prompt * self.n + chunk.index]
+        return choice, choice.feed(chunk)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached)
 
     def usage(self) -> dict:
-        n = len(self.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": len(self.token_ids),
-                "total_tokens": n + len(self.token_ids),
+        n = sum(len(p) for p in self.prompts)
+        done = sum(len(c.token_ids) for c in self.choices.values())
+        return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
-    def token_text(self, token_ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in token_ids]
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def final_choices(self) -> list[Choice]:
+        """Every choice in order, or with best_of the `keep` best of each prompt's, renumbered."""
+        if self.keep == self.n:
+            return [self.choices[i] for i in sorted(self.choices)]
+        out = []
+        for p in range(len(self.prompts)):
+            group = [self.choices[p * self.n + i] for i in range(self.n)]
+            out += sorted(group, key=lambda c: -c.cumulative_logprob)[:self.keep]
+        for i, c in enumerate(out):
+            c.index = i
+        return out
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     # ---- /v1/completions --------------------------------------------------------------------
-    def completion_logprobs(self, delta: Delta, offset: int) -> dict:
-        toks = self.token_text(delta.token_ids)
+    def completion_logprobs(self, delta: Delta, offset: int, top_n: int, prompt: int | None = None) -> dict:
+        """OpenAI's legacy shape; with echo (`prompt` given) the prompt's tokens come first."""
+        toks, lps, tops = [], [], []
+        if prompt is not None:
+            for t, entry in zip(self.prompts[prompt], self.prompt_logprobs[prompt]):
+                toks.append(self.token_text(t))
+                lps.append(entry[0] if entry else None)
+                tops.append(self._top_dict(t, entry[0], entry[1], top_n) if entry else None)
+        for t, lp, top in zip(delta.token_ids, delta.logprobs, delta.tops):
+            toks.append(self.token_text(t))
+            lps.append(lp)
+            tops.append(self._top_dict(t, lp, top, top_n))
         offsets, pos = [], offset
         for t in toks:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": toks, "token_logprobs": delta.logprobs,
-                "top_logprobs": [{t: lp} for t, lp in zip(toks, delta.logprobs)], "text_offset": offsets}
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def completion(self, logprobs: bool, return_token_ids: bool) -> dict:
-        choice = {"index": 0, "text": self.text, "finish_reason": self.finish_reason, "logprobs": None}
-        if logprobs:
-            choice["logprobs"] = self.completion_logprobs(Delta(self.text, self.token_ids, self.logprobs), 0)
-        if return_token_ids:
-            choice.update(prompt_token_ids=self.prompt_ids, token_ids=self.token_ids)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
+    def _top_dict(self, token: int, logprob: float, top: list, top_n: int) -> dict:
+        """The top-N alternatives plus the sampled token (vLLM returns N or N+1 entries)."""
+        out = {self.token_text(t): lp for t, lp in top[:top_n]}
+        out.setdefault(self.token_text(token), logprob)
+        return out
 
-    def completion_chunk(self, delta: Delta, offset: int, logprobs: bool, return_token_ids: bool,
-                         first: bool) -> dict:
-        choice = {"index": 0, "text": delta.text, "finish_reason": self.finish_reason, "logprobs": None}
-        if logprobs:
-            choice["logprobs"] = self.completion_logprobs(delta, offset)
+    def completion(self, logprobs: int | None, return_token_ids: bool) -> dict:
+        choices = []
+        for c in self.final_choices():
+            prompt = c.index // self.keep
+            body = {"index": c.index, "text": c.echo + c.text, "finish_reason": c.finish_reason, "logprobs": None}
+            if logprobs is not None:
+                body["logprobs"] = self.completion_logprobs(c.whole(), 0, logprobs, prompt if self.echo else None)
+            if return_token_ids:
+                body.update(prompt_token_ids=self.prompts[prompt], token_ids=c.token_ids)
+            choices.append(body)
+        return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
+
+    def completion_chunk(self, choice: Choice, delta: Delta, offset: int, logprobs: int | None,
+                         return_token_ids: bool, first: bool) -> dict:
+        prompt = choice.index // self.n
+        echo = choice.echo if first else ""
+        body = {"index": choice.index, "text": echo + delta.text, "finish_reason": choice.finish_reason,
+                "logprobs": None}
+        if logprobs is not None:
+            body["logprobs"] = self.completion_logprobs(delta, offset, logprobs,
+                                                        prompt if first and self.echo else None)
         if return_token_ids:
-            choice["token_ids"] = delta.token_ids
+            body["token_ids"] = delta.token_ids
             if first:
-                choice["prompt_token_ids"] = self.prompt_ids
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice]}
+                body["prompt_token_ids"] = self.prompts[prompt]
+        return {**self._head("text_completion"), "choices": [body]}
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
-    def chat_logprobs(self, delta: Delta, top: int) -> dict:
+    def _chat_entry(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat_logprobs(self, delta: Delta, top_n: int) -> dict:
         content = []
-        for tok, lp in zip(self.token_text(delta.token_ids), delta.logprobs):
-            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-            entry["top_logprobs"] = [dict(entry)] if top else []
+        for t, lp, top in zip(delta.token_ids, delta.logprobs, delta.tops):
+            entry = self._chat_entry(t, lp)
+            entry["top_logprobs"] = [self._chat_entry(a, alp) for a, alp in top[:top_n]]
             content.append(entry)
         return {"content": content}
 
-    def chat(self, logprobs: bool, top: int, return_token_ids: bool) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                  "finish_reason": self.finish_reason, "logprobs": None}
-        if logprobs:
-            choice["logprobs"] = self.chat_logprobs(Delta(self.text, self.token_ids, self.logprobs), top)
+    def chat(self, logprobs: bool, top_n: int, return_token_ids: bool) -> dict:
+        choices = []
+        for c in self.final_choices():
+            body = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason, "logprobs": None}
+            if logprobs:
+                body["logprobs"] = self.chat_logprobs(c.whole(), top_n)
+            if return_token_ids:
+                body["token_ids"] = c.token_ids
+            choices.append(body)
+        out = {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
         if return_token_ids:
-            choice["token_ids"] = self.token_ids
-        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
+            out["prompt_token_ids"] = self.prompts[0]
+        return out
+
+    def chat_opening(self, return_token_ids: bool) -> dict:
+        """The opening chunk: the assistant role for every choice, empty content."""
+        body = {**self._head("chat.completion.chunk"),
+                "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in sorted(self.choices)]}
         if return_token_ids:
-            body["prompt_token_ids"] = self.prompt_ids
+            body["prompt_token_ids"] = self.prompts[0]
         return body
 
-    def chat_chunk(self, delta: Delta | None, logprobs: bool, top: int, return_token_ids: bool) -> dict:
-        """delta None = the opening chunk (the assistant role, empty content)."""
-        choice: dict = {"index": 0, "logprobs": None,
-                        "finish_reason": self.finish_reason if delta is not None else None}
-        if delta is None:
-            choice["delta"] = {"role": "assistant", "content": ""}
-        else:
-            choice["delta"] = {"content": delta.text} if delta.text else {}
-            if logprobs:
-                choice["logprobs"] = self.chat_logprobs(delta, top)
-            if return_token_ids:
-                choice["token_ids"] = delta.token_ids
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [choice]}
-        if delta is None and return_token_ids:
-            body["prompt_token_ids"] = self.prompt_ids
-        return body
+    def chat_chunk(self, choice: Choice, delta: Delta, logprobs: bool, top_n: int, return_token_ids: bool) -> dict:
+        body: dict = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": self.chat_logprobs(delta, top_n) if logprobs else None,
+                      "finish_reason": choice.finish_reason}
+        if return_token_ids:
+            body["token_ids"] = delta.token_ids
+        return {**self._head("chat.completion.chunk"), "choices": [body]}
 
     def usage_chunk(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": self.usage()}
+        return {**self._head(obj), "choices": [], "usage": self.usage()}
 
 
 def sse(obj: dict | str) -> str:

@@ -36,15 +36,19 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (repeat for several keys; also $KVMESH_API_KEY, "
+                        "comma-separated)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="attach to this Ray cluster (HOST:PORT or auto) instead of starting a local one "
                         "(default: $RAY_ADDRESS)")
     p.set_defaults(handler=cmd_serve)
 
 
-def example_request(url: str, model: str) -> str:
+def example_request(url: str, model: str, auth: bool = False) -> str:
     body = json.dumps({"model": model, "prompt": "Hello, kvmesh", "max_tokens": 16, "temperature": 0})
-    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    key = " -H \"Authorization: Bearer $KVMESH_API_KEY\"" if auth else ""
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'"
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -82,7 +86,10 @@ def start_ray(address: str | None) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .config import ConfigFileError, load_config
-    overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode}.items() if v is not None}
+    from .auth import keys_from_env
+    keys = (args.api_key or []) + keys_from_env()
+    overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode,
+                                   "ingress.api_keys": keys or None}.items() if v is not None}
     try:
         config = load_config(args.config, overrides)
         if not args.address:       # attached, the HTTP proxy runs on the cluster's head, not here
@@ -104,8 +111,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{' (attached)' if args.address else ' (a new local cluster)'}", flush=True)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
-    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
-    print(f"kvmesh is serving {model} ({config.mode}) at {url}/v1\n\nTry:\n  {example_request(url, model)}\n"
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    model = httpx.get(f"{url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+    print(f"kvmesh is serving {model} ({config.mode}) at {url}/v1\n\nTry:\n  {example_request(url, model, bool(keys))}\n"
           f"\nMetrics: {url}/metrics   Stop: Ctrl-C", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -146,11 +146,16 @@ class AsyncEngine:
     def stats(self) -> dict:
         """Engine, memory, reuse and store counters (read without stopping the loop)."""
         e = self.engine
+        r = e.prefix.stats
         out = {**e.stats, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                "free_blocks": e.blocks.num_free, "total_blocks": e.blocks.num_blocks,
                "free_slots": e.slots.num_free, "total_slots": e.slots.num_slots,
                "preemptions": e.scheduler.preemptions, "held": len(e.held)}
         r = e.prefix.stats
+        out["kv_cache_usage"] = e.blocks.num_used / max(1, e.blocks.num_blocks)
+        out["queue_time"] = e.queue_time.snapshot()
+        out["prefix_query_tokens"] = r.query_tokens
+        out["prefix_hit_tokens"] = dict(r.tier_hit_tokens)
         out.update(reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
                    reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
                    reuse_recomputed_tokens=r.recomputed_tokens)

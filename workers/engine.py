@@ -35,6 +35,7 @@ from .loader import load_model, weights_identity
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .grammar import GuideCompiler
+from .histogram import Histogram
 from .sampler import SampleRow, sample_batch
 from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
 from .scheduler import Scheduler
@@ -98,6 +99,7 @@ class Engine:
                                     sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "restore_s": 0.0}
+        self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
 
     def _prefix_cache(self, model_dir: Path, dtype_name: str, swa_blocks: bool) -> PrefixCache:
         c, a = self.config, self.args
@@ -166,7 +168,7 @@ class Engine:
             if resume.rng_state is not None and seq.generator is not None:
                 seq.generator.set_state(resume.rng_state)
         self.seqs[request_id] = seq
-        if params.n > 1:
+        if params.n > 1 and not hold_kv:     # a held request forks on the decode worker
             self.groups[request_id] = [seq]
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
@@ -200,6 +202,9 @@ class Engine:
                 self._attach(seq, child)
             seq.siblings = []
             return True
+        if seq.params.prompt_logprobs is not None:   # every prompt position must be computed
+            seq.prompt_lps = []
+            return True
         return self.prefix.restore(seq)
 
     # ---- handoff (prefill role) --------------------------------------------------------------
@@ -225,12 +230,17 @@ class Engine:
         if not batch:
             return failed
         t1 = time.perf_counter()
-        logits, sampled = self.runner.run(batch)
+        logits, sampled, extra = self.runner.run(batch)
         self.stats["restore_s"] += t1 - t0
         self.stats["forward_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
         outputs = []
+        if extra:
+            self._prompt_logprobs(batch, logits[len(sampled):], extra)
         for seq, n in batch:
+            if not seq.scheduled:
+                seq.scheduled = True
+                self.queue_time.observe(time.monotonic() - seq.arrival)
             seq.num_computed += n
             self.prefix.after_step(seq)
         seqs, rows, born = [], [], set()
@@ -243,6 +253,8 @@ class Engine:
                     seqs.append(self._child(seq, i))
                     rows.append(row)
                     born.add(id(seqs[-1]))
+        if not seqs:
+            return failed + outputs
         picked = list(zip(seqs, *sample_batch(logits[rows], [self._sample_row(s) for s in seqs])))
         held_forks = set()
         for s, token, logprob, top in picked:
@@ -259,6 +271,19 @@ class Engine:
             self._append_token(s, token, logprob, top)
             outputs.append(self._output(s))
         return failed + outputs
+
+    def _prompt_logprobs(self, batch, logits: torch.Tensor, extra: list[tuple[int, int]]) -> None:
+        """logits at prompt position p score prompt token p + 1 (echo with logprobs)."""
+        lps = torch.log_softmax(logits.float(), dim=-1)
+        k = max(batch[b][0].params.prompt_logprobs for b, _ in extra)
+        top_v, top_i = lps.topk(k, dim=1) if k else (None, None)
+        nxt = torch.tensor([batch[b][0].prompt[p + 1] for b, p in extra])
+        chosen = lps.gather(1, nxt[:, None])[:, 0].tolist()
+        for r, (b, p) in enumerate(extra):
+            seq = batch[b][0]
+            kk = seq.params.prompt_logprobs
+            top = list(zip(top_i[r, :kk].tolist(), top_v[r, :kk].tolist())) if kk else []
+            seq.prompt_lps.append((chosen[r], top))
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.params
@@ -278,6 +303,7 @@ class Engine:
         p = parent.params
         child = Sequence(parent.request_id, parent.prompt, p, make_generator(p, index), arrival=parent.arrival)
         child.index, child.cached_tokens, child.chain = index, parent.cached_tokens, list(parent.chain)
+        child.scheduled = True                   # its queue time is its parent's
         child.guide = self.guides.guide(p.guide) if p.guide else None
         return child
 
@@ -355,7 +381,9 @@ class Engine:
             finished=finished, finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, index=seq.index,
             top_logprobs=seq.top_logprobs[len(seq.top_logprobs) - len(new):] if new else [],
-            all_finished=finished and (seq.hold_kv or self._group_finished(seq.request_id)),
+            all_finished=finished and self._group_finished(seq.request_id),
+            prompt_logprobs=[None] + seq.prompt_lps if seq.params.prompt_logprobs is not None and
+            seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
             siblings=list(seq.siblings) if seq.hold_kv else [])
 
     # ---- convenience ------------------------------------------------------------------------

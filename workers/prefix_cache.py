@@ -39,6 +39,8 @@ class ReuseStats:
     load_s: float = 0.0
     checkpoints_written: int = 0
     truncated_hits: int = 0
+    query_tokens: int = 0           # prompt tokens looked up (vLLM's prefix_cache_queries)
+    tier_hit_tokens: dict = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
     last: dict = field(default_factory=dict)   # the latest restore's breakdown
 
 
@@ -57,6 +59,7 @@ class PrefixCache:
         self._reconnects = 0
         self._block_shapes = cache.block_shapes()
         self._table_ok: tuple = ()
+        self._tiers: list[str] = []             # the tier of each block of the restore in progress
         # Reads from the store land here first; touched once now so a restore never
         # page-faults its way through fresh memory.
         self._staging = torch.zeros(staging_bytes if store is not None else 0, dtype=torch.uint8)
@@ -101,6 +104,7 @@ class PrefixCache:
         if not self.enabled:
             return True
         self.stats.lookups += 1
+        self.stats.query_tokens += len(seq.prompt)
         hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
         if not hashes:
             return True
@@ -131,8 +135,11 @@ class PrefixCache:
 
         from_host: list[tuple[int, dict]] = []
         from_store: list[int] = []
+        self._tiers = []
         for i in range(plan.load_blocks):
             b = self.pool.acquire(hashes[i])
+            self._tiers.append("device" if b is not None else "host" if ("block", hashes[i]) in self.host
+                               else "store")
             if b is not None:
                 seq.blocks.append(b)
                 continue
@@ -224,6 +231,11 @@ class PrefixCache:
         s = self.stats
         s.hits += 1
         s.hit_tokens += plan.hit_tokens
+        left = plan.hit_tokens                # hit tokens by the tier their block came from, in order
+        for tier in self._tiers:
+            s.tier_hit_tokens[tier] += min(left, self.bt)
+            left -= min(left, self.bt)
+        s.tier_hit_tokens[self._tiers[-1] if self._tiers else "store"] += left
         s.recomputed_tokens += plan.recompute_tokens
         s.load_s += load_s
         s.last = {"hit_tokens": plan.hit_tokens, "blocks": plan.load_blocks, "recompute": plan.recompute_tokens,

@@ -37,6 +37,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     guide: tuple[str, str] | None = None   # ("json_object" | "json_schema", schema JSON): workers.grammar
+    prompt_logprobs: int | None = None     # echo: logprob (+ this many alternatives) of every prompt token
 
     def validate(self) -> "SamplingParams":
         def bad(field: str, why: str):
@@ -66,6 +67,9 @@ class SamplingParams:
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not (
                 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:

@@ -32,6 +32,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # per new token
     all_finished: bool = True       # every sequence of the request has finished (n > 1)
     siblings: list[tuple[int, float, list]] = field(default_factory=list)   # held: the other n-1 first tokens
+    prompt_logprobs: list | None = None    # on the first output, when asked: [None, (logprob, top), ...]
 
 
 @dataclass(eq=False)   # identity: the scheduler's `seq in running` must not compare fields
@@ -61,6 +62,8 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     guide: object | None = None     # workers.grammar.Guide when the output is grammar-constrained
     siblings: list[tuple[int, float, list]] = field(default_factory=list)   # first tokens of forks to come
+    prompt_lps: list = field(default_factory=list)   # prompt logprobs computed so far (echo)
+    scheduled: bool = False         # ran in a step at least once (queue time is measured to then)
 
     @property
     def tokens(self) -> list[int]:
