@@ -80,7 +80,7 @@ class Reply:
 
     def feed(self, prompt: int, chunk: Chunk) -> tuple[Choice, Delta]:
         self.cached[prompt] = max(self.cached[prompt], chunk.cached_tokens)
-        if chunk.prompt_logprobs:
+        if chunk.prompt_logprobs and not self.prompt_logprobs[prompt]:
             self.prompt_logprobs[prompt] = chunk.prompt_logprobs
         choice = self.choices[prompt * self.n + chunk.index]
         return choice, choice.feed(chunk)
@@ -96,7 +96,10 @@ class Reply:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's text; one that is no text on its own (a special token, part of a UTF-8
+        sequence) is named `token_id:N` (vLLM's spelling), so logprob keys stay distinct."""
+        text = self.tokenizer.decode([token_id])
+        return text if text and "\ufffd" not in text else f"token_id:{token_id}"
 
     def final_choices(self) -> list[Choice]:
         """Every choice in order, or with best_of the `keep` best of each prompt's, renumbered."""

@@ -383,7 +383,7 @@ class Engine:
             top_logprobs=seq.top_logprobs[len(seq.top_logprobs) - len(new):] if new else [],
             all_finished=finished and self._group_finished(seq.request_id),
             prompt_logprobs=[None] + seq.prompt_lps if seq.params.prompt_logprobs is not None and
-            seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
+            seq.resume is None and seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
             siblings=list(seq.siblings) if seq.hold_kv else [])
 
     # ---- convenience ------------------------------------------------------------------------

@@ -76,10 +76,10 @@ def test_greedy_completion_equals_offline_engine(urls, client, offline, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_streamed_completion_equals_whole_completion(urls, client, mode):
-    req = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
-           "stream_options": {"include_usage": True}}
+    req = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
     whole = client.post(f"{urls[mode]}/v1/completions", json=req).json()["choices"][0]
-    events = stream_events(client, f"{urls[mode]}/v1/completions", req)
+    events = stream_events(client, f"{urls[mode]}/v1/completions",
+                           {**req, "stream_options": {"include_usage": True}})
     chunks, usage = events[:-1], events[-1]
     assert all(e["object"] == "text_completion" for e in events)
     assert "".join(e["choices"][0]["text"] for e in chunks) == whole["text"]
@@ -228,7 +228,12 @@ BAD_COMPLETIONS = [
     b'{"prompt": [100000]}',
     b'{"prompt": 12}',
     b'{"max_tokens": 3}',
-    b'{"prompt": "hi", "n": 2}',
+    b'{"prompt": "hi", "n": 0}',
+    b'{"prompt": "hi", "suffix": "x"}',
+    b'{"prompt": "hi", "best_of": 1, "n": 2}',
+    b'{"prompt": "hi", "logit_bias": {"x": 1}}',
+    b'{"prompt": "hi", "response_format": {"type": "json_schema"}}',
+    b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}',
     b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}',
     b'{"prompt": "hi", "min_tokens": 9, "max_tokens": 3}',
     b'{"prompt": "hi", "stream": "yes"}',
@@ -243,6 +248,8 @@ BAD_CHAT = [
     b'{"messages": [{"role": "user", "content": "hi", "mood": "sad"}]}',
     b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}',
     b'{"prompt": "hi"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "tools": []}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}',
 ]
 
 
