@@ -77,7 +77,7 @@ def test_retry_continues_after_the_tokens_already_sent():
 
 
 def test_request_models_accept_openai_shapes_and_name_bad_fields():
-    body = parse_body(b'{"prompt": [1, 2], "temperature": 0, "stop": "x", "stream_options": {"include_usage": true}}',
+    body = parse_body(b'{"prompt": [1, 2], "temperature": 0, "stop": "x", "stream": true, "stream_options": {"include_usage": true}}',
                       CompletionRequest)
     assert body.prompt == [1, 2] and body.stop_strings == ["x"] and body.include_usage
     chat = parse_body(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
