@@ -1,8 +1,16 @@
-"""The serving stack under load: disaggregated vs colocated, prefix reuse on vs off, and
-the NIXL handoff's bandwidth against a plain memory copy.
+"""The serving stack under load: disaggregated vs colocated, prefix reuse on vs off, the
+NIXL handoff's bandwidth against a plain memory copy, and n=4 forks against four requests.
 
     python bench/serve.py [--concurrency 1,4,8] [--requests 24] [--prefix-tokens 384]
                           [--suffix-tokens 32] [--max-tokens 32] [--out bench/out/serve.json]
+                          [--fork-only] [--fork-prompt 600] [--fork-tokens 64] [--fork-trials 3]
+
+n=4 vs 4 requests: one completion with n=4 (one prefill; the four sequences fork the
+prompt's blocks) against four concurrent requests of the same prompt (four prefills),
+sampled (temperature 1, EOS ignored), a fresh random prompt per trial. TTFT = request
+sent -> first token of each sequence (median over sequences, then trials); tok/s = all
+output tokens / wall time; KV blocks = the peak of (total - free) blocks summed over the
+pools, from /metrics polled every 20 ms while the trial runs.
 
 One local Ray runs two apps of the same engine settings: disaggregated at `/` and
 colocated at `/colocated`. An async httpx load generator replays a shared-prefix
@@ -181,6 +189,89 @@ def plot(runs: list[Run], handoff: list[dict], out: Path) -> None:
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
+@dataclass
+class ForkRun:
+    mode: str
+    shape: str
+    ttft_ms: float
+    tok_s: float
+    peak_blocks: int
+
+
+async def _stream_choices(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, dict[int, list[float]]]:
+    start, stamps = time.perf_counter(), {}
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    stamps.setdefault(choice["index"], []).extend(
+                        [time.perf_counter()] * len(choice.get("token_ids", [])))
+    return start, stamps
+
+
+async def _peak_blocks(client: httpx.AsyncClient, url: str, stop: asyncio.Event) -> int:
+    peak = 0
+    while not stop.is_set():
+        text = (await client.get(f"{url}/metrics")).text
+        used = {}
+        for line in text.splitlines():
+            for key in ("kvmesh_worker_total_blocks{", "kvmesh_worker_free_blocks{"):
+                if line.startswith(key):
+                    labels, value = line[len(key):].rsplit(" ", 1)
+                    sign = 1 if "total" in key else -1
+                    used[labels] = used.get(labels, 0) + sign * float(value)
+        peak = max(peak, int(sum(used.values())))
+        await asyncio.sleep(0.02)
+    return peak
+
+
+async def fork_trial(url: str, prompt: list[int], max_tokens: int, forked: bool, seed: int) -> tuple[float, float, int]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True, "seed": seed}
+    async with httpx.AsyncClient(timeout=300) as client:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_peak_blocks(client, url, stop))
+        t0 = time.perf_counter()
+        if forked:
+            runs = [await _stream_choices(client, url, {**body, "n": 4})]
+        else:
+            runs = await asyncio.gather(*(_stream_choices(client, url, {**body, "seed": seed + i}) for i in range(4)))
+        wall = time.perf_counter() - t0
+        stop.set()
+        peak = await watcher
+    ttfts = [(s[0] - start) * 1e3 for start, stamps in runs for s in stamps.values()]
+    tokens = sum(len(s) for _, stamps in runs for s in stamps.values())
+    assert tokens == 4 * max_tokens, tokens
+    return statistics.median(ttfts), tokens / wall, peak
+
+
+def fork_bench(urls: dict[str, str], prompt_tokens: int, max_tokens: int, trials: int) -> list[ForkRun]:
+    rng, rows = random.Random(1), []
+    for mode, url in urls.items():
+        for forked in (True, False):
+            results = []
+            for t in range(trials):
+                prompt = [rng.randrange(FIRST_TOKEN_ID, FIRST_TOKEN_ID + TOKEN_RANGE) for _ in range(prompt_tokens)]
+                results.append(asyncio.run(fork_trial(url, prompt, max_tokens, forked, seed=t)))
+            med = lambda i: statistics.median(r[i] for r in results)  # noqa: E731
+            rows.append(ForkRun(mode, "n=4 (1 prefill)" if forked else "4 requests", round(med(0), 1),
+                                round(med(1), 1), int(med(2))))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def fork_table(rows: list[ForkRun]) -> str:
+    lines = ["| mode | shape | TTFT p50 ms | tok/s | peak KV blocks | vs 4 requests: TTFT | tok/s | blocks |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        base = next(b for b in rows if b.mode == r.mode and b.shape == "4 requests")
+        lines.append(f"| {r.mode} | {r.shape} | {r.ttft_ms} | {r.tok_s} | {r.peak_blocks} | "
+                     f"{r.ttft_ms / base.ttft_ms:.2f}x | {r.tok_s / base.tok_s:.2f}x | "
+                     f"{r.peak_blocks / max(1, base.peak_blocks):.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrency", default="1,4,8")
@@ -191,6 +282,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="handoff bandwidth repeats")
     p.add_argument("--out", default="bench/out/serve.json")
+    p.add_argument("--fork-only", action="store_true", help="run only the n=4 vs 4 requests comparison")
+    p.add_argument("--fork-prompt", type=int, default=600, help="prompt tokens of the n=4 comparison")
+    p.add_argument("--fork-tokens", type=int, default=64, help="output tokens per sequence")
+    p.add_argument("--fork-trials", type=int, default=3)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = {"kv_cache_mb": 128, "max_num_seqs": 16, "max_batched_tokens": 1024, "store": None}
@@ -201,18 +296,27 @@ def main() -> int:
                 "colocated": ls.deploy("colo", small_config("colocated", engine=engine), "/colocated")}
         for mode, url in urls.items():
             asyncio.run(run_load(url, workload(rng, 4, 2, 64, 8, True), 2, 4))     # warm up
-            for reuse in (True, False):
+        forks = fork_bench(urls, args.fork_prompt, args.fork_tokens, args.fork_trials)
+        for mode, url in urls.items():
+            for reuse in (True, False) if not args.fork_only else ():
                 for c in levels:
                     prompts = workload(rng, args.requests, args.groups, args.prefix_tokens, args.suffix_tokens, reuse)
                     results, wall = asyncio.run(run_load(url, prompts, c, args.max_tokens))
                     runs.append(summarize(mode, reuse, c, results, wall))
                     print(runs[-1], flush=True)
-    handoff = handoff_bandwidth(args.repeats)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.fork_only:
+        out.with_name(out.stem + "_fork.json").write_text(json.dumps(
+            {"args": vars(args), "forks": [asdict(r) for r in forks], "cpus": os.cpu_count()}, indent=2))
+        print(fork_table(forks))
+        return 0
+    handoff = handoff_bandwidth(args.repeats)
     out.write_text(json.dumps({"args": vars(args), "runs": [asdict(r) for r in runs], "handoff": handoff,
-                               "cpus": os.cpu_count()}, indent=2))
+                               "forks": [asdict(r) for r in forks], "cpus": os.cpu_count()}, indent=2))
     print(table(runs, handoff))
+    print()
+    print(fork_table(forks))
     plot(runs, handoff, out)
     return 0
 

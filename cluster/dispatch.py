@@ -117,9 +117,10 @@ class Dispatcher:
                         return
                     except asyncio.TimeoutError:
                         raise WorkerStalled(f"{pool}: no token within {self.token_timeout_s}s") from None
-                    if chunk.worker is not None:
-                        self.metrics.workers.update(chunk.worker)
-                    yield chunk
+                    for c in chunk if isinstance(chunk, list) else [chunk]:   # n > 1: a step's chunks
+                        if c.worker is not None:
+                            self.metrics.workers.update(c.worker)
+                        yield c
             finally:
                 if not done:        # the client left, a stop string matched, or the worker failed
                     gen.cancel()

@@ -69,6 +69,11 @@ class _Worker:
         """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`)."""
         return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters)
 
+    def _chunks(self, outs, transfer=None):
+        """One Chunk, or a list of them when a step produced several (n > 1): one stream item."""
+        chunks = [self._chunk(o, transfer if i == 0 else None) for i, o in enumerate(outs)]
+        return chunks[0] if len(chunks) == 1 else chunks
+
     def _chunk(self, out, transfer=None) -> Chunk:
         n = len(out.new_token_ids)
         return Chunk(list(out.new_token_ids), list(out.logprobs[len(out.logprobs) - n:]) if n else [],
@@ -81,8 +86,8 @@ class Colocated(_Worker):
     POOL = "colocated"
 
     async def generate(self, req: GenRequest, hint: RouteHint | None = None):
-        async for out in self.engine.generate(req.request_id, req.prompt, req.params):
-            yield self._chunk(out)
+        async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True):
+            yield self._chunks(outs)
 
 
 class Prefill(_Worker):
@@ -171,10 +176,10 @@ class Decode(_Worker):
         resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
                         handoff.rng_state, handoff.siblings, handoff.first_top)
         first = True
-        async for out in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume):
+        async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume, batched=True):
             if loader.error is not None:
                 raise HandoffError(f"request {req.request_id}: the cache could not be moved: {loader.error}")
-            yield self._chunk(out, loader.report if first else None)
+            yield self._chunks(outs, loader.report if first else None)
             first = False
 
     def _fetch_export(self, handoff: Handoff):

@@ -104,9 +104,11 @@ class AsyncEngine:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                       hold_kv: bool = False, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False, resume: Resume | None = None, batched: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token (n > 1: of each sequence, `index` says which);
-        the last has all_finished=True. Validation
+        the last has all_finished=True. `batched`: yield lists of every output ready (one step of
+        n sequences travels as one item). Validation
         errors (InvalidRequestError) are raised from the first iteration."""
         if self._dead:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
@@ -121,12 +123,15 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.all_finished:
-                    finished = True
+                items = [await queue.get()]
+                while batched and not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    finished = finished or item.all_finished
+                yield items if batched else items[0]
+                if finished:
                     return
         finally:
             self._streams.pop(request_id, None)

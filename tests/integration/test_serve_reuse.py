@@ -111,8 +111,8 @@ def test_prefix_computed_on_one_node_is_reused_on_the_other(two_nodes):
     handoff = prefill.prefill.remote(req, hint=RouteHint(require_worker=other)).result()
     assert handoff.worker_id == other and handoff.cached_tokens > 0
     tokens = [handoff.first_token]
-    for chunk in decode.options(stream=True).decode.remote(req, handoff):
-        tokens += chunk.token_ids
+    for item in decode.options(stream=True).decode.remote(req, handoff):
+        tokens += [t for chunk in (item if isinstance(item, list) else [item]) for t in chunk.token_ids]
     assert tokens == cold
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert worker_counter(metrics, "store_bytes_written", holder) > 0
