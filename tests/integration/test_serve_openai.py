@@ -8,8 +8,11 @@ One Ray cluster for the module: disaggregated at `/` behind two API keys, coloca
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+
+from pathlib import Path
 
 import httpx
 import pytest
@@ -312,6 +315,16 @@ def test_metrics_are_live_while_requests_run(urls, http, mode):
     for name in ("kvmesh:request_queue_time_seconds_count", "kvmesh:inter_token_latency_seconds_count",
                  "kvmesh:e2e_request_latency_seconds_count", "kvmesh:kv_cache_free_blocks"):
         assert total(after, name) > 0, name
+
+
+def test_every_metric_the_grafana_dashboard_plots_is_exported(urls, http):
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "kvmesh.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    names = {re.sub(r"_(bucket|total)$", "", n) for n in re.findall(r"kvmesh[_:][a-z0-9_:]+", exprs)}
+    text = http.get(f"{urls['disaggregated']}/metrics").text
+    exported = {re.sub(r"_total$", "", n) for n in re.findall(r"^# HELP (\S+)", text, re.M)}
+    missing = sorted(names - exported)
+    assert not missing and len(names) >= 15, missing
 
 
 def test_prefix_hit_counters_match_cached_tokens(urls, http):
