@@ -83,11 +83,12 @@ class Dispatcher:
         if handoff.worker is not None:
             self.metrics.workers.update(handoff.worker)
         last = len(handoff.siblings)
-        yield Chunk([handoff.first_token], [handoff.first_logprob], handoff.finished, handoff.finish_reason,
+        ended = handoff.finish_reason if handoff.finished else handoff.first_finish
+        yield Chunk([handoff.first_token], [handoff.first_logprob], ended is not None, ended,
                     handoff.prompt_len, handoff.cached_tokens, top_logprobs=[list(handoff.first_top)],
                     all_finished=handoff.finished and not last, prompt_logprobs=handoff.prompt_logprobs)
-        for i, (token, logprob, top) in enumerate(handoff.siblings, start=1):   # the forks' first tokens
-            yield Chunk([token], [logprob], handoff.finished, handoff.finish_reason, handoff.prompt_len,
+        for i, (token, logprob, top, finish) in enumerate(handoff.siblings, start=1):   # the forks' first tokens
+            yield Chunk([token], [logprob], finish is not None, finish, handoff.prompt_len,
                         handoff.cached_tokens, index=i, top_logprobs=[list(top)],
                         all_finished=handoff.finished and i == last)
         if handoff.finished:

@@ -84,5 +84,6 @@ class Handoff:
     worker: WorkerStats | None = None       # the prefill worker's counters (for the ingress metrics)
     rng_state: Any = None                   # seeded sampler state after the first token (torch ByteTensor)
     first_top: tuple = ()                   # the first token's top logprobs
-    siblings: tuple = ()                    # n > 1: (token, logprob, top) of sequences 1..n-1 (forked in decode)
+    siblings: tuple = ()                    # n > 1: (token, logprob, top, finish reason) of sequences 1..n-1
+    first_finish: str | None = None         # n > 1: sequence 0 ended on its first token, the others go on
     prompt_logprobs: list | None = None

@@ -112,7 +112,8 @@ class Prefill(_Worker):
                     finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
                     worker_id=self.worker_id, fingerprint=self.layout_id, worker=self.stats(),
                     first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
-                    siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs)
+                    siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs,
+                    first_finish=last.first_finish)
         if last.finish_reason != "held":
             return Handoff(**base)
         held = await self.engine.held_handle(req.request_id)
@@ -174,7 +175,7 @@ class Decode(_Worker):
         if handoff.source is not None and self.agent is None:
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
-                        handoff.rng_state, handoff.siblings, handoff.first_top)
+                        handoff.rng_state, handoff.siblings, handoff.first_top, handoff.first_finish)
         first = True
         async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume, batched=True):
             if loader.error is not None:

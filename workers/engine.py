@@ -159,20 +159,30 @@ class Engine:
                        hold_kv=hold_kv, resume=resume)
         seq.guide = self.guides.guide(params.guide) if params.guide else None
         if resume is not None:
-            seq.output, seq.logprobs, seq.emitted = [resume.first_token], [resume.first_logprob], 1
-            seq.top_logprobs = [list(resume.first_top)]
-            seq.siblings = list(resume.siblings)
-            seq.cached_tokens = resume.cached_tokens
-            if seq.guide is not None:
-                seq.guide.accept(resume.first_token)
-            if resume.rng_state is not None and seq.generator is not None:
-                seq.generator.set_state(resume.rng_state)
+            self._resume_lead(seq, resume)
         self.seqs[request_id] = seq
         if params.n > 1 and not hold_kv:     # a held request forks on the decode worker
             self.groups[request_id] = [seq]
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
         return seq
+
+    def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
+        """Decode role: the cache continues the first sequence that has not ended yet (n > 1:
+        sequence 0 may have ended on its first token); the others fork from it at admission."""
+        firsts = [(resume.first_token, resume.first_logprob, list(resume.first_top), resume.first_finish)]
+        firsts += [tuple(s) + (None,) * (4 - len(s)) for s in resume.siblings]
+        lead = next(i for i, f in enumerate(firsts) if f[3] is None)
+        token, logprob, top, _ = firsts[lead]
+        seq.index, seq.output, seq.logprobs, seq.top_logprobs, seq.emitted = lead, [token], [logprob], [top], 1
+        seq.siblings = [(i, f) for i, f in enumerate(firsts) if i != lead]
+        seq.cached_tokens = resume.cached_tokens
+        if lead:
+            seq.generator = make_generator(seq.params, lead)
+        if seq.guide is not None:
+            seq.guide.accept(token)
+        if resume.rng_state is not None and seq.generator is not None and lead == 0:
+            seq.generator.set_state(resume.rng_state)
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -194,9 +204,13 @@ class Engine:
                 return False
             seq.resume.load(self.cache, list(seq.blocks), seq.slot)
             seq.num_computed = len(seq.prompt)
-            for i, (token, logprob, top) in enumerate(seq.siblings, start=1):
+            for i, (token, logprob, top, finish) in seq.siblings:
                 child = self._child(seq, i)
                 child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
+                if finish is not None:      # ended on its first token at prefill: only counted
+                    child.status, child.finish_reason = Status.FINISHED, finish
+                    self.groups.setdefault(seq.request_id, [seq]).append(child)
+                    continue
                 if child.guide is not None:
                     child.guide.accept(token)
                 self._attach(seq, child)
@@ -261,7 +275,7 @@ class Engine:
             if id(s) in born:
                 parent = self.seqs[s.request_id]
                 if parent.hold_kv:      # prefill role: the forks happen on the decode worker
-                    parent.siblings.append((token, logprob, top))
+                    parent.siblings.append((token, logprob, top, self._first_finish(s, token)))
                     held_forks.add(id(s))
                 else:
                     self._attach(parent, s)
@@ -292,6 +306,13 @@ class Engine:
         allowed = seq.guide.allowed() if seq.guide is not None else None
         return SampleRow(p, seq.generator, banned, seq.prompt if p.penalized else [],
                          seq.output if p.penalized else [], allowed)
+
+    def _first_finish(self, seq: Sequence, token: int) -> str | None:
+        """Why a sequence ends on its first token `token` (None: it goes on)."""
+        p = seq.params
+        if token in self._stops(p) and p.min_tokens <= 1:
+            return "stop"
+        return "length" if p.max_tokens == 1 else None
 
     def _stops(self, p: SamplingParams) -> set[int]:
         eos = set(self.args.eos_token_ids) | set(self.tokenizer.stop_token_ids)    # config + end-of-turn
@@ -349,8 +370,8 @@ class Engine:
             seq.finish_reason = "stop"
         elif len(seq.output) >= p.max_tokens:
             seq.finish_reason = "length"
-        if seq.hold_kv and not seq.finish_reason:
-            seq.finish_reason = "held"
+        if seq.hold_kv and (not seq.finish_reason or any(sib[3] is None for sib in seq.siblings)):
+            seq.first_finish, seq.finish_reason = seq.finish_reason, "held"
             self.stats["cached_tokens"] += seq.cached_tokens
             self.scheduler.detach(seq)
             self.held[seq.request_id] = seq
@@ -384,7 +405,7 @@ class Engine:
             all_finished=finished and self._group_finished(seq.request_id),
             prompt_logprobs=[None] + seq.prompt_lps if seq.params.prompt_logprobs is not None and
             seq.resume is None and seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
-            siblings=list(seq.siblings) if seq.hold_kv else [])
+            siblings=list(seq.siblings) if seq.hold_kv else [], first_finish=seq.first_finish)
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

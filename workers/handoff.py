@@ -26,5 +26,6 @@ class Resume(NamedTuple):
     load: Callable
     cached_tokens: int = 0
     rng_state: torch.Tensor | None = None   # continue the seeded sampler where prefill left it
-    siblings: tuple = ()                    # n > 1: (token, logprob, top) of the forks 1..n-1
+    siblings: tuple = ()                    # n > 1: (token, logprob, top, finish reason | None) of forks 1..n-1
     first_top: tuple = ()                   # the first token's top logprobs
+    first_finish: str | None = None         # n > 1: sequence 0 ended on its first token; others go on

@@ -33,6 +33,7 @@ class RequestOutput:
     all_finished: bool = True       # every sequence of the request has finished (n > 1)
     siblings: list[tuple[int, float, list]] = field(default_factory=list)   # held: the other n-1 first tokens
     prompt_logprobs: list | None = None    # on the first output, when asked: [None, (logprob, top), ...]
+    first_finish: str | None = None        # held with n > 1: sequence 0 ended on its first token
 
 
 @dataclass(eq=False)   # identity: the scheduler's `seq in running` must not compare fields
@@ -63,6 +64,7 @@ class Sequence:
     guide: object | None = None     # workers.grammar.Guide when the output is grammar-constrained
     siblings: list[tuple[int, float, list]] = field(default_factory=list)   # first tokens of forks to come
     prompt_lps: list = field(default_factory=list)   # prompt logprobs computed so far (echo)
+    first_finish: str | None = None # held with n > 1: sequence 0 ended on its first token
     scheduled: bool = False         # ran in a step at least once (queue time is measured to then)
 
     @property

@@ -76,3 +76,44 @@ def test_prefix_reuse_can_be_switched_off_for_baselines(model_dir):
     on, off = engine(model_dir), engine(model_dir, prefix_reuse=False)
     assert [on.generate([prompt], params)[0].cached_tokens for _ in range(2)] == [0, 64]
     assert [off.generate([prompt], params)[0].cached_tokens for _ in range(2)] == [0, 0]
+
+
+def held_forks(prefill: Engine, prompt, params):
+    prefill.add_request("f", prompt, params, hold_kv=True)
+    first = [o for o in run(prefill) if o.finished][-1]
+    payload = prefill.export_held("f") if first.finish_reason == "held" else None
+    rng = prefill.held_handle("f").rng_state if payload is not None else None
+    prefill.release_held("f")
+    return first, Resume(first.token_ids[0], first.logprobs[0],
+                         lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens,
+                         rng, tuple(first.siblings), tuple(first.top_logprobs[0]), first.first_finish)
+
+
+def test_n_forks_happen_on_the_decode_engine_after_one_prefill(model_dir):
+    prompt = random_prompt(40, seed=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=3)
+    single = engine(model_dir).generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    prefill, decode = engine(model_dir), engine(model_dir)
+    first, resume = held_forks(prefill, prompt, params)
+    assert first.finish_reason == "held" and [s[0] for s in first.siblings] == [single.token_ids[0]] * 2
+    decode.add_request("f", prompt, params, resume=resume)
+    done = {o.index: o.token_ids for o in run(decode) if o.finished}
+    assert done == {0: single.token_ids, 1: single.token_ids, 2: single.token_ids}
+    assert decode.blocks.num_free == decode.blocks.num_blocks and not decode.groups
+
+
+def test_when_sequence_0_ends_on_its_first_token_the_other_forks_still_decode(model_dir):
+    prompt = random_prompt(40, seed=6)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, n=3)
+    probe, _ = held_forks(engine(model_dir), prompt, sampled)
+    stop = probe.token_ids[0]
+    assert any(s[0] != stop for s in probe.siblings)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, n=3, stop_token_ids=(stop,))
+    first, resume = held_forks(engine(model_dir), prompt, params)
+    assert first.first_finish == "stop" and first.finish_reason == "held"
+    decode = engine(model_dir)
+    decode.add_request("f", prompt, params, resume=resume)
+    done = {o.index: o for o in run(decode) if o.finished}
+    going = {i for i, s in enumerate(first.siblings, start=1) if s[3] is None}
+    assert set(done) == going and all(o.token_ids[0] == first.siblings[i - 1][0] for i, o in done.items())
+    assert not decode.has_unfinished() and not decode.groups
