@@ -243,32 +243,54 @@ class Engine:
         self.scheduler.failed.clear()
         if not batch:
             return failed
+        now = time.monotonic()
+        for seq, _ in batch:
+            if not seq.scheduled:
+                seq.scheduled = True
+                self.queue_time.observe(now - seq.arrival)
         t1 = time.perf_counter()
         logits, sampled, extra = self.runner.run(batch)
         self.stats["restore_s"] += t1 - t0
         self.stats["forward_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
-        outputs = []
         if extra:
             self._prompt_logprobs(batch, logits[len(sampled):], extra)
         for seq, n in batch:
-            if not seq.scheduled:
-                seq.scheduled = True
-                self.queue_time.observe(time.monotonic() - seq.arrival)
             seq.num_computed += n
             self.prefix.after_step(seq)
+        return failed + self._sample(batch, logits, sampled)
+
+    def _sample(self, batch, logits: torch.Tensor, sampled: list[int]) -> list[RequestOutput]:
+        """A token for every sequence whose known tokens are all computed; at the first token
+        of a request with n > 1, n tokens from the same logits row: the forks."""
         seqs, rows, born = [], [], set()
         for row, b in enumerate(sampled):
             seq = batch[b][0]
             seqs.append(seq)
             rows.append(row)
-            if seq.params.n > 1 and not seq.output and seq.index == 0:   # the fork point: n first tokens
+            if seq.params.n > 1 and not seq.output and seq.index == 0:
                 for i in range(1, seq.params.n):
                     seqs.append(self._child(seq, i))
                     rows.append(row)
                     born.add(id(seqs[-1]))
         if not seqs:
-            return failed + outputs
+            return []
+        picked = list(zip(seqs, *sample_batch(logits[rows], [self._sample_row(s) for s in seqs])))
+        held_forks = set()
+        for s, token, logprob, top in picked:
+            if id(s) in born:
+                parent = self.seqs[s.request_id]
+                if parent.hold_kv:      # prefill role: the forks happen on the decode worker
+                    parent.siblings.append((token, logprob, top, self._first_finish(s, token)))
+                    held_forks.add(id(s))
+                else:
+                    self._attach(parent, s)
+        outputs = []
+        for s, token, logprob, top in picked:
+            if id(s) not in held_forks:
+                self._append_token(s, token, logprob, top)
+                outputs.append(self._output(s))
+        return outputs
         picked = list(zip(seqs, *sample_batch(logits[rows], [self._sample_row(s) for s in seqs])))
         held_forks = set()
         for s, token, logprob, top in picked:

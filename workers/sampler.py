@@ -41,6 +41,8 @@ def _filter(work: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Probabilities [B, V] after temperature, top-k, top-p and min-p (one sort for the batch)."""
     dev, vocab = work.device, work.shape[1]
     work = work / _column(rows, "temperature", dev)[:, None]
+    if all(r.params.top_k == 0 and r.params.top_p >= 1.0 and r.params.min_p == 0.0 for r in rows):
+        return torch.softmax(work, dim=1)         # nothing to truncate: no sort
     top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=dev)
     top_p = _column(rows, "top_p", dev)
     sorted_l, order = work.sort(dim=1, descending=True)
