@@ -82,8 +82,11 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
 async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
     """(i, chunk) from several chunk streams as they arrive (a batch of prompts)."""
     if len(streams) == 1:
-        async for chunk in streams[0]:
-            yield 0, chunk
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:                 # closing this closes the dispatch stream now (cancels the worker call)
+            await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -110,6 +113,8 @@ async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 class _Events:
