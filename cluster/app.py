@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import SecretStr
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from .auth import keys_from_env
 from .config import HEAD_IP, PoolConfig, ServeConfig
 from .ingress import Ingress
 from .pools import Colocated, Decode, Prefill
@@ -41,6 +43,9 @@ def ray_head_ip() -> str:
 
 def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Application:
     config = args if isinstance(args, ServeConfig) else ServeConfig.model_validate(args or {})
+    env_keys = keys_from_env()
+    if env_keys and not config.ingress.api_keys:   # `serve run deploy/serve.yaml` with KVMESH_API_KEY set
+        config = config.model_copy(update={"ingress": config.ingress.model_copy(update={"api_keys": [SecretStr(k) for k in env_keys]})})
     if HEAD_IP in config.engine.index:
         config = config.with_head_ip(ray_head_ip())
     if config.mode == "colocated":

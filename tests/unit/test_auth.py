@@ -34,3 +34,14 @@ def test_keys_never_appear_in_the_config_repr_or_dump():
     assert "sk-secret-1" not in repr(config) and "sk-secret-1" not in str(config.model_dump())
     assert "sk-secret-1" not in repr(ApiKeys(config.ingress.api_keys))
     ApiKeys(config.ingress.api_keys).check("/v1/models", "Bearer sk-secret-1")
+
+
+def test_build_app_takes_keys_from_the_environment(monkeypatch):
+    import cluster.app as app
+    seen = {}
+    monkeypatch.setenv("KVMESH_API_KEY", "sk-env-1,sk-env-2")
+    monkeypatch.setattr(app.Ingress, "options", lambda **kw: type("D", (), {"bind": lambda self, c, p: seen.update(c=c)})())
+    monkeypatch.setattr(app, "_pool", lambda *a: type("P", (), {"bind": lambda self, *b: None})())
+    app.build_app({"mode": "colocated"})
+    ApiKeys(seen["c"].ingress.api_keys).check("/v1/models", "Bearer sk-env-2")
+    assert "sk-env-1" not in repr(seen["c"])
