@@ -107,12 +107,12 @@ class PrefixCache:
         if not self.enabled:
             return True
         self.stats.lookups += 1
-        hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
-        if not hashes:
-            return True
         if self.auto is not None and seq.request_id != self._last_observed:
             self._last_observed = seq.request_id
             self._feed_auto(seq)
+        hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
+        if not hashes:
+            return True
         avail = self.availability(hashes)
         t0 = time.perf_counter()
         while True:
