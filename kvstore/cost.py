@@ -25,7 +25,7 @@ exactly the model's (the replay test pins that). No torch: it runs at V4 scale i
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 from .layout import CSA, HCA, SWA, CacheLayout, LayoutParams
@@ -90,41 +90,36 @@ class RequestCost(NamedTuple):
     steps: int
 
 
-@dataclass
 class StoreModel:
-    """The shared store: objects by (kind, prefix node), capacity-bound with the store's eviction."""
-    capacity: int | None = None
-    unread_first: bool = False
-    objects: OrderedDict = field(default_factory=OrderedDict)   # key -> [size, read], LRU first
-    bytes: int = 0
-    evicted: int = 0
+    """The shared store: objects by (kind, prefix node), capacity-bound with the store's
+    eviction: LRU, or (`unread_first`) objects never read since written first, then LRU."""
+
+    def __init__(self, capacity: int | None = None, unread_first: bool = False):
+        self.capacity, self.unread_first = capacity, unread_first
+        self.fresh: OrderedDict = OrderedDict()      # key -> size; never read (unread_first only)
+        self.objects: OrderedDict = OrderedDict()    # key -> size, LRU first
+        self.bytes = self.evicted = 0
 
     def __contains__(self, key) -> bool:
-        return key in self.objects
+        return key in self.objects or key in self.fresh
 
     def read(self, key) -> int:
-        entry = self.objects[key]
-        entry[1] = True
+        if key in self.fresh:
+            self.objects[key] = self.fresh.pop(key)
         self.objects.move_to_end(key)
-        return entry[0]
+        return self.objects[key]
 
     def put(self, key, size: int) -> None:
         if self.capacity is not None and size > self.capacity:
             return
-        self.objects[key] = [size, False]
+        (self.fresh if self.unread_first else self.objects)[key] = size
         self.bytes += size
-        if self.capacity is not None:
-            self._evict_to(self.capacity)
-
-    def _evict_to(self, target: int) -> None:
-        order = list(self.objects)
-        if self.unread_first:
-            order = [k for k in order if not self.objects[k][1]] + [k for k in order if self.objects[k][1]]
-        for key in order:
-            if self.bytes <= target:
-                break
-            self.bytes -= self.objects.pop(key)[0]
+        while self.capacity is not None and self.bytes > self.capacity:
+            self.bytes -= (self.fresh or self.objects).popitem(last=False)[1]
             self.evicted += 1
+
+    def keys(self) -> list:
+        return list(self.fresh) + list(self.objects)
 
 
 class Simulator:

@@ -80,7 +80,7 @@ def test_store_model_evicts_unread_objects_first_like_the_object_store(tmp_path)
     store.put("block", 4, None, 16, obj)           # over capacity: 2 (unread, oldest) goes, not 1
     model.put(("block", 4), size)
     assert sorted(store.list("block")) == [1, 3, 4]
-    assert sorted(h for _, h in model.objects) == [1, 3, 4]
+    assert sorted(h for _, h in model.keys()) == [1, 3, 4]
 
 
 def test_capacity_limits_what_the_model_stores_and_hits(tmp_path):
