@@ -35,6 +35,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES), help="default bfloat16")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block and cache block")
     p.add_argument("--periods", default="2048,8192,32768", help="periodic:P policies to compare (tokens)")
+    p.add_argument("--eviction", choices=["lru", "unread-first"], default="lru",
+                   help="store eviction under --capacity-tb: LRU (the store's default) or objects never read "
+                        "since written first")
     p.add_argument("--limit", type=int, help="only the first N requests")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     p.set_defaults(handler=run_simulate)
@@ -83,7 +86,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     capacity = int(args.capacity_tb * 1e12) if args.capacity_tb else None
     hw = Hardware(args.prefill_tokens_per_s, args.store_read_gbps * 1e9, args.store_write_gbps * 1e9, capacity)
-    outcomes = [simulate(requests, layout, pol, hw) for pol in policies_for(args.block_tokens, periods)]
+    outcomes = [simulate(requests, layout, pol, hw, unread_first=args.eviction == "unread-first")
+                for pol in policies_for(args.block_tokens, periods)]
     if args.json:
         print(json.dumps([o.as_json() for o in outcomes], indent=1))
     else:
@@ -107,5 +111,6 @@ def format_outcomes(outcomes, args, layout) -> str:
     lines += ["", f"{args.config}, kv {layout.params.dtype}, block {layout.block_tokens} tokens: "
               f"{o.requests:,} requests, {o.prompt_tokens:,} prompt tokens over {o.duration_s / 60:.0f} min; "
               f"prefill {args.prefill_tokens_per_s:,.0f} tok/s, store read {args.store_read_gbps} GB/s, "
-              f"write {args.store_write_gbps} GB/s, capacity {cap}"]
+              f"write {args.store_write_gbps} GB/s, capacity {cap}"
+              + (f", eviction {args.eviction}" if args.capacity_tb else "")]
     return "\n".join(lines)

@@ -126,10 +126,10 @@ class Simulator:
     """One policy over a stream of requests (the store persists across `run` calls)."""
 
     def __init__(self, layout: CacheLayout, policy: SwaPolicy, capacity_bytes: int | None = None,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, unread_first: bool = False):
         self.layout, self.policy, self.bt, self.chunk = layout, policy, layout.block_tokens, chunk_tokens
         self.sizes, self.span = object_sizes(layout, policy), layout_span(layout)
-        self.store = StoreModel(capacity_bytes, unread_first=policy.kind == "auto")
+        self.store = StoreModel(capacity_bytes, unread_first)
         self._nodes: dict[tuple[int, int], int] = {}
 
     def nodes(self, blocks: tuple[int, ...]) -> list[int]:
@@ -225,10 +225,11 @@ def cold_ttft(tokens: int, hw: Hardware, chunk_tokens: int | None = None) -> flo
 
 
 def simulate(requests: list[TraceRequest], layout: CacheLayout, policy: SwaPolicy, hw: Hardware,
-             tuner: "PeriodTuner | ScheduledPeriods | None" = None, chunk_tokens: int | None = None) -> PolicyOutcome:
+             tuner: "PeriodTuner | ScheduledPeriods | None" = None, chunk_tokens: int | None = None,
+             unread_first: bool = False) -> PolicyOutcome:
     """Replay `requests` under `policy`; an adaptive auto policy re-chooses its period with
     `tuner` (default: `PeriodTuner(layout, hw)`) as it goes, from the requests seen so far."""
-    sim = Simulator(layout, policy, hw.capacity_bytes, chunk_tokens)
+    sim = Simulator(layout, policy, hw.capacity_bytes, chunk_tokens, unread_first)
     if policy.kind == "auto" and policy.adaptive and tuner is None:
         tuner = PeriodTuner(layout, hw, every=256, window=256)
     period, periods, costs = policy.period, [], []

@@ -101,9 +101,7 @@ class Engine:
         self.fingerprint = model_fingerprint(a.raw, weights_identity(model_dir), dtype_name, c.block_tokens,
                                              LAYOUT_VERSION * 2 + int(swa_blocks))
         hasher = PrefixHasher(self.fingerprint, c.block_tokens)
-        auto = self.policy.kind == "auto"
-        store = ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes,
-                            evict_unread_first=auto) if c.store else None
+        store = ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes) if c.store else None
         index = None
         if store is not None or c.index != "local":
             index = make_index(c.index, self.fingerprint, store)
@@ -113,8 +111,7 @@ class Engine:
                     index.rebuild_from(store)
         span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
         worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        tuner = AutoPeriod(self.layout, capacity_bytes=c.store_capacity_bytes) if auto and self.policy.adaptive \
-            else None
+        tuner = AutoPeriod(self.layout, capacity_bytes=c.store_capacity_bytes) if self.policy.adaptive else None
         return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,
                            HostCache(c.host_cache_bytes), worker, enabled=c.prefix_reuse, auto=tuner)
 
