@@ -32,7 +32,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store-read-gbps", type=float, default=20.0, help="store read GB/s per replica (default 20)")
     p.add_argument("--store-write-gbps", type=float, default=10.0, help="store write GB/s (default 10)")
     p.add_argument("--capacity-tb", type=float, help="store capacity in TB (default: unlimited)")
-    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES), help="default bfloat16")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES),
+                   help="cache dtype (default bfloat16); fp8 sizes every cache tensor at 1 byte/value")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block and cache block")
     p.add_argument("--periods", default="2048,8192,32768", help="periodic:P policies to compare (tokens)")
     p.add_argument("--eviction", choices=["lru", "unread-first"], default="lru",

@@ -88,7 +88,6 @@ def test_trace_replay_equals_cold_run_and_the_cost_model_predicts_it_exactly(mod
 
 
 def test_auto_hits_more_than_periodic_and_stores_a_fraction_of_full(requests):
-    from kvstore.cost import Simulator  # noqa: F401  (the model alone: no engine needed)
     from kvstore.layout import CacheLayout, LayoutParams
     from kvstore.planner import SwaPolicy
     layout = CacheLayout.build(LayoutParams(("sliding_attention", "compressed_sparse_attention",
