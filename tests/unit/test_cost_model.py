@@ -136,3 +136,14 @@ def test_simulate_table_and_bad_arguments(capsys, tmp_path):
     assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl"), "--config", "V4-Pro"]) == 2
     assert "cannot read trace" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(EXCERPT), "--config", "V4-Pro", "--periods", "1000"]) == 2
+
+
+def test_auto_period_fits_prefill_speed_and_step_cost_from_the_engines_steps():
+    from workers.auto_policy import AutoPeriod
+    auto = AutoPeriod(CacheLayout.build(TINY, 16))
+    for tokens in (16, 64, 256, 16, 512, 32, 128, 1024):
+        auto.observe_prefill(tokens, 0.010 + tokens / 5000)
+    auto.observe_store((10_000_000, 0.01), (4_000_000, 0.02))
+    hw = auto.measured()
+    assert hw.step_s == pytest.approx(0.010) and hw.prefill_tokens_per_s == pytest.approx(5000)
+    assert hw.store_read_bps == pytest.approx(1e9) and hw.store_write_bps == pytest.approx(2e8)
