@@ -15,8 +15,6 @@ import statistics
 import sys
 from pathlib import Path
 
-KV_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "float32": "float32",
-             "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
 
 class SimulateError(ValueError):
@@ -32,8 +30,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store-read-gbps", type=float, default=20.0, help="store read GB/s per replica (default 20)")
     p.add_argument("--store-write-gbps", type=float, default=10.0, help="store write GB/s (default 10)")
     p.add_argument("--capacity-tb", type=float, help="store capacity in TB (default: unlimited)")
-    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES),
-                   help="cache dtype (default bfloat16); fp8 sizes every cache tensor at 1 byte/value")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
+                   help="compressed entries + indexer keys (default bfloat16); SWA state stays bfloat16")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block and cache block")
     p.add_argument("--periods", default="2048,8192,32768", help="periodic:P policies to compare (tokens)")
     p.add_argument("--eviction", choices=["lru", "unread-first"], default="lru",
@@ -45,6 +43,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def layout_for(config: str, dtype: str, block_tokens: int):
+    from dataclasses import replace
+
     from kvstore.cost import V4_SHAPES
     from kvstore.layout import CacheLayout, LayoutParams
     if config in V4_SHAPES:
@@ -61,10 +61,8 @@ def layout_for(config: str, dtype: str, block_tokens: int):
         except ConfigError as e:
             raise SimulateError(str(e)) from None
         params = LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
-                              a.sliding_window)
-    params = LayoutParams(params.layer_types, params.head_dim, params.index_head_dim, params.csa_ratio,
-                          params.hca_ratio, params.window, KV_DTYPES[dtype])
-    return CacheLayout.build(params, block_tokens)
+                              a.sliding_window, rope_dim=a.rope_head_dim)
+    return CacheLayout.build(replace(params, dtype="bfloat16", kv_dtype=dtype), block_tokens)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -109,7 +107,7 @@ def format_outcomes(outcomes, args, layout) -> str:
     lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     o = outcomes[0]
     cap = f"{args.capacity_tb} TB" if args.capacity_tb else "unlimited"
-    lines += ["", f"{args.config}, kv {layout.params.dtype}, block {layout.block_tokens} tokens: "
+    lines += ["", f"{args.config}, kv {layout.params.entry_dtype}, block {layout.block_tokens} tokens: "
               f"{o.requests:,} requests, {o.prompt_tokens:,} prompt tokens over {o.duration_s / 60:.0f} min; "
               f"prefill {args.prefill_tokens_per_s:,.0f} tok/s, store read {args.store_read_gbps} GB/s, "
               f"write {args.store_write_gbps} GB/s, capacity {cap}"

@@ -39,9 +39,9 @@ from .trace import TraceRequest
 # layers, the first two sliding-window only, then CSA and HCA alternating (21 + 20), same
 # dims (DeepSeek-V4-Flash config as summarised by antirez/ds4 MODEL_CARD.md and ds4.c:
 # DS4_N_LAYER 43, head dim 512, indexer head dim 128, window 128).
-V4_SHAPES = {
-    "V4-Pro": LayoutParams((HCA,) + (CSA, HCA) * 30, 512, 128, 4, 128, 128),
-    "V4-Flash": LayoutParams((SWA, SWA) + (CSA, HCA) * 20 + (CSA,), 512, 128, 4, 128, 128),
+V4_SHAPES = {   # BF16 compute; rope_dim 64 (qk_rope_head_dim), kept in BF16 under the FP8 KV cache
+    "V4-Pro": LayoutParams((HCA,) + (CSA, HCA) * 30, 512, 128, 4, 128, 128, rope_dim=64),
+    "V4-Flash": LayoutParams((SWA, SWA) + (CSA, HCA) * 20 + (CSA,), 512, 128, 4, 128, 128, rope_dim=64),
 }
 
 

@@ -3,6 +3,7 @@ its store evicts as ObjectStore does, the tuner follows the hardware, and `kvmes
 simulate` prints one result per policy."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -27,9 +28,10 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("policy", ["full", "periodic:32", "zero", "auto"])
-def test_object_sizes_equal_what_the_cache_persists(policy):
-    layout = CacheLayout.build(TINY, 16)
+def test_object_sizes_equal_what_the_cache_persists(policy, kv):
+    layout = CacheLayout.build(dataclasses.replace(TINY, kv_dtype=kv, rope_dim=8), 16)
     pol = SwaPolicy.parse(policy, 16)
     cache = CacheTensors(layout, num_blocks=2, num_slots=1, dtype=torch.float32, swa_blocks=pol.kind == "full")
     sizes = object_sizes(layout, pol)
@@ -43,6 +45,9 @@ def test_v4_shapes():
     assert flash.layer_count_by_type() == {SWA: 2, CSA: 21, HCA: 20}
     full = object_sizes(pro, SwaPolicy("full"))
     assert full.block == 512 * (9848 + 61 * 512 * 2) + 30 * 2 * 4 * (512 + 128) * 2
+    fp8 = CacheLayout.build(dataclasses.replace(V4_SHAPES["V4-Pro"], kv_dtype="fp8"), 512)
+    assert object_sizes(fp8, SwaPolicy("zero")).block == fp8.block_bytes and round(fp8.bytes_per_token()) == 5511
+    assert object_sizes(fp8, SwaPolicy("zero")).checkpoint == object_sizes(pro, SwaPolicy("zero")).checkpoint
 
 
 def test_auto_policy_strings():
