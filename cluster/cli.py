@@ -1,4 +1,4 @@
-"""`kvmesh` command line: generate (offline batch), layout, inspect, store, serve."""
+"""`kvmesh` command line: generate (offline batch), layout, inspect, simulate, store, serve."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="shared store URI for prefix reuse (local dir, file://, s3://...)")
     p.add_argument("--store-capacity-mb", type=int, help="store capacity; LRU-evicted beyond it")
     p.add_argument("--index", default="local", help="prefix index: local (embedded) or redis://host:port/db")
-    p.add_argument("--swa-policy", default="full", help="full | periodic:P | zero (default full)")
+    p.add_argument("--swa-policy", default="full", help="full | periodic:P | zero | auto | auto:P (default full)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
                    help="compressed entries + indexer keys (default auto = the compute dtype)")
 
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_store_parser(sub)
     except ImportError:
         pass
+    from .simulate_cli import add_simulate_parser
+    add_simulate_parser(sub)
     try:
         from .serve_cli import add_serve_parser
         add_serve_parser(sub)

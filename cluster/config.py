@@ -45,7 +45,7 @@ class EngineSettings(_Strict):
                               description="shared store: a folder / mount or a pyarrow.fs URI; null = memory only")
     store_capacity_mb: int | None = Field(None, gt=0)
     index: str = Field("local", description="'local' (embedded, per worker) or redis://host:port/db")
-    swa_policy: str = Field("full", description="full | periodic:P | zero")
+    swa_policy: str = Field("full", description="full | periodic:P | zero | auto | auto:P")
     host_cache_mb: int = Field(256, ge=0)
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = Field(
         "auto", description="compressed entries + indexer keys: auto (= dtype), bfloat16, or fp8 (V4's FP8 records)")

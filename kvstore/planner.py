@@ -7,6 +7,9 @@
     full     | load blocks [0,H) with their SWA K=V; state at H rebuilt from them
     periodic | load blocks [0,C) + checkpoint C (largest C <= H); compute from C
     zero     | load blocks [0,H); recompute [S,H) with those entries kept; compute from H
+    auto     | as periodic; a request whose hit ends past its checkpoint also checkpoints
+             | the hit's end as it passes it (a branch point), so the next request that
+             | branches there restores fully (`branch_point`)
 
 The last prompt token is always computed (its logits give the first output token),
 so a hit never covers it.
@@ -21,25 +24,36 @@ class PolicyError(ValueError):
 
 
 class SwaPolicy(NamedTuple):
-    kind: str            # "full" | "periodic" | "zero"
-    period: int = 0      # tokens between checkpoints (periodic only)
+    kind: str              # "full" | "periodic" | "zero" | "auto"
+    period: int = 0        # tokens between checkpoints (periodic; auto: 0 = prompt ends and branch points only)
+    adaptive: bool = False  # auto: the period is re-chosen from the cost model as the engine runs
 
     @classmethod
     def parse(cls, spec: str, block_tokens: int) -> "SwaPolicy":
         if spec in ("full", "zero"):
             return cls(spec)
-        if spec.startswith("periodic:"):
+        if spec == "auto":
+            return cls("auto", 0, True)
+        kind, _, arg = spec.partition(":")
+        if kind in ("periodic", "auto") and arg:
             try:
-                period = int(spec.split(":", 1)[1])
+                period = int(arg)
             except ValueError:
                 raise PolicyError(f"swa policy {spec!r}: period must be an integer") from None
-            if period <= 0 or period % block_tokens:
+            if period < (kind == "periodic") or period % block_tokens:
                 raise PolicyError(f"swa policy {spec!r}: period must be a positive multiple of "
-                                  f"block_tokens ({block_tokens})")
-            return cls("periodic", period)
-        raise PolicyError(f"unknown swa policy {spec!r}: use full, periodic:P or zero")
+                                  f"block_tokens ({block_tokens})" + (" or 0" if kind == "auto" else ""))
+            return cls(kind, period)
+        raise PolicyError(f"unknown swa policy {spec!r}: use full, periodic:P, zero, auto or auto:P")
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether restores start from stored checkpoints (periodic, auto)."""
+        return self.kind in ("periodic", "auto")
 
     def __str__(self) -> str:
+        if self.kind == "auto":
+            return "auto" if self.adaptive else f"auto:{self.period}"
         return f"periodic:{self.period}" if self.kind == "periodic" else self.kind
 
 
@@ -83,7 +97,7 @@ def plan_restore(prompt_tokens: int, block_tokens: int, avail: Availability, pol
     if policy.kind == "full":
         hit = usable * block_tokens
         return RestorePlan(usable, None, hit, hit, hit)
-    if policy.kind == "periodic":
+    if policy.checkpoints:
         ckpts = [i for i in avail.checkpoints if i < usable]
         if not ckpts:
             return MISS
@@ -95,3 +109,20 @@ def plan_restore(prompt_tokens: int, block_tokens: int, avail: Availability, pol
     if start == 0:
         return MISS
     return RestorePlan(usable, None, start, hit, start)
+
+
+def checkpoint_due(pos: int, prompt_tokens: int, block_tokens: int, period: int) -> bool:
+    """Whether a request that has computed up to `pos` checkpoints there: every `period`
+    tokens and at the prompt's last block boundary (so the next turn restores it)."""
+    if pos <= 0 or pos % block_tokens or pos > prompt_tokens:
+        return False
+    return bool(period and pos % period == 0) or pos == prompt_tokens // block_tokens * block_tokens
+
+
+def branch_point(plan: RestorePlan, avail: Availability, block_tokens: int, policy: SwaPolicy) -> int | None:
+    """auto: the end of the stored prefix when the restore starts before it (the hit ends
+    between checkpoints). The request passes it anyway; checkpointing it there costs no
+    compute and lets the next request that branches at the same point restore fully."""
+    if policy.kind != "auto" or avail.blocks <= plan.load_blocks:
+        return None
+    return avail.blocks * block_tokens

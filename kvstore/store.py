@@ -71,6 +71,7 @@ class StoreStats(NamedTuple):
 class _Entry(NamedTuple):
     size: int
     atime: float  # wall-clock seconds of the last read/write we know of
+    read: bool = False  # read since written (by this process)
 
 
 def list_namespaces(uri: str) -> dict[str, str | None]:
@@ -105,11 +106,13 @@ class ObjectStore:
         fingerprint: str,
         capacity_bytes: int | None = None,
         index: PrefixIndex | None = None,
+        evict_unread_first: bool = False,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
         self._fingerprint = check_fingerprint(fingerprint)
         self._capacity = capacity_bytes
+        self._unread_first = evict_unread_first  # objects never read since written go first
         self._fs, root = resolve_uri(uri)
         self._dir = f"{root}/{fingerprint[:NAMESPACE_CHARS]}"
         self._index: PrefixIndex | None = None
@@ -284,10 +287,15 @@ class ObjectStore:
     def _evict_to(self, target: int) -> int:
         victims = []
         with self._lock:
-            while self._bytes > target and self._entries:
-                (kind, h), entry = self._entries.popitem(last=False)
+            order = list(self._entries.items()) if self._bytes > target else []
+            if self._unread_first:
+                order = [kv for kv in order if not kv[1].read] + [kv for kv in order if kv[1].read]
+            for key, entry in order:
+                if self._bytes <= target:
+                    break
+                del self._entries[key]
                 self._bytes -= entry.size
-                victims.append((kind, h))
+                victims.append(key)
             self._counters["evicted"] += len(victims)
         for kind, h in victims:
             self._update_index(kind, h, present=False)  # first: no reader is sent to a vanishing file
@@ -318,7 +326,8 @@ class ObjectStore:
         with self._lock:
             for key, entry in listed.items():
                 if key in self._entries:
-                    listed[key] = entry._replace(atime=self._entries[key].atime)
+                    known = self._entries[key]
+                    listed[key] = entry._replace(atime=known.atime, read=known.read)
             order = sorted(listed.items(), key=lambda item: item[1].atime)
             self._entries = OrderedDict(order)
             self._bytes = sum(entry.size for entry in self._entries.values())
@@ -330,7 +339,8 @@ class ObjectStore:
             old = self._entries.pop((kind, h), None)
             self._bytes -= old.size if old else 0
             if size is not None:
-                self._entries[(kind, h)] = _Entry(size, time.time())
+                read = counts.get("reads", 0) > 0 or (old is not None and old.read)
+                self._entries[(kind, h)] = _Entry(size, time.time(), read)
                 self._bytes += size
             for name, n in counts.items():
                 self._counters[name] += n

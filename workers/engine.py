@@ -32,6 +32,7 @@ from kvstore.store import ObjectStore
 
 from .default_model import ensure_default_model
 from .loader import load_model, weights_identity
+from .auto_policy import AutoPeriod
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .grammar import GuideCompiler
@@ -60,7 +61,7 @@ class EngineConfig:
     store: str | None = None            # shared store URI (local dir, file://, s3://...); None = memory only
     store_capacity_bytes: int | None = None
     index: str = "local"                # "local" (embedded) or "redis://host:port/db"
-    swa_policy: str = "full"            # full | periodic:P | zero
+    swa_policy: str = "full"            # full | periodic:P | zero | auto | auto:P
     kv_cache_dtype: str = "auto"        # compressed entries + indexer keys: auto (= dtype) | bfloat16 | fp8
     host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
     worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
@@ -117,8 +118,9 @@ class Engine:
                     index.rebuild_from(store)
         span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
         worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        tuner = AutoPeriod(self.layout, capacity_bytes=c.store_capacity_bytes) if self.policy.adaptive else None
         return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,
-                           HostCache(c.host_cache_bytes), worker, enabled=c.prefix_reuse)
+                           HostCache(c.host_cache_bytes), worker, enabled=c.prefix_reuse, auto=tuner)
 
     def flush(self) -> None:
         """Wait until every persisted block and checkpoint is durable in the store."""
@@ -251,7 +253,10 @@ class Engine:
         t1 = time.perf_counter()
         logits, sampled, extra = self.runner.run(batch)
         self.stats["restore_s"] += t1 - t0
-        self.stats["forward_s"] += time.perf_counter() - t1
+        forward_s = time.perf_counter() - t1
+        self.stats["forward_s"] += forward_s
+        if self.prefix.auto is not None:
+            self.prefix.auto.observe_prefill(sum(n for _, n in batch), forward_s)
         self.stats["steps"] += 1
         if extra:
             self._prompt_logprobs(batch, logits[len(sampled):], extra)

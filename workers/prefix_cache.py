@@ -18,9 +18,11 @@ from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
 from kvstore.persist import PutJob, WriteBehind
-from kvstore.planner import MISS, Availability, RestorePlan, SwaPolicy, plan_restore
+from kvstore.planner import (MISS, Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due,
+                             plan_restore)
 from kvstore.store import ObjectStore
 
+from .auto_policy import AutoPeriod
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ class ReuseStats:
     hits: int = 0
     hit_tokens: int = 0
     recomputed_tokens: int = 0
-    blocks_from_memory: int = 0
+    blocks_from_memory: int = 0          # device pool + host cache
+    blocks_from_host: int = 0
     blocks_from_store: int = 0
     bytes_loaded: int = 0
     load_s: float = 0.0
@@ -47,10 +50,13 @@ class ReuseStats:
 class PrefixCache:
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
-                 worker_id: str, staging_bytes: int = 32 << 20, enabled: bool = True):
+                 worker_id: str, staging_bytes: int = 32 << 20, enabled: bool = True,
+                 auto: AutoPeriod | None = None):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.enabled = enabled              # False: no restore, no persistence (baselines)
+        self.auto = auto                    # adaptive auto policy: chooses the checkpoint period
+        self._last_observed: str | None = None
         self.bt = hasher.block_tokens
         self.writer = WriteBehind(store) if store is not None else None
         self.stored: set[tuple[str, int]] = set()   # objects this process knows are durable
@@ -95,7 +101,7 @@ class PrefixCache:
                 n += 1
             else:
                 break
-        if self.policy.kind == "periodic":
+        if self.policy.checkpoints:
             ckpts |= {i for i, h in enumerate(hashes[:n]) if ("checkpoint", h) in self.host}
         return Availability(n, frozenset(c for c in ckpts if c < n))
 
@@ -105,6 +111,9 @@ class PrefixCache:
             return True
         self.stats.lookups += 1
         self.stats.query_tokens += len(seq.prompt)
+        if self.auto is not None and seq.request_id != self._last_observed:
+            self._last_observed = seq.request_id
+            self._feed_auto(seq)
         hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
         if not hashes:
             return True
@@ -112,6 +121,7 @@ class PrefixCache:
         t0 = time.perf_counter()
         while True:
             plan = plan_restore(len(seq.prompt), self.bt, avail, self.policy, self.span)
+            seq.branch_at = branch_point(plan, avail, self.bt, self.policy) or 0
             if plan.is_miss:
                 return True
             try:
@@ -126,6 +136,12 @@ class PrefixCache:
             avail = failed
         self._apply(seq, plan, time.perf_counter() - t0)
         return True
+
+    def _feed_auto(self, seq: Sequence) -> None:
+        """Measured store bandwidth and this request's chain, for auto's period choice."""
+        w = self.writer.stats if self.writer is not None else {"bytes": 0, "write_s": 0.0}
+        self.auto.observe_store((self.stats.bytes_loaded, self.stats.load_s), (w["bytes"], w["write_s"]))
+        self.auto.observe_request(self.chain(seq, len(seq.prompt) // self.bt), len(seq.prompt))
 
     def _load(self, seq: Sequence, hashes: list[int], plan: RestorePlan, avail: Availability
               ) -> Availability | None:
@@ -165,6 +181,7 @@ class PrefixCache:
             self.pool.set_hash(seq.blocks[i], hashes[i])
         self.stats.blocks_from_store += len(from_store)
         self.stats.blocks_from_memory += plan.load_blocks - len(from_store)
+        self.stats.blocks_from_host += len(from_host)
         if plan.checkpoint is not None:
             state = self._fetch("checkpoint", hashes[plan.checkpoint])
             if state is None:
@@ -244,13 +261,19 @@ class PrefixCache:
     # ---- after a step: name, persist, checkpoint ------------------------------------------------
     def cut(self, seq: Sequence, start: int) -> int | None:
         """Where a prefill chunk starting at `start` must end so a checkpoint can be taken."""
-        if self.policy.kind != "periodic" or not self.enabled:
+        if not self.policy.checkpoints or not self.enabled:
             return None
-        cuts = [(start // self.policy.period + 1) * self.policy.period]
+        period = self.period
         prompt_end = len(seq.prompt) // self.bt * self.bt
-        if prompt_end > start:
-            cuts.append(prompt_end)
-        return min(cuts)
+        cuts = [c for c in (prompt_end, seq.branch_at) if c > start]
+        if period:
+            cuts.append((start // period + 1) * period)
+        return min(cuts, default=None)
+
+    @property
+    def period(self) -> int:
+        """Tokens between periodic checkpoints (auto: as chosen so far; 0 = none)."""
+        return self.auto.period if self.auto is not None else self.policy.period
 
     def after_step(self, seq: Sequence) -> None:
         if not self.enabled:
@@ -264,10 +287,10 @@ class PrefixCache:
             if self.index is not None:
                 self.index.publish_memory(self.worker_id, hashes[seq.hashed_blocks:full], MEMORY_LEASE_S)
             seq.hashed_blocks = full
-        if self.policy.kind == "periodic" and seq.num_computed and seq.num_computed % self.bt == 0:
+        if self.policy.checkpoints and seq.num_computed and seq.num_computed % self.bt == 0:
             pos = seq.num_computed
             if pos <= len(seq.prompt):
-                if pos % self.policy.period == 0 or pos == len(seq.prompt) // self.bt * self.bt:
+                if checkpoint_due(pos, len(seq.prompt), self.bt, self.period) or pos == seq.branch_at:
                     self._checkpoint(seq, pos)
             else:
                 seq.end_state = (pos, self.cache.slot_state(seq.slot, pos))
@@ -276,7 +299,7 @@ class PrefixCache:
     def on_finish(self, seq: Sequence) -> None:
         """Checkpoint the end of the output (its last block boundary) for the next turn."""
         end, seq.end_state = seq.end_state, None
-        if end is not None and self.policy.kind == "periodic":
+        if end is not None and self.policy.checkpoints:
             pos, state = end
             self._put("checkpoint", self.chain(seq, pos // self.bt)[-1], pos, state)
 

@@ -1,0 +1,115 @@
+"""``kvmesh simulate``: project every SWA policy to a model's real shape on a request trace.
+
+    kvmesh simulate --trace ../shared/traces/conversation_trace.jsonl --config V4-Pro \\
+        --prefill-tokens-per-s 40000 --store-read-gbps 20 --store-write-gbps 10 [--capacity-tb 2] [--json]
+
+`--config` is a released shape (V4-Pro, V4-Flash), a config.json or a checkpoint directory.
+The trace's blocks keep their size (`--block-tokens`, default the trace's 512), so lengths
+are the trace's own. The model is `kvstore.cost`; `--json` prints one object per policy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+
+class SimulateError(ValueError):
+    """A simulate argument that cannot be used; the message says why."""
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="project SWA policies to a model's shape on a request trace")
+    p.add_argument("--trace", required=True, help="trace JSONL (Mooncake format: hash_ids of 512-token blocks)")
+    p.add_argument("--config", required=True, help="V4-Pro, V4-Flash, a config.json or a checkpoint directory")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=40_000.0,
+                   help="uncached prefill speed of one prefill replica (default 40000)")
+    p.add_argument("--store-read-gbps", type=float, default=20.0, help="store read GB/s per replica (default 20)")
+    p.add_argument("--store-write-gbps", type=float, default=10.0, help="store write GB/s (default 10)")
+    p.add_argument("--capacity-tb", type=float, help="store capacity in TB (default: unlimited)")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
+                   help="compressed entries + indexer keys (default bfloat16); SWA state stays bfloat16")
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block and cache block")
+    p.add_argument("--periods", default="2048,8192,32768", help="periodic:P policies to compare (tokens)")
+    p.add_argument("--eviction", choices=["lru", "unread-first"], default="lru",
+                   help="store eviction under --capacity-tb: LRU (the store's default) or objects never read "
+                        "since written first")
+    p.add_argument("--limit", type=int, help="only the first N requests")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
+    p.set_defaults(handler=run_simulate)
+
+
+def layout_for(config: str, dtype: str, block_tokens: int):
+    from dataclasses import replace
+
+    from kvstore.cost import V4_SHAPES
+    from kvstore.layout import CacheLayout, LayoutParams
+    if config in V4_SHAPES:
+        params = V4_SHAPES[config]
+    else:
+        from workers.config import ConfigError, ModelArgs
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.exists():
+            raise SimulateError(f"--config {config!r}: not {' or '.join(V4_SHAPES)}, nor an existing config file "
+                                f"or checkpoint directory")
+        try:
+            a = ModelArgs.from_file(path)
+        except ConfigError as e:
+            raise SimulateError(str(e)) from None
+        params = LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
+                              a.sliding_window, rope_dim=a.rope_head_dim)
+    return CacheLayout.build(replace(params, dtype="bfloat16", kv_dtype=dtype), block_tokens)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from kvstore.cost import Hardware, policies_for, simulate
+    from kvstore.layout import LayoutError
+    from kvstore.trace import TraceError, load_trace
+    try:
+        layout = layout_for(args.config, args.kv_cache_dtype, args.block_tokens)
+        periods = [int(p) for p in args.periods.split(",") if p]
+        if any(p <= 0 or p % args.block_tokens for p in periods):
+            raise SimulateError(f"--periods: each must be a positive multiple of --block-tokens ({args.block_tokens})")
+        if min(args.prefill_tokens_per_s, args.store_read_gbps, args.store_write_gbps) <= 0:
+            raise SimulateError("--prefill-tokens-per-s and the store bandwidths must be positive")
+        requests = load_trace(args.trace, args.block_tokens, limit=args.limit)
+    except (SimulateError, TraceError, LayoutError, ValueError) as e:
+        print(f"kvmesh simulate: {e}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("kvmesh simulate: the trace has no requests", file=sys.stderr)
+        return 2
+    capacity = int(args.capacity_tb * 1e12) if args.capacity_tb else None
+    hw = Hardware(args.prefill_tokens_per_s, args.store_read_gbps * 1e9, args.store_write_gbps * 1e9, capacity)
+    outcomes = [simulate(requests, layout, pol, hw, unread_first=args.eviction == "unread-first")
+                for pol in policies_for(args.block_tokens, periods)]
+    if args.json:
+        print(json.dumps([o.as_json() for o in outcomes], indent=1))
+    else:
+        print(format_outcomes(outcomes, args, layout))
+    return 0
+
+
+def format_outcomes(outcomes, args, layout) -> str:
+    rows = [("policy", "stored TB", "write GB/s", "hit tokens", "recompute/hit", "TTFT mean s", "vs no reuse",
+             "TTFT saved h")]
+    for o in outcomes:
+        mean, cold = statistics.fmean(o.ttft_s), statistics.fmean(o.cold_ttft_s)
+        name = o.policy + (f" (P={o.periods[-1]})" if o.periods else "")
+        rows.append((name, f"{o.bytes_stored / 1e12:.3f}", f"{o.write_bps / 1e9:.3f}",
+                     f"{o.hit_tokens / o.prompt_tokens:.1%}", f"{o.recompute_tokens / max(o.hit_tokens, 1):.3f}",
+                     f"{mean:.3f}", f"{mean / cold:.2f}", f"{o.ttft_saved_s / 3600:.2f}"))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
+    o = outcomes[0]
+    cap = f"{args.capacity_tb} TB" if args.capacity_tb else "unlimited"
+    lines += ["", f"{args.config}, kv {layout.params.entry_dtype}, block {layout.block_tokens} tokens: "
+              f"{o.requests:,} requests, {o.prompt_tokens:,} prompt tokens over {o.duration_s / 60:.0f} min; "
+              f"prefill {args.prefill_tokens_per_s:,.0f} tok/s, store read {args.store_read_gbps} GB/s, "
+              f"write {args.store_write_gbps} GB/s, capacity {cap}"
+              + (f", eviction {args.eviction}" if args.capacity_tb else "")]
+    return "\n".join(lines)
