@@ -1,48 +1,111 @@
-"""The built-in default model: byte-for-byte reproducible, every V4 part present, and a real
-DeepSeek-V4 checkpoint as far as transformers is concerned (same greedy tokens)."""
+"""The built-in default model: shipped inside the package, every V4 part present, a real
+DeepSeek-V4 checkpoint as far as transformers is concerned (same greedy tokens), a BPE
+tokenizer whose vocabulary is the model's, and greedy continuations that read as English."""
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tests.helpers import random_prompt, reference_greedy
 from workers.config import CSA, HCA, SWA, ModelArgs
-from workers.default_model import DEFAULT_CONFIG, ensure_default_model, write_checkpoint
+from workers.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
 from workers.engine import Engine, EngineConfig
+from workers.loader import CheckpointError
 from workers.sampling import SamplingParams
+from workers.tokenizer import HFTokenizer, load_tokenizer
 
-FILES = ("config.json", "model.safetensors")
+PROMPT = "The king said to his servants,"
 
 
 @pytest.fixture(scope="module")
-def default_dir(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("default"), DEFAULT_CONFIG)
+def default_dir() -> Path:
+    return ensure_default_model()
 
 
-def test_default_model_is_byte_for_byte_deterministic(default_dir, tmp_path):
-    again = write_checkpoint(tmp_path / "again", DEFAULT_CONFIG)
-    via_ensure = ensure_default_model(tmp_path / "ensured")
-    for name in FILES:
-        data = (default_dir / name).read_bytes()
-        assert data == (again / name).read_bytes() == (via_ensure / name).read_bytes(), name
+@pytest.fixture(scope="module")
+def engine(default_dir) -> Engine:
+    return Engine(EngineConfig(kv_cache_bytes=32 << 20))   # no model given: the built-in one
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    return engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+def test_default_model_ships_inside_the_package(default_dir):
+    import workers
+    assert default_dir == Path(workers.__file__).parent / "default_checkpoint" == default_model_dir()
+    assert all((default_dir / name).is_file() for name in DEFAULT_MODEL_FILES)
+    assert (default_dir / "model.safetensors").stat().st_size < 16 << 20
+
+
+def test_default_model_missing_files_is_a_clear_error(default_dir, tmp_path):
+    for name in DEFAULT_MODEL_FILES[:-1]:
+        shutil.copy(default_dir / name, tmp_path / name)
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        ensure_default_model(tmp_path)
 
 
 def test_default_model_has_every_layer_type_and_both_moe_kinds(default_dir):
     args = ModelArgs.from_file(default_dir / "config.json")
     assert set(args.layer_types) == {SWA, CSA, HCA}
     assert set(args.mlp_layer_types) == {"hash_moe", "moe"}
+    assert args.hc_mult > 1
     assert args.compress_rope.rope_type == "yarn"
 
 
-def test_default_model_loads_in_transformers_and_engine_greedy_equals_reference(default_dir):
+def test_default_tokenizer_vocabulary_equals_config_and_embedding_rows(default_dir):
+    tok = load_tokenizer(default_dir)
+    assert isinstance(tok, HFTokenizer)
+    vocab = json.loads((default_dir / "config.json").read_text())["vocab_size"]
+    with safe_open(str(default_dir / "model.safetensors"), "pt") as f:
+        embed_rows = f.get_slice("model.embed_tokens.weight").get_shape()[0]
+        head_rows = f.get_slice("head.weight").get_shape()[0]
+    assert tok.vocab_size == vocab == embed_rows == head_rows
+
+
+@pytest.mark.parametrize("text", [PROMPT, "Hello, world!\n\tTabs, newlines  and   spaces.",
+                                  "Numbers 3.14 and 42; symbols <>{}[]#@~", "naïve café, Grüße, 東京, emoji 🙂"])
+def test_default_tokenizer_round_trips_text(default_dir, text):
+    tok = load_tokenizer(default_dir)
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_default_tokenizer_is_bpe_not_bytes(default_dir):
+    """Merges learned from English: common words are one token each."""
+    tok = load_tokenizer(default_dir)
+    assert len(tok.encode(" the")) == len(tok.encode(" and")) == 1
+    assert len(tok.encode(PROMPT)) < len(PROMPT) / 2.5
+
+
+def test_default_model_greedy_continuation_reads_as_english(engine, default_dir):
+    tok = load_tokenizer(default_dir)
+    text = tok.decode(greedy(engine, tok.encode(PROMPT), 32))
+    assert text and text.isascii(), text
+    assert sum(c.isalpha() or c.isspace() for c in text) >= 0.85 * len(text), text
+    words = re.findall(r"[A-Za-z']+", text)
+    assert len(words) >= 10 and len({w.lower() for w in words}) >= 5, text
+    # every word is a whole token of the learned vocabulary (byte soup makes fragments)
+    vocab = tok._tok.get_vocab()
+    whole = [w for w in words if f"Ġ{w}" in vocab or w in vocab]
+    assert len(whole) >= 0.9 * len(words), (text, set(words) - set(whole))
+
+
+def test_default_model_loads_in_transformers_and_engine_greedy_equals_reference(default_dir, engine):
     from transformers import DeepseekV4ForCausalLM
     _, info = DeepseekV4ForCausalLM.from_pretrained(default_dir, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    prompt = random_prompt(21, vocab=DEFAULT_CONFIG["vocab_size"], seed=5)
-    ref_tokens, ref_logprobs = reference_greedy(default_dir, prompt, 4)
-    engine = Engine(EngineConfig(model=str(default_dir), kv_cache_bytes=32 << 20))
-    out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref_tokens
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs)) < 2e-4
+    vocab = ModelArgs.from_file(default_dir / "config.json").vocab_size
+    english = load_tokenizer(default_dir).encode("And God said, Let there be light: and there was light.")
+    for prompt in (random_prompt(21, vocab=vocab, seed=5), english):
+        ref_tokens, ref_logprobs = reference_greedy(default_dir, prompt, 6)
+        out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+        assert out.token_ids == ref_tokens
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs)) < 2e-4

