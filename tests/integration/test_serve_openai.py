@@ -72,14 +72,15 @@ def test_without_or_with_a_wrong_key_every_route_but_health_is_401(urls, clients
 
 # ---- n, best_of, logprobs, echo -------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-def test_n_sampled_sequences_differ_and_are_indexed(clients, mode):
+def test_n_sampled_sequences_differ_and_are_indexed(urls, clients, http, mode):
     c = clients[mode]
+    n_prompt = len(http.post(f"{urls[mode]}/tokenize", json={"prompt": "hello world"}).json()["tokens"])
     out = c.completions.create(model=model_of(c), prompt="hello world", n=3, max_tokens=8, temperature=1.0,
                                seed=7, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert sorted(ch.index for ch in out.choices) == [0, 1, 2]
     ids = [tuple(ch.model_extra["token_ids"]) for ch in out.choices]
     assert len(set(ids)) == 3 and all(len(t) == 8 for t in ids)
-    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == len("hello world")
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == n_prompt
     chat = c.chat.completions.create(model=model_of(c), messages=[{"role": "user", "content": "hi"}], n=2,
                                      max_tokens=5, temperature=0)
     assert [ch.index for ch in chat.choices] == [0, 1]
