@@ -46,7 +46,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def example_request(url: str, model: str, auth: bool = False) -> str:
-    body = json.dumps({"model": model, "prompt": "Hello, kvmesh", "max_tokens": 16, "temperature": 0})
+    body = json.dumps({"model": model, "prompt": "The king said to his servants,", "max_tokens": 32, "temperature": 0})
     key = " -H \"Authorization: Bearer $KVMESH_API_KEY\"" if auth else ""
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'"
 
