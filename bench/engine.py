@@ -1,6 +1,6 @@
-"""kvmesh engine vs transformers' generate: decode throughput and time to first token.
+"""kvmesh engine vs transformers' generate: decode throughput, time to first token, step time.
 
-    python bench/engine.py [--concurrency 1,8,32] [--max-tokens 32] [--prompt-len 128]
+    python bench/engine.py [--concurrency 1,8,32,64] [--max-tokens 32] [--prompt-len 128]
                            [--out bench/out/engine.json]
 
 Both run the same checkpoint (the built-in default model unless --model), in fp32, on the
@@ -11,7 +11,10 @@ At concurrency c, all c requests arrive at t0:
   * kvmesh gets them all at once (continuous batching, chunked prefill), stepped with the
     synchronous Engine; a token's time is when the step that produced it returns.
   * transformers serves them one at a time with `generate` (batch 1, its own KV cache), a
-    streamer stamping each token.
+    streamer stamping each token ("ref").
+  * transformers also serves all c at once with one batched `generate` (a static batch:
+    the prompts have equal length, so no padding; its own KV cache), a streamer stamping
+    each step ("batched ref"): the strongest plain baseline.
 
 Definitions (all times from time.perf_counter):
   * TTFT (mean over requests):
@@ -22,6 +25,9 @@ Definitions (all times from time.perf_counter):
       kvmesh      tokens produced after the last request's first token / (t_end - that time):
                   the steady state with all c requests decoding
       ref         sum over requests of (max_tokens - 1) / sum of (t_end - t_first)
+      batched ref c * (max_tokens - 1) / (t_last_token - t_first_token)
+  * decode step ms (kvmesh): median wall time of an engine step while all c requests decode
+    (one token each); its flatness over c is what continuous batching buys
   * end-to-end tok/s: all generated tokens / wall time from t0 to the last token
   * ratio: kvmesh / reference
 
@@ -33,8 +39,8 @@ a bf16 checkpoint, both bf16 compute, same prompts; plus resident weight bytes o
 A warm-up run of both (own prompts) comes first. Each concurrency level is run --repeats
 times on fresh prompts and the table shows each metric's median (single runs on a shared
 machine are noisy); the kvmesh runs are checked to have reused no cached prefix and to
-have preempted nothing. Both use --threads intra-op threads (default 1). The greedy tokens
-of the two are compared request by request as a sanity check (invariant 1), and the table
+have preempted nothing. All use --threads intra-op threads (default 1). The greedy tokens
+of kvmesh are compared with both references request by request as a sanity check (invariant 1), and the table
 says how many matched. Writes the raw numbers to --out and a plot of throughput vs
 concurrency next to it (.png).
 """
@@ -73,6 +79,7 @@ class RunResult:
     decode_tok_s: float
     e2e_tok_s: float
     ttft_own_mean_s: float | None = None    # reference only: without queueing
+    step_ms: float | None = None             # kvmesh only: median decode step
     cached_tokens: int = 0                   # kvmesh only: must be 0 (no prefix reuse)
     preemptions: int = 0                     # kvmesh only
 
@@ -91,10 +98,13 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
-    final = {}
+    final, decode_steps = {}, []
     while engine.has_unfinished():
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if len(outputs) == len(prompts) and all(stamps[o.request_id] for o in outputs):
+            decode_steps.append(now - before)
         for out in outputs:
             stamps[out.request_id] += [now] * len(out.new_token_ids)
             if out.finished:
@@ -110,7 +120,8 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         decode_tok_s=after / (t_end - last_first) if t_end > last_first else float("nan"),
         e2e_tok_s=total / (t_end - t0),
         cached_tokens=sum(final[r].cached_tokens for r in ids),
-        preemptions=engine.scheduler.preemptions - preempted_before)
+        preemptions=engine.scheduler.preemptions - preempted_before,
+        step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None)
     return result, [final[r].token_ids for r in ids]
 
 
@@ -158,6 +169,24 @@ def run_reference(model, prompts: list[list[int]], max_tokens: int) -> tuple[Run
     return result, tokens
 
 
+def run_reference_batched(model, prompts: list[list[int]], max_tokens: int) -> tuple[RunResult, list[list[int]]]:
+    """All prompts in one `generate` call (equal lengths: a static batch without padding)."""
+    assert len({len(p) for p in prompts}) == 1, "the batched reference needs equal-length prompts"
+    streamer = TimingStreamer()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompts), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer)
+    times = streamer.token_times
+    assert len(times) == max_tokens, f"batched reference produced {len(times)} steps, expected {max_tokens}"
+    n = len(prompts)
+    result = RunResult(
+        "transformers-batched", n, max_tokens * n, times[-1] - t0, ttft_mean_s=times[0] - t0,
+        decode_tok_s=(max_tokens - 1) * n / (times[-1] - times[0]) if times[-1] > times[0] else float("nan"),
+        e2e_tok_s=max_tokens * n / (times[-1] - t0))
+    return result, [row[len(prompts[0]):].tolist() for row in out]
+
+
 def median_run(runs: list[RunResult]) -> RunResult:
     """Each metric's median over repeated runs (a shared machine makes single runs noisy)."""
     def med(name):
@@ -166,43 +195,57 @@ def median_run(runs: list[RunResult]) -> RunResult:
     first = runs[0]
     return RunResult(first.system, first.concurrency, first.generated_tokens, med("wall_s"), med("ttft_mean_s"),
                      med("decode_tok_s"), med("e2e_tok_s"), med("ttft_own_mean_s"),
-                     sum(r.cached_tokens for r in runs), sum(r.preemptions for r in runs))
+                     sum(r.cached_tokens for r in runs), sum(r.preemptions for r in runs), med("step_ms"))
 
 
 # ---- report ----------------------------------------------------------------------------------------
-def table(rows: list[tuple[RunResult, RunResult, int]], repeats: int) -> str:
-    head = ("| concurrency | kvmesh decode tok/s | ref decode tok/s | decode ratio | kvmesh e2e tok/s "
-            "| ref e2e tok/s | e2e ratio | kvmesh TTFT ms | ref TTFT ms (own) | ref TTFT ms (queued) "
-            "| greedy match |")
+Row = tuple[RunResult, RunResult, RunResult, int]   # kvmesh, one-at-a-time ref, batched ref, greedy matches
+
+
+def table(rows: list[Row], repeats: int) -> str:
+    head = ("| concurrency | kvmesh decode tok/s | batched ref decode tok/s | ratio vs batched "
+            "| ref decode tok/s (1 at a time) | ratio vs 1 at a time | kvmesh step ms | step / step at 1 "
+            "| kvmesh e2e tok/s | batched ref e2e tok/s | e2e ratio vs batched | kvmesh TTFT ms "
+            "| batched ref TTFT ms | ref TTFT ms (own) | greedy match |")
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
-    for k, r, matched in rows:
+    base_step = rows[0][0].step_ms if rows and rows[0][0].concurrency == 1 else None
+    for k, r, b, matched in rows:
+        flat = f"{k.step_ms / base_step:.2f}x" if base_step and k.step_ms else "-"
         lines.append(
-            f"| {k.concurrency} | {k.decode_tok_s:,.1f} | {r.decode_tok_s:,.1f} "
-            f"| {k.decode_tok_s / r.decode_tok_s:.1f}x "
-            f"| {k.e2e_tok_s:,.1f} | {r.e2e_tok_s:,.1f} | {k.e2e_tok_s / r.e2e_tok_s:.1f}x "
-            f"| {k.ttft_mean_s * 1e3:,.0f} | {r.ttft_own_mean_s * 1e3:,.0f} | {r.ttft_mean_s * 1e3:,.0f} "
-            f"| {matched}/{k.concurrency * repeats} |")
+            f"| {k.concurrency} | {k.decode_tok_s:,.1f} | {b.decode_tok_s:,.1f} | {k.decode_tok_s / b.decode_tok_s:.2f}x "
+            f"| {r.decode_tok_s:,.1f} | {k.decode_tok_s / r.decode_tok_s:.2f}x "
+            f"| {k.step_ms or float('nan'):.1f} | {flat} "
+            f"| {k.e2e_tok_s:,.1f} | {b.e2e_tok_s:,.1f} | {k.e2e_tok_s / b.e2e_tok_s:.2f}x "
+            f"| {k.ttft_mean_s * 1e3:,.0f} | {b.ttft_mean_s * 1e3:,.0f} | {r.ttft_own_mean_s * 1e3:,.0f} "
+            f"| {matched}/{2 * k.concurrency * repeats} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[tuple[RunResult, RunResult, int]], path: Path, model_name: str) -> None:
+def plot(rows: list[Row], path: Path, model_name: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cs = [k.concurrency for k, _, _ in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(cs, [k.decode_tok_s for k, _, _ in rows], "o-", label="kvmesh decode")
-    ax.plot(cs, [k.e2e_tok_s for k, _, _ in rows], "o--", label="kvmesh end-to-end")
-    ax.plot(cs, [r.decode_tok_s for _, r, _ in rows], "s-", label="transformers generate decode (1 at a time)")
-    ax.plot(cs, [r.e2e_tok_s for _, r, _ in rows], "s--", label="transformers generate end-to-end")
-    ax.set_xscale("log", base=2)
+    cs = [k.concurrency for k, _, _, _ in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax.plot(cs, [k.decode_tok_s for k, _, _, _ in rows], "o-", label="kvmesh decode")
+    ax.plot(cs, [b.decode_tok_s for _, _, b, _ in rows], "^-", label="transformers batched generate decode")
+    ax.plot(cs, [r.decode_tok_s for _, r, _, _ in rows], "s-", label="transformers generate decode (1 at a time)")
+    ax.plot(cs, [k.e2e_tok_s for k, _, _, _ in rows], "o--", label="kvmesh end-to-end")
+    ax.plot(cs, [b.e2e_tok_s for _, _, b, _ in rows], "^--", label="transformers batched end-to-end")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(cs, [str(c) for c in cs])
+        a.set_xlabel("concurrent requests")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
-    ax.set_xticks(cs, [str(c) for c in cs])
-    ax.set_xlabel("concurrent requests")
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"kvmesh engine vs transformers generate ({model_name}, fp32, CPU)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_title(f"throughput ({model_name}, fp32, CPU)", fontsize=10)
+    ax.legend(fontsize=7)
+    ax2.plot(cs, [k.step_ms for k, _, _, _ in rows], "o-", label="kvmesh decode step")
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel("ms per decode step (all requests decoding)")
+    ax2.set_title("decode step time vs batch size", fontsize=10)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -279,7 +322,7 @@ def quantized_main(args, levels: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the built-in default model)")
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated request counts")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=1024, help="kvmesh step token budget")
@@ -307,21 +350,26 @@ def main(argv: list[str] | None = None) -> int:
     warm = make_prompts(max(levels), args.prompt_len, vocab, WARMUP_SEED)   # every step shape kvmesh will see
     run_kvmesh(engine, warm, args.max_tokens)
     run_reference(reference, warm[:2], args.max_tokens)
+    run_reference_batched(reference, warm, args.max_tokens)
 
     rows, raw = [], []
     for i, c in enumerate(levels):
-        ks, rs, matched = [], [], 0
+        ks, rs, bs, matched = [], [], [], 0
         for rep in range(args.repeats):   # fresh prompts every repeat: no prefix is ever reused
             prompts = make_prompts(c, args.prompt_len, vocab, seed=1000 * i + rep)
             k, k_tokens = run_kvmesh(engine, prompts, args.max_tokens)
+            b, b_tokens = run_reference_batched(reference, prompts, args.max_tokens)
             r, r_tokens = run_reference(reference, prompts, args.max_tokens)
-            matched += sum(a == b for a, b in zip(k_tokens, r_tokens))
+            matched += sum(x == y for x, y in zip(k_tokens, r_tokens)) + sum(x == y for x, y in zip(k_tokens, b_tokens))
             ks.append(k)
             rs.append(r)
-            print(f"c={c} #{rep}: kvmesh {k.wall_s:.2f}s, transformers {r.wall_s:.2f}s", file=sys.stderr)
-        rows.append((median_run(ks), median_run(rs), matched))
+            bs.append(b)
+            print(f"c={c} #{rep}: kvmesh {k.wall_s:.2f}s, transformers batched {b.wall_s:.2f}s, "
+                  f"one at a time {r.wall_s:.2f}s", file=sys.stderr)
+        rows.append((median_run(ks), median_run(rs), median_run(bs), matched))
         assert rows[-1][0].cached_tokens == 0 and rows[-1][0].preemptions == 0, "kvmesh run was not cold"
-        raw.append({"kvmesh": [asdict(k) for k in ks], "transformers": [asdict(r) for r in rs]})
+        raw.append({"kvmesh": [asdict(k) for k in ks], "transformers": [asdict(r) for r in rs],
+                    "transformers_batched": [asdict(b) for b in bs]})
 
     a = engine.args
     print(f"model: {model_dir} ({a.num_hidden_layers} layers {'/'.join(t.split('_')[0][:4] for t in a.layer_types)}, "
@@ -338,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_batched_tokens": args.max_batched_tokens, "torch_threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
         "repeats": args.repeats,
-        "median": [{"kvmesh": asdict(k), "transformers": asdict(r), "greedy_match": m} for k, r, m in rows],
+        "median": [{"kvmesh": asdict(k), "transformers": asdict(r), "transformers_batched": asdict(b),
+                    "greedy_match": m} for k, r, b, m in rows],
         "runs": raw}, indent=2))
     plot(rows, out.with_suffix(".png"), model_dir.name)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

@@ -89,8 +89,9 @@ def compress_windows(
     kv: torch.Tensor,           # [N, m, W]  projected tokens of N closed windows (W = 2d if overlap else d)
     gate: torch.Tensor,         # [N, m, W]  gate projections (position bias not yet added)
     ape: torch.Tensor,          # [m, W]     learned position bias
-    prev_kv: torch.Tensor | None,    # [m, d] Ca half of the window before the first one, or None
-    prev_gate: torch.Tensor | None,  # [m, d] its gate (bias included)
+    prev_kv: torch.Tensor | None,    # [m, d] Ca half of the window before the first one, or None;
+                                     # or [N, m, d]: the Ca half before each window
+    prev_gate: torch.Tensor | None,  # [m, d] / [N, m, d] its gate (bias included)
     norm_weight: torch.Tensor,  # [d] RMSNorm weight (fp32)
     eps: float,
     cos: torch.Tensor,          # [N, R/2] rope at each window's start position
@@ -101,7 +102,8 @@ def compress_windows(
 
     With `overlap` (CSA), entry w pools | Ca of window w-1 (m slots) | Cb of window w (m slots) |
     where Ca = channels [:d], Cb = channels [d:]; window 0 takes Ca from `prev_*`
-    (or gets zero weight when there is none).
+    (or gets zero weight when there is none). With per-window `prev_*` [N, m, d] every window
+    takes its Ca half from there (windows of several sequences in one call).
     """
     from .rope import apply_rope
 
@@ -112,8 +114,11 @@ def compress_windows(
         pool_kv = kv.new_zeros(n, 2 * m, d)
         pool_gate = gate.new_full((n, 2 * m, d), float("-inf"))
         pool_kv[:, m:], pool_gate[:, m:] = kv[..., d:], gate[..., d:]
-        pool_kv[1:, :m], pool_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
-        if prev_kv is not None:
+        if prev_kv is not None and prev_kv.dim() == 3:
+            pool_kv[:, :m], pool_gate[:, :m] = prev_kv.to(kv.dtype), prev_gate.to(gate.dtype)
+        else:
+            pool_kv[1:, :m], pool_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+        if prev_kv is not None and prev_kv.dim() == 2:
             pool_kv[0, :m], pool_gate[0, :m] = prev_kv.to(kv.dtype), prev_gate.to(gate.dtype)
         kv, gate = pool_kv, pool_gate
     pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)

@@ -5,7 +5,8 @@ Same signature and semantics as `kernels.torch_ops.compress_windows`, plus an op
 One program per window n. The softmax runs per channel over the window's slots:
 
     overlap (CSA):  | Ca of window n-1 (m slots, channels [:d]) | Cb of window n (m slots, [d:]) |
-                    window 0 takes its Ca half from prev_kv/prev_gate, or drops it when None
+                    window 0 takes its Ca half from prev_kv/prev_gate, or drops it when None;
+                    per-window prev_kv/prev_gate [N, m, d]: every window takes its Ca from there
     no overlap:     | window n (m slots, all d channels) |
 
 Pass 1 streams the gates in BLOCK_M-slot chunks for the per-channel max and denominator;
@@ -69,10 +70,10 @@ def _series_pool(kv_ptr, gate_ptr, ape_ptr, stride_km, stride_gm, stride_am, m, 
 @triton.jit
 def _compress_kernel(
     kv_ptr, gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, norm_w_ptr, cos_ptr, sin_ptr, out_ptr,
-    stride_kn, stride_km, stride_gn, stride_gm, stride_am, stride_pkm, stride_pgm,
+    stride_kn, stride_km, stride_gn, stride_gm, stride_am, stride_pkn, stride_pkm, stride_pgn, stride_pgm,
     stride_cn, stride_sn, stride_on,
     m, eps, n_pairs,
-    d: tl.constexpr, OVERLAP: tl.constexpr, HAS_PREV: tl.constexpr,
+    d: tl.constexpr, OVERLAP: tl.constexpr, HAS_PREV: tl.constexpr, PREV_PER_WINDOW: tl.constexpr,
     K_DT: tl.constexpr, G_DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -89,7 +90,10 @@ def _compress_kernel(
     mx, den = _series_stats(gate_b, ape_b, stride_gm, stride_am, m, offs_d, d_ok, mx, den,
                             True, G_DT, BLOCK_M)
     if OVERLAP:
-        if n > 0:
+        if PREV_PER_WINDOW:
+            mx, den = _series_stats(prev_gate_ptr + n * stride_pgn, ape_ptr, stride_pgm, 0, m, offs_d, d_ok,
+                                    mx, den, False, G_DT, BLOCK_M)
+        elif n > 0:
             mx, den = _series_stats(gate_ptr + (n - 1) * stride_gn, ape_ptr, stride_gm, stride_am,
                                     m, offs_d, d_ok, mx, den, True, G_DT, BLOCK_M)
         elif HAS_PREV:
@@ -100,7 +104,11 @@ def _compress_kernel(
     acc = _series_pool(kv_b, gate_b, ape_b, stride_km, stride_gm, stride_am, m, offs_d, d_ok,
                        mx, den, acc, True, G_DT, K_DT, BLOCK_M)
     if OVERLAP:
-        if n > 0:
+        if PREV_PER_WINDOW:
+            acc = _series_pool(prev_kv_ptr + n * stride_pkn, prev_gate_ptr + n * stride_pgn, ape_ptr,
+                               stride_pkm, stride_pgm, 0, m, offs_d, d_ok, mx, den, acc, False, G_DT, K_DT,
+                               BLOCK_M)
+        elif n > 0:
             acc = _series_pool(kv_ptr + (n - 1) * stride_kn, gate_ptr + (n - 1) * stride_gn, ape_ptr,
                                stride_km, stride_gm, stride_am, m, offs_d, d_ok, mx, den, acc,
                                True, G_DT, K_DT, BLOCK_M)
@@ -130,8 +138,9 @@ def compress_windows(
     kv: torch.Tensor,           # [N, m, W]  projected tokens of N closed windows (W = 2d if overlap else d)
     gate: torch.Tensor,         # [N, m, W]  gate projections (position bias not yet added)
     ape: torch.Tensor,          # [m, W]     learned position bias
-    prev_kv: torch.Tensor | None,    # [m, d] Ca half of the window before the first one, or None
-    prev_gate: torch.Tensor | None,  # [m, d] its gate (bias included)
+    prev_kv: torch.Tensor | None,    # [m, d] Ca half of the window before the first one, or None;
+                                     # or [N, m, d]: the Ca half before each window
+    prev_gate: torch.Tensor | None,  # [m, d] / [N, m, d] its gate (bias included)
     norm_weight: torch.Tensor,  # [d] RMSNorm weight (fp32)
     eps: float,
     cos: torch.Tensor,          # [N, R/2] rope at each window's start position
@@ -154,16 +163,19 @@ def compress_windows(
     kv, gate, ape = (x if x.stride(-1) == 1 else x.contiguous() for x in (kv, gate, ape))
     cos, sin, norm_weight = cos.contiguous(), sin.contiguous(), norm_weight.contiguous()
     has_prev = overlap and prev_kv is not None
+    per_window = has_prev and prev_kv.dim() == 3
     if has_prev:
         prev_kv, prev_gate = prev_kv.contiguous(), prev_gate.contiguous()
     else:
         prev_kv = prev_gate = kv  # never read
+    pkn, pgn = (prev_kv.stride(0), prev_gate.stride(0)) if per_window else (0, 0)
+    pkm, pgm = prev_kv.stride(-2), prev_gate.stride(-2)
     _compress_kernel[(n,)](
         kv, gate, ape, prev_kv, prev_gate, norm_weight, cos, sin, out,
         kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1), ape.stride(0),
-        prev_kv.stride(0), prev_gate.stride(0), cos.stride(0), sin.stride(0), out.stride(0),
+        pkn, pkm, pgn, pgm, cos.stride(0), sin.stride(0), out.stride(0),
         m, float(eps), cos.shape[-1],
-        d=d, OVERLAP=bool(overlap), HAS_PREV=has_prev,
+        d=d, OVERLAP=bool(overlap), HAS_PREV=has_prev, PREV_PER_WINDOW=per_window,
         K_DT=tl_dtype(kv.dtype), G_DT=tl_dtype(torch.promote_types(gate.dtype, ape.dtype)),
         BLOCK_M=min(POOL_BLOCK_M, pow2_at_least(m, 1)), BLOCK_D=pow2_at_least(d),
         num_warps=4 if d <= 256 else 8,

@@ -36,6 +36,8 @@ class LayerCache:
     def write_entries(self, name: str, blocks: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Store entries x [N, D] at (blocks[i], slots[i]) of paged field `name`."""
         store = self.blocks[name]
+        if x.shape[0] == 0:
+            return
         if name in self.formats:
             self.formats[name].write(store, blocks, slots, x)
         else:

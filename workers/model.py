@@ -11,8 +11,6 @@ H = attention heads, N = hc_mult streams, C = hidden_size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,25 +21,7 @@ from kvstore.cache_tensors import CacheTensors, LayerCache
 
 from .config import CSA, HCA, SWA, ModelArgs, RopeArgs
 from .quant import grouped_linear
-
-
-@dataclass
-class StepInput:
-    """One forward step over a ragged batch (built by the model runner)."""
-    tokens: torch.Tensor        # [T] int64
-    positions: torch.Tensor     # [T] int64 absolute positions
-    q_seq: torch.Tensor         # [T] int64 sequence index of each token
-    starts: torch.Tensor        # [B] int64 first position of each sequence's chunk
-    lengths: torch.Tensor       # [B] int64 tokens of each sequence in this step
-    slots: torch.Tensor         # [B] int64 state slot of each sequence
-    block_table: torch.Tensor   # [B, MB] int32 classical-cache blocks (entry e -> e // EPB)
-    ring_from: torch.Tensor     # [B] int64 window rows before this position are invalid (recompute)
-    keep_tokens: torch.Tensor   # [B] int64 compressed entries of windows ending <= this are restored: keep
-    logits_at: torch.Tensor     # [R] int64 rows of T whose logits are returned
-    cu: list[int] = field(init=False)   # row offsets of each sequence in T (len B + 1)
-
-    def __post_init__(self) -> None:
-        self.cu = [0] + torch.cumsum(self.lengths, 0).tolist()
+from .step import StepInput
 
 
 PositionRope = dict[str, tuple[torch.Tensor, torch.Tensor]]   # rope type -> (cos, sin) at step.positions
@@ -111,64 +91,47 @@ class Compressor(nn.Module):
     def update(self, x: torch.Tensor, step: StepInput, cache: LayerCache, prefix: str, rope: Rope,
                ops: KernelOps) -> None:
         """Append this step's tokens to each sequence's tail, pool every window that closes,
-        write the entries into the paged cache and update tails and overlap state."""
+        write the entries into the paged cache and update tails and overlap state: the whole
+        batch at once, along the step's `WindowPlan`."""
         kv, gate = self.wkv(x), self.wgate(x)
-        tails = cache.tails
         field = "idx" if prefix else "comp"
         m, epb = self.ratio, cache.entries_per_block(field)
-        tail_kv, tail_gate = tails[f"{prefix}tail_kv"], tails[f"{prefix}tail_gate"]
-        cu = step.cu
-        for b in range(step.lengths.shape[0]):
-            start, n, slot = int(step.starts[b]), int(step.lengths[b]), int(step.slots[b])
-            if n == 0:
-                continue
-            have = start % m
-            first_window = start // m
-            closed = (start + n) // m - first_window
-            seg_kv, seg_gate = kv[cu[b]:cu[b + 1]], gate[cu[b]:cu[b + 1]]
-            if closed == 0:
-                tail_kv[slot, have:have + n] = seg_kv
-                tail_gate[slot, have:have + n] = seg_gate
-                continue
-            all_kv = torch.cat([tail_kv[slot, :have], seg_kv])
-            all_gate = torch.cat([tail_gate[slot, :have], seg_gate])
-            used = closed * m
-            win_kv = all_kv[:used].view(closed, m, -1)
-            win_gate = all_gate[:used].view(closed, m, -1)
-            rest = all_kv.shape[0] - used
-            tail_kv[slot, :rest], tail_gate[slot, :rest] = all_kv[used:], all_gate[used:]
-            windows = torch.arange(first_window, first_window + closed)
-            keep = (windows + 1) * m > int(step.keep_tokens[b])
+        tail_kv, tail_gate = cache.tails[f"{prefix}tail_kv"], cache.tails[f"{prefix}tail_gate"]
+        plan = step.windows(m)
+        if plan.count:
+            win_kv, win_gate = plan.gather(kv, tail_kv), plan.gather(gate, tail_gate)   # [N, m, W]
             prev_kv = prev_gate = None
             if self.overlap:
-                prev_kv, prev_gate = self.carry_overlap(win_kv, win_gate, windows, keep, cache, prefix, slot,
-                                                        step.block_table[b])
-            cos, sin = rope(windows * m, x.dtype)
+                prev_kv, prev_gate = self.carry_overlap(win_kv, win_gate, plan, step, cache, prefix)
+            cos, sin = rope(plan.index * m, x.dtype)
             entries = ops.compress_windows(win_kv, win_gate, self.ape, prev_kv, prev_gate,
                                            self.norm.weight, self.eps, cos, sin, self.overlap)
-            if keep.any():
-                w = windows[keep]
-                blocks = step.block_table[b, (w // epb)].long()
-                cache.write_entries(field, blocks, w % epb, entries[keep])
+            w, b = plan.index[plan.keep], plan.seq[plan.keep]
+            cache.write_entries(field, step.block_table[b, w // epb].long(), w % epb, entries[plan.keep])
+        plan.write_tail(kv, tail_kv)
+        plan.write_tail(gate, tail_gate)
 
-
-    def carry_overlap(self, win_kv, win_gate, windows, keep, cache: LayerCache, prefix: str, slot: int,
-                      table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the overlap state before these windows; store the last window's Ca half as
-        the new state, and (full policy) each block-ending window's Ca half in its block."""
+    def carry_overlap(self, win_kv, win_gate, plan, step: StepInput, cache: LayerCache, prefix: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the Ca half before each window [N, m, d] (the slot's overlap state for a
+        sequence's first window, the previous window's otherwise); store each sequence's last
+        window's Ca half as its new state, and (full policy) each block-ending window's Ca half
+        in its block."""
         d = self.head_dim
         ovl_kv, ovl_gate = cache.tails[f"{prefix}ovl_kv"], cache.tails[f"{prefix}ovl_gate"]
-        prev = ovl_kv[slot].clone(), ovl_gate[slot].clone()
+        slots = step.slots[plan.seq]
         ca_kv, ca_gate = win_kv[:, :, :d], win_gate[:, :, :d] + self.ape[:, :d].to(win_gate.dtype)
-        ovl_kv[slot], ovl_gate[slot] = ca_kv[-1], ca_gate[-1]
+        first = plan.first.view(-1, 1, 1)
+        prev = (torch.where(first, ovl_kv[slots], ca_kv.roll(1, 0)),
+                torch.where(first, ovl_gate[slots], ca_gate.roll(1, 0)))
+        ovl_kv[slots[plan.last]], ovl_gate[slots[plan.last]] = ca_kv[plan.last], ca_gate[plan.last]
         if f"b{prefix}ovl_kv" in cache.blocks:
             bt = cache.blocks["swa"].shape[1]
-            ends = (windows + 1) * self.ratio
-            at_block_end = (ends % bt == 0) & keep
-            if at_block_end.any():
-                blocks = table[ends[at_block_end] // bt - 1].long()
-                cache.blocks[f"b{prefix}ovl_kv"][blocks] = ca_kv[at_block_end]
-                cache.blocks[f"b{prefix}ovl_gate"][blocks] = ca_gate[at_block_end]
+            ends = (plan.index + 1) * self.ratio
+            at_end = (ends % bt == 0) & plan.keep
+            blocks = step.block_table[plan.seq[at_end], ends[at_end] // bt - 1].long()
+            cache.blocks[f"b{prefix}ovl_kv"][blocks] = ca_kv[at_end]
+            cache.blocks[f"b{prefix}ovl_gate"][blocks] = ca_gate[at_end]
         return prev
 
 
@@ -225,8 +188,7 @@ class Attention(nn.Module):
         old_pos = torch.where(old_pos >= step.ring_from.unsqueeze(1), old_pos, -1)
         n_max = int(step.lengths.max())
         j = torch.arange(n_max)
-        cu = torch.tensor(step.cu[:-1])
-        rows = (cu.unsqueeze(1) + j).clamp(max=kv.shape[0] - 1)
+        rows = (step.cu[:-1].unsqueeze(1) + j).clamp(max=kv.shape[0] - 1)
         new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
         return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
 
@@ -276,12 +238,32 @@ class Experts(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, C], idx/weights [T, K] -> [T, C]. The (token, pick) rows are sorted by expert
+        and run as one grouped matmul per projection (a fixed op count whatever T is)."""
+        if not grouped_mm_runs(x):
+            return self.forward_looped(x, idx, weights)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        tok = order // idx.shape[1]
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.w1.shape[0]), 0).to(torch.int32)
+        xs = x[tok]
+        h = swiglu(F.grouped_mm(xs, self.w1.transpose(1, 2), offs=offs),
+                   F.grouped_mm(xs, self.w3.transpose(1, 2), offs=offs), self.limit)
+        y = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * weights.flatten()[order].unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+    def forward_looped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, k = torch.where(idx == e)
             h = swiglu(F.linear(x[tok], self.w1[e]), F.linear(x[tok], self.w3[e]), self.limit)
             out.index_add_(0, tok, (F.linear(h, self.w2[e]) * weights[tok, k, None]).to(out.dtype))
         return out
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """F.grouped_mm takes any float dtype on CPU; on CUDA only bf16 (sm90+)."""
+    return hasattr(F, "grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -5,8 +5,9 @@ import torch
 
 from kvstore.cache_tensors import CacheTensors
 
-from .model import StepInput, Transformer
+from .model import Transformer
 from .sequence import Sequence
+from .step import StepInput
 
 
 class ModelRunner:
@@ -16,40 +17,46 @@ class ModelRunner:
     def build(self, batch: list[tuple[Sequence, int]]) -> tuple[StepInput, list[int], list[tuple[int, int]]]:
         """Returns the step, the indices (into batch) of sequences that get a new token (their
         logits come first), and (batch index, position) of each further logits row: prompt
-        positions of sequences that asked for prompt logprobs (echo)."""
-        tokens, positions, q_seq, logits_at, sampled = [], [], [], [], []
-        extra_at, extra = [], []
-        starts, lengths, slots, ring_from, keep = [], [], [], [], []
-        max_blocks = max(len(s.blocks) for s, _ in batch) or 1
-        table = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
+        positions of sequences that asked for prompt logprobs (echo). One pass over the batch
+        reads each sequence's scalars and tokens; every per-token and per-block tensor is then
+        built by a few vectorized ops."""
+        tokens, blocks, extra_at, extra = [], [], [], []
+        per_seq = torch.tensor([(s.num_computed, n, s.slot, s.ring_from, s.keep_tokens, len(s.blocks),
+                                 s.num_computed + n == s.length) for s, n in batch], dtype=torch.long)
         offset = 0
         for b, (seq, n) in enumerate(batch):
             start = seq.num_computed
             tokens += seq.token_slice(start, start + n)
-            positions += range(start, start + n)
-            q_seq += [b] * n
-            starts.append(start)
-            lengths.append(n)
-            slots.append(seq.slot)
-            ring_from.append(seq.ring_from)
-            keep.append(seq.keep_tokens)
-            table[b, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            blocks += seq.blocks
             if seq.params.prompt_logprobs is not None:   # every prompt position but the sampled last
                 last = min(start + n, len(seq.prompt) - 1)
                 extra_at += range(offset, offset + max(0, last - start))
                 extra += [(b, p) for p in range(start, last)]
             offset += n
-            if start + n == seq.length:
-                logits_at.append(offset - 1)
-                sampled.append(b)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        step = StepInput(tokens=t(tokens), positions=t(positions), q_seq=t(q_seq), starts=t(starts),
-                         lengths=t(lengths), slots=t(slots), block_table=table.to(self.device),
-                         ring_from=t(ring_from), keep_tokens=t(keep), logits_at=t(logits_at + extra_at))
-        return step, sampled, extra
+        starts, lengths, slots, ring_from, keep, nblocks, samples = per_seq.unbind(1)
+        q_seq = torch.repeat_interleave(torch.arange(len(batch)), lengths)
+        ends = torch.cumsum(lengths, 0)
+        positions = starts[q_seq] + torch.arange(q_seq.shape[0]) - (ends - lengths)[q_seq]
+        table = torch.zeros(len(batch), max(int(nblocks.max()), 1), dtype=torch.int32)
+        table[torch.arange(len(batch)).repeat_interleave(nblocks), _ranks(nblocks)] = \
+            torch.tensor(blocks, dtype=torch.int32)
+        sampled = torch.nonzero(samples).squeeze(1)
+        logits_at = torch.cat([ends[sampled] - 1, torch.tensor(extra_at, dtype=torch.long)])
+        d = lambda x: x.to(self.device)  # noqa: E731
+        step = StepInput(tokens=d(torch.tensor(tokens, dtype=torch.long)), positions=d(positions),
+                         q_seq=d(q_seq), starts=d(starts), lengths=d(lengths), slots=d(slots),
+                         block_table=d(table), ring_from=d(ring_from), keep_tokens=d(keep),
+                         logits_at=d(logits_at))
+        return step, sampled.tolist(), extra
 
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
         """fp32 logits: one row per sampled sequence, then one per `extra` (batch index, position)."""
         step, sampled, extra = self.build(batch)
         logits = self.model(step, self.cache)
         return logits.cpu(), sampled, extra
+
+
+def _ranks(counts: torch.Tensor) -> torch.Tensor:
+    """[0..c0), [0..c1), ... concatenated: each item's rank within its group."""
+    total = torch.arange(int(counts.sum()))
+    return total - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)

@@ -142,6 +142,28 @@ def test_compress_windows_reads_kv_and_gate_from_one_fused_projection():
     assert_close(triton_ops.compress_windows(**views), torch_ops.compress_windows(**args))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_compress_windows_with_a_previous_half_per_window_matches_torch(dtype):
+    """Windows of several sequences in one call: each takes its Ca half from prev_* [N, m, d]."""
+    args = compressor_case(5, 4, 64, overlap=True, with_prev=True, rope_dim=16, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    per_window = dict(args, prev_kv=torch.randn(5, 4, 64, generator=gen).to(dtype),
+                      prev_gate=torch.randn(5, 4, 64, generator=gen).to(dtype))
+    per_window["prev_gate"][2] = float("-inf")     # a sequence's first window ever: no previous half
+    assert_close(triton_ops.compress_windows(**per_window), torch_ops.compress_windows(**per_window))
+
+
+def test_torch_compress_windows_per_window_prev_equals_one_call_per_window():
+    args = compressor_case(3, 4, 64, overlap=True, with_prev=True, rope_dim=16)
+    gen = torch.Generator().manual_seed(2)
+    prev_kv, prev_gate = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 4, 64, generator=gen)
+    batched = torch_ops.compress_windows(**dict(args, prev_kv=prev_kv, prev_gate=prev_gate))
+    for n in range(3):
+        one = dict(args, kv=args["kv"][n:n + 1], gate=args["gate"][n:n + 1], cos=args["cos"][n:n + 1],
+                   sin=args["sin"][n:n + 1], prev_kv=prev_kv[n], prev_gate=prev_gate[n])
+        torch.testing.assert_close(batched[n:n + 1], torch_ops.compress_windows(**one), atol=0, rtol=0)
+
+
 def test_compress_windows_rejects_a_wrong_out_shape():
     args = compressor_case(3, 4, 64, overlap=True, with_prev=False, rope_dim=16)
     with pytest.raises(ValueError, match="out must be"):
