@@ -42,6 +42,7 @@ from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, m
 from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
+from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class EngineConfig:
     host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
     worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
     prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
+    speculative_tokens: int = 0         # drafts verified per decode step (0 = off); needs a drafter
 
 
 class Engine:
@@ -99,8 +101,21 @@ class Engine:
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size,
                                     sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
-                      "forward_s": 0.0, "restore_s": 0.0}
+                      "forward_s": 0.0, "restore_s": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
+        self.speculator: Speculator | None = None
+
+    def set_drafter(self, drafter: Drafter | None, k: int | None = None) -> None:
+        """Speculative decoding with `drafter` proposing k tokens per step (default
+        config.speculative_tokens); None turns it off."""
+        k = self.config.speculative_tokens if k is None else k
+        if drafter is None or k <= 0:
+            self.speculator = None
+            return
+        a = self.args
+        ratios = tuple(sorted({r for r in a.compress_ratios if r}))
+        limits = DraftLimits(ratios, self.config.block_tokens, a.sliding_window)
+        self.speculator = Speculator(drafter, k, limits, self.cache)
 
     def _prefix_cache(self, model_dir: Path, dtype_name: str, swa_blocks: bool) -> PrefixCache:
         c, a = self.config, self.args
@@ -251,25 +266,62 @@ class Engine:
                 seq.scheduled = True
                 self.queue_time.observe(now - seq.arrival)
         t1 = time.perf_counter()
-        logits, sampled, extra = self.runner.run(batch)
+        drafts = self.speculator.propose(batch) if self.speculator else {}
+        saved = self.speculator.save(batch, drafts) if drafts else None
+        logits, sampled, extra = self.runner.run(batch, drafts)
         self.stats["restore_s"] += t1 - t0
         forward_s = time.perf_counter() - t1
         self.stats["forward_s"] += forward_s
         if self.prefix.auto is not None:
             self.prefix.auto.observe_prefill(sum(n for _, n in batch), forward_s)
         self.stats["steps"] += 1
+        sample_rows = len(sampled) + sum(len(d) for d in drafts.values())
         if extra:
-            self._prompt_logprobs(batch, logits[len(sampled):], extra)
+            self._prompt_logprobs(batch, logits[sample_rows:], extra)
         for seq, n in batch:
             seq.num_computed += n
             self.prefix.after_step(seq)
-        return failed + self._sample(batch, logits, sampled)
+        if not drafts:
+            return failed + self._sample(batch, logits, sampled)
+        return failed + self._speculated(batch, logits, sampled, drafts, saved)
 
-    def _sample(self, batch, logits: torch.Tensor, sampled: list[int]) -> list[RequestOutput]:
-        """A token for every sequence whose known tokens are all computed; at the first token
-        of a request with n > 1, n tokens from the same logits row: the forks."""
+    # ---- speculative decoding: rows of a drafted sequence are sampled one by one ----------------
+    def _speculated(self, batch, logits: torch.Tensor, sampled: list[int], drafts: dict[int, list[int]],
+                    saved) -> list[RequestOutput]:
+        plain, plain_rows, accepted, outputs, row = [], [], {}, [], 0
+        for b in sampled:
+            seq, draft = batch[b][0], drafts.get(b, [])
+            if draft:
+                accepted[b] = Speculator.accept(logits[row:row + 1 + len(draft)], draft,
+                                                lambda x, seq=seq: self._draw(seq, x))
+                outputs.append(self._output(seq))
+            else:
+                plain.append(b)
+                plain_rows.append(row)
+            row += 1 + len(draft)
+        outputs += self._sample(batch, logits, plain, plain_rows)
+        self.speculator.settle(batch, drafts, accepted, saved)
+        self.stats["draft_tokens"] += sum(len(d) for d in drafts.values())
+        self.stats["accepted_draft_tokens"] += sum(accepted.values())
+        for b, n_ok in accepted.items():
+            seq = batch[b][0]
+            if n_ok and not seq.finish_reason:
+                self.prefix.after_step(seq)
+        return outputs
+
+    def _draw(self, seq: Sequence, logits: torch.Tensor) -> int | None:
+        """Sample and append one token from one row; returns it, or None once seq has finished."""
+        token, logprob, top = (x[0] for x in sample_batch(logits[None], [self._sample_row(seq)]))
+        self._append_token(seq, token, logprob, top)
+        return None if seq.finish_reason else token
+
+    def _sample(self, batch, logits: torch.Tensor, sampled: list[int], at: list[int] | None = None
+                ) -> list[RequestOutput]:
+        """A token for every sequence whose known tokens are all computed (sampled[i]'s logits
+        are row at[i], default i); at the first token of a request with n > 1, n tokens from
+        the same logits row: the forks."""
         seqs, rows, born = [], [], set()
-        for row, b in enumerate(sampled):
+        for row, b in zip(at if at is not None else range(len(sampled)), sampled):
             seq = batch[b][0]
             seqs.append(seq)
             rows.append(row)

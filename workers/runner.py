@@ -14,26 +14,30 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: CacheTensors, device: str = "cpu"):
         self.model, self.cache, self.device = model, cache, device
 
-    def build(self, batch: list[tuple[Sequence, int]]) -> tuple[StepInput, list[int], list[tuple[int, int]]]:
+    def build(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None
+              ) -> tuple[StepInput, list[int], list[tuple[int, int]]]:
         """Returns the step, the indices (into batch) of sequences that get a new token (their
-        logits come first), and (batch index, position) of each further logits row: prompt
-        positions of sequences that asked for prompt logprobs (echo). One pass over the batch
-        reads each sequence's scalars and tokens; every per-token and per-block tensor is then
-        built by a few vectorized ops."""
+        logits come first: per sampled sequence its last real row, then its draft rows), and
+        (batch index, position) of each further logits row: prompt positions of sequences that
+        asked for prompt logprobs (echo). `drafts` (batch index -> draft tokens) run after that
+        sequence's real tokens. One pass over the batch reads each sequence's scalars and
+        tokens; every per-token and per-block tensor is then built by a few vectorized ops."""
+        drafts = drafts or {}
         tokens, blocks, extra_at, extra = [], [], [], []
-        per_seq = torch.tensor([(s.num_computed, n, s.slot, s.ring_from, s.keep_tokens, len(s.blocks),
-                                 s.num_computed + n == s.length) for s, n in batch], dtype=torch.long)
+        per_seq = torch.tensor([(s.num_computed, n + len(drafts.get(b, ())), s.slot, s.ring_from, s.keep_tokens,
+                                 len(s.blocks), s.num_computed + n == s.length, len(drafts.get(b, ())))
+                                for b, (s, n) in enumerate(batch)], dtype=torch.long)
         offset = 0
         for b, (seq, n) in enumerate(batch):
             start = seq.num_computed
-            tokens += seq.token_slice(start, start + n)
+            tokens += seq.token_slice(start, start + n) + drafts.get(b, [])
             blocks += seq.blocks
             if seq.params.prompt_logprobs is not None:   # every prompt position but the sampled last
                 last = min(start + n, len(seq.prompt) - 1)
                 extra_at += range(offset, offset + max(0, last - start))
                 extra += [(b, p) for p in range(start, last)]
-            offset += n
-        starts, lengths, slots, ring_from, keep, nblocks, samples = per_seq.unbind(1)
+            offset += n + len(drafts.get(b, ()))
+        starts, lengths, slots, ring_from, keep, nblocks, samples, ndrafts = per_seq.unbind(1)
         q_seq = torch.repeat_interleave(torch.arange(len(batch)), lengths)
         ends = torch.cumsum(lengths, 0)
         positions = starts[q_seq] + torch.arange(q_seq.shape[0]) - (ends - lengths)[q_seq]
@@ -41,7 +45,9 @@ class ModelRunner:
         table[torch.arange(len(batch)).repeat_interleave(nblocks), _ranks(nblocks)] = \
             torch.tensor(blocks, dtype=torch.int32)
         sampled = torch.nonzero(samples).squeeze(1)
-        logits_at = torch.cat([ends[sampled] - 1, torch.tensor(extra_at, dtype=torch.long)])
+        rows = ndrafts[sampled] + 1
+        logits_at = torch.cat([(ends[sampled] - rows).repeat_interleave(rows) + _ranks(rows),
+                               torch.tensor(extra_at, dtype=torch.long)])
         d = lambda x: x.to(self.device)  # noqa: E731
         step = StepInput(tokens=d(torch.tensor(tokens, dtype=torch.long)), positions=d(positions),
                          q_seq=d(q_seq), starts=d(starts), lengths=d(lengths), slots=d(slots),
@@ -49,9 +55,11 @@ class ModelRunner:
                          logits_at=d(logits_at))
         return step, sampled.tolist(), extra
 
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
-        """fp32 logits: one row per sampled sequence, then one per `extra` (batch index, position)."""
-        step, sampled, extra = self.build(batch)
+    def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None
+            ) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
+        """fp32 logits: 1 + drafts rows per sampled sequence, then one per `extra` (batch index,
+        position)."""
+        step, sampled, extra = self.build(batch, drafts)
         logits = self.model(step, self.cache)
         return logits.cpu(), sampled, extra
 

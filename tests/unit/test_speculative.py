@@ -1,0 +1,91 @@
+"""Speculative decoding: greedy output is exactly the non-speculative output whatever the
+drafts say, with the state of rejected drafts rolled back across window, compressor-window
+and block boundaries; accepted drafts cut the number of steps."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, write_tiny_checkpoint
+from workers.engine import Engine, EngineConfig
+from workers.sampling import SamplingParams
+from workers.speculative import DraftLimits, OracleDrafter
+
+MAX_TOKENS = 30     # crosses windows of 6/8/24, compressor windows of 4/8/16 and blocks of 8/16/32
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+PROMPT_LENS = (5, 13, 22)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    name = request.param
+    return name, write_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
+
+
+def engine_for(path, name, **kw) -> Engine:
+    kw.setdefault("kv_cache_bytes", 8 << 20)
+    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
+
+
+def prompts() -> list[list[int]]:
+    return [random_prompt(n, seed=100 + n) for n in PROMPT_LENS]
+
+
+def corrupt(tokens: list[int], rate: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [(t + 1) % 300 if rng.random() < rate else t for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def cold(checkpoint):
+    name, path = checkpoint
+    engine = engine_for(path, name)
+    outs = engine.generate(prompts(), GREEDY)
+    return [o.token_ids for o in outs], engine.stats["steps"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_speculative_greedy_equals_plain_greedy(checkpoint, cold, k, wrong):
+    name, path = checkpoint
+    ref, plain_steps = cold
+    engine = engine_for(path, name)
+    engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, wrong, seed=k) for p, r in zip(prompts(), ref)}), k)
+    outs = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    s = engine.stats
+    assert s["draft_tokens"] > 0
+    if wrong == 0.0:
+        assert s["accepted_draft_tokens"] == s["draft_tokens"]
+        assert s["steps"] < plain_steps
+    elif wrong == 1.0:
+        assert s["accepted_draft_tokens"] == 0
+    else:
+        assert 0 < s["accepted_draft_tokens"] < s["draft_tokens"]
+
+
+@pytest.mark.parametrize("policy", ["full", "periodic"])
+def test_speculative_run_leaves_a_cache_that_later_requests_reuse_exactly(checkpoint, cold, policy):
+    """Blocks written while drafts were rolled back are hashed and restored by the next
+    request with the same prefix (prompt + output as the new prompt): still the cold tokens."""
+    name, path = checkpoint
+    ref, _ = cold
+    swa = f"periodic:{BLOCK_TOKENS[name]}" if policy == "periodic" else policy
+    engine = engine_for(path, name, swa_policy=swa)
+    engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=7) for p, r in zip(prompts(), ref)}), 3)
+    engine.generate(prompts(), GREEDY)
+    follow = [p + r for p, r in zip(prompts(), ref)]
+    again = engine.generate(follow, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert sum(o.cached_tokens for o in again) > 0
+    fresh = engine_for(path, name).generate(follow, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
+
+
+def test_drafts_never_complete_a_compressor_window_or_cross_a_block():
+    limits = DraftLimits(ratios=(4, 16), block_tokens=16, window=8)
+    assert limits.max_drafts(computed=4, n_real=1, k=3) == 2     # count 5: drafts to 6, 7 (8 closes)
+    assert limits.max_drafts(computed=6, n_real=1, k=3) == 0     # count 7: the next token closes a window
+    assert limits.max_drafts(computed=7, n_real=1, k=3) == 3     # count 8 (a window just closed)
+    assert limits.max_drafts(computed=15, n_real=1, k=3) == 0    # count 16: a block just ended
+    assert limits.max_drafts(computed=0, n_real=8, k=3) == 0     # the window is full of real tokens

@@ -1,0 +1,132 @@
+"""Speculative decoding: a draft proposes k tokens, one target step verifies them.
+
+A decoding sequence's step runs | its real token(s) | d1 .. dk | and returns the logits of
+the last real row and of every draft row. Row i's token is sampled as usual; while it
+equals d(i+1) the draft is accepted and sampling continues on the next row, so greedy
+output is exactly the non-speculative output, and under temperature > 0 this is the
+rejection-sampling rule for a deterministic draft (accept d with probability p(d), else
+a token from p without d).
+
+Rollback is exact and cheap because drafts are placed where rejecting them only leaves
+rows that are never read: no draft completes a compressor window (the window's entry,
+tail reset and overlap state are written only by real tokens) or passes a block boundary,
+and real + draft tokens fit one SWA window. So the only state a rejected draft changes
+that is read later is its window-ring row, restored from a copy taken before the step.
+(Compressor tail rows past the accepted position are overwritten before they are read;
+paged SWA rows of the `full` policy are rewritten before their block is hashed.)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.cache_tensors import CacheTensors
+
+from .sequence import Sequence
+
+
+class Drafter(ABC):
+    """Proposes up to k next tokens for a sequence (its tokens so far: prompt + output)."""
+
+    @abstractmethod
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        ...
+
+
+class OracleDrafter(Drafter):
+    """Proposes the continuation it was given for a prompt (e.g. a previous greedy run):
+    what an ideal draft would say. Used to measure the speed-up when drafts are accepted
+    (the tiny models' MTP layers are random) and, with wrong tokens mixed in, to test rollback."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+        self.continuations = continuations
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        cont = self.continuations.get(tuple(seq.prompt), [])
+        return cont[len(seq.output):len(seq.output) + k]
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """Where drafts may go: no draft completes a window of any `ratio` or crosses a block,
+    and the step's tokens fit the SWA `window`."""
+    ratios: tuple[int, ...]
+    block_tokens: int
+    window: int
+
+    def max_drafts(self, computed: int, n_real: int, k: int) -> int:
+        """Drafts allowed after `computed + n_real` tokens (real ones of this step included)."""
+        c = computed + n_real
+        if c % self.block_tokens == 0:        # the real token ends a block: let the step end there
+            return 0
+        room = min(m - c % m - 1 for m in self.ratios + (self.block_tokens,))
+        return max(0, min(k, room, self.window - n_real))
+
+
+class RingRows:
+    """The window-ring rows that draft positions overwrite, saved before the step."""
+
+    def __init__(self, cache: CacheTensors, slots: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.slots = cache, slots
+        self.rows = positions % cache.layout.params.window
+        self.saved = [lc.ring[slots, self.rows].clone() for lc in cache.layers]
+
+    def restore(self, rejected: torch.Tensor) -> None:
+        """Put back the rows of the rejected drafts (bool mask over the saved rows)."""
+        if not bool(rejected.any()):
+            return
+        s, r = self.slots[rejected], self.rows[rejected]
+        for lc, saved in zip(self.cache.layers, self.saved):
+            lc.ring[s, r] = saved[rejected]
+
+
+class Speculator:
+    """Chooses each decoding sequence's drafts, and after the step keeps the accepted ones'
+    state and rolls the rejected ones back. The engine samples (`accept` tells it how)."""
+
+    def __init__(self, drafter: Drafter, k: int, limits: DraftLimits, cache: CacheTensors):
+        self.drafter, self.k, self.limits, self.cache = drafter, k, limits, cache
+
+    def propose(self, batch: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """batch index -> draft tokens, for sequences whose step ends at their last token."""
+        out = {}
+        for b, (seq, n) in enumerate(batch):
+            if not seq.output or seq.hold_kv or seq.num_computed + n != seq.length:
+                continue
+            k = self.limits.max_drafts(seq.num_computed, n, min(self.k, seq.params.max_tokens - len(seq.output) - 1))
+            draft = self.drafter.propose(seq, k)[:k] if k > 0 else []
+            if draft:
+                out[b] = list(draft)
+        return out
+
+    def save(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> RingRows:
+        slots, positions = [], []
+        for b, draft in drafts.items():
+            seq, n = batch[b]
+            first = seq.num_computed + n
+            slots += [seq.slot] * len(draft)
+            positions += range(first, first + len(draft))
+        return RingRows(self.cache, torch.tensor(slots, dtype=torch.long), torch.tensor(positions, dtype=torch.long))
+
+    def settle(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]], accepted: dict[int, int],
+               saved: RingRows) -> None:
+        """Count the accepted drafts as computed (num_computed already includes the real
+        tokens) and restore the ring rows of the rejected ones."""
+        keep = []
+        for b, draft in drafts.items():
+            n_ok = accepted.get(b, 0)
+            batch[b][0].num_computed += n_ok
+            keep += [True] * n_ok + [False] * (len(draft) - n_ok)
+        saved.restore(~torch.tensor(keep, dtype=torch.bool))
+
+    @staticmethod
+    def accept(rows: torch.Tensor, draft: list[int], sample_next) -> int:
+        """Sample row i (`sample_next(logits) -> token or None when the sequence finished`)
+        while the token equals draft[i]; returns how many drafts were accepted."""
+        for i in range(len(draft) + 1):
+            token = sample_next(rows[i])
+            if token is None or i == len(draft) or token != draft[i]:
+                return i
+        return len(draft)
