@@ -79,9 +79,9 @@ class RunResult:
     decode_tok_s: float
     e2e_tok_s: float
     ttft_own_mean_s: float | None = None    # reference only: without queueing
-    step_ms: float | None = None             # kvmesh only: median decode step
     cached_tokens: int = 0                   # kvmesh only: must be 0 (no prefix reuse)
     preemptions: int = 0                     # kvmesh only
+    step_ms: float | None = None             # kvmesh only: median decode step
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
