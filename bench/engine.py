@@ -63,6 +63,7 @@ import torch  # noqa: E402
 from workers.default_model import ensure_default_model  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
+from workers.speculative import OracleDrafter  # noqa: E402
 
 FIRST_TOKEN_ID = 3          # ids below are bos / eos / pad in the default model
 WARMUP_SEED = 10_000
@@ -251,6 +252,36 @@ def plot(rows: list[Row], path: Path, model_name: str) -> None:
     plt.close(fig)
 
 
+# ---- speculative decoding (--speculative K) -----------------------------------------------------------
+def speculative_rows(engine: Engine, levels: list[int], args, vocab: int) -> list[str]:
+    """Per concurrency: plain decode vs an oracle draft (the plain run's own greedy tokens:
+    every draft right) vs a wrong draft (every draft off by one token: all rejected), k drafts
+    per step, on one engine without prefix reuse. The tiny models' MTP layers are random, so
+    these two bound what a real draft gives: the speed-up at 100% and the cost at 0% acceptance."""
+    lines = [f"| concurrency | plain decode tok/s | oracle draft (k={args.speculative}) decode tok/s | speed-up "
+             "| acceptance | wrong draft decode tok/s | ratio | acceptance | greedy equal |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for i, c in enumerate(levels):
+        prompts = make_prompts(c, args.prompt_len, vocab, seed=50_000 + i)
+        engine.set_drafter(None)
+        plain, tokens = run_kvmesh(engine, prompts, args.max_tokens)
+        cells, equal = [], 0
+        for wrong in (False, True):
+            cont = {tuple(p): [(t + 1) % vocab if wrong else t for t in out] for p, out in zip(prompts, tokens)}
+            engine.set_drafter(OracleDrafter(cont), args.speculative)
+            before = (engine.stats["draft_tokens"], engine.stats["accepted_draft_tokens"])
+            r, spec_tokens = run_kvmesh(engine, prompts, args.max_tokens)
+            drafted = engine.stats["draft_tokens"] - before[0]
+            accepted = engine.stats["accepted_draft_tokens"] - before[1]
+            equal += sum(a == b for a, b in zip(spec_tokens, tokens))
+            cells += [f"{r.decode_tok_s:,.1f}", f"{r.decode_tok_s / plain.decode_tok_s:.2f}x",
+                      f"{accepted / max(drafted, 1):.0%}"]
+        engine.set_drafter(None)
+        lines.append(f"| {c} | {plain.decode_tok_s:,.1f} | " + " | ".join(cells) + f" | {equal}/{2 * c} |")
+        print(f"speculative c={c} done", file=sys.stderr)
+    return lines
+
+
 # ---- quantized vs bf16 (--quantized) ----------------------------------------------------------------
 QUANT_CONFIG = dict(model_type="deepseek_v4", vocab_size=8192, hidden_size=512, num_hidden_layers=6,
                     num_attention_heads=8, head_dim=128, qk_rope_head_dim=32, q_lora_rank=256,
@@ -331,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads for both systems (default 1: at these shapes a second "
                              "thread buys little, and on a shared machine OpenMP barriers turn it into noise)")
     parser.add_argument("--out", default="bench/out/engine.json")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="also measure speculative decoding with K drafts per step (oracle and wrong drafts)")
     parser.add_argument("--quantized", action="store_true",
                         help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
@@ -391,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         "runs": raw}, indent=2))
     plot(rows, out.with_suffix(".png"), model_dir.name)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    if args.speculative:
+        spec = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
+                                   max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
+                                   prefix_reuse=False))
+        run_kvmesh(spec, warm, args.max_tokens)
+        print("\n" + "\n".join(speculative_rows(spec, levels, args, vocab)))
     return 0
 
 
