@@ -21,6 +21,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swa-policy", default="full", help="full | periodic:P | zero | auto | auto:P (default full)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
                    help="compressed entries + indexer keys (default auto = the compute dtype)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: K drafts per step from the checkpoint's MTP layer (default 0 = off)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -29,7 +31,7 @@ def engine_config(args: argparse.Namespace):
                         kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels,
                         store=args.store, index=args.index, swa_policy=args.swa_policy,
-                        kv_cache_dtype=args.kv_cache_dtype,
+                        kv_cache_dtype=args.kv_cache_dtype, speculative_tokens=args.speculative_tokens,
                         store_capacity_bytes=(args.store_capacity_mb << 20) if args.store_capacity_mb else None)
 
 

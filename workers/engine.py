@@ -42,6 +42,8 @@ from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, m
 from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
+from .config import ConfigError
+from .mtp_draft import MTPDrafter
 from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
 
@@ -67,7 +69,7 @@ class EngineConfig:
     host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
     worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
     prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
-    speculative_tokens: int = 0         # drafts verified per decode step (0 = off); needs a drafter
+    speculative_tokens: int = 0         # drafts per decode step from the checkpoint's MTP layer (0 = off)
 
 
 class Engine:
@@ -104,6 +106,13 @@ class Engine:
                       "forward_s": 0.0, "restore_s": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.speculator: Speculator | None = None
+        if config.speculative_tokens < 0:
+            raise ConfigError(f"speculative_tokens must be >= 0, got {config.speculative_tokens}")
+        if config.speculative_tokens > 0:
+            if not len(self.model.mtp):
+                raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
+                                  f"layer, and {model_dir} has none (no mtp.* weights)")
+            self.set_drafter(MTPDrafter(self.model, num_slots))
 
     def set_drafter(self, drafter: Drafter | None, k: int | None = None) -> None:
         """Speculative decoding with `drafter` proposing k tokens per step (default
@@ -266,9 +275,12 @@ class Engine:
                 seq.scheduled = True
                 self.queue_time.observe(now - seq.arrival)
         t1 = time.perf_counter()
-        drafts = self.speculator.propose(batch) if self.speculator else {}
-        saved = self.speculator.save(batch, drafts) if drafts else None
-        logits, sampled, extra = self.runner.run(batch, drafts)
+        spec = self.speculator
+        drafts = spec.propose(batch) if spec else {}
+        saved = spec.save(batch, drafts) if drafts else None
+        starts = [seq.num_computed for seq, _ in batch]
+        observe = spec is not None and spec.drafter.wants_streams
+        logits, sampled, extra = self.runner.run(batch, drafts, keep_streams=observe)
         self.stats["restore_s"] += t1 - t0
         forward_s = time.perf_counter() - t1
         self.stats["forward_s"] += forward_s
@@ -281,9 +293,13 @@ class Engine:
         for seq, n in batch:
             seq.num_computed += n
             self.prefix.after_step(seq)
-        if not drafts:
-            return failed + self._sample(batch, logits, sampled)
-        return failed + self._speculated(batch, logits, sampled, drafts, saved)
+        if drafts:
+            outputs = self._speculated(batch, logits, sampled, drafts, saved)
+        else:
+            outputs = self._sample(batch, logits, sampled)
+        if observe:         # a model draft runs on what this step computed, for the next step
+            spec.drafter.observe(batch, starts, *self.runner.last, spec.k)
+        return failed + outputs
 
     # ---- speculative decoding: rows of a drafted sequence are sampled one by one ----------------
     def _speculated(self, batch, logits: torch.Tensor, sampled: list[int], drafts: dict[int, list[int]],

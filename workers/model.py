@@ -375,6 +375,15 @@ class MTPLayer(Block):
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
 
+    def predict(self, streams: torch.Tensor, next_tokens: torch.Tensor, embed: nn.Embedding, step: StepInput,
+                cache: LayerCache, ropes, ops) -> torch.Tensor:
+        """Main-model streams [T, N, C] at step.positions and each position's next token [T]
+        -> this layer's streams [T, N, C] (which predict the token after the next one)."""
+        e = self.e_proj(self.enorm(embed(next_tokens)))
+        x = e.unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        pos_rope = {name: rope(step.positions, x.dtype) for name, rope in ropes.items()}
+        return super().forward(x, step, cache, ropes, pos_rope, ops)
+
 
 def make_ropes(args: ModelArgs, device: str | torch.device = "cpu") -> nn.ModuleDict:
     """Plain RoPE for SWA layers, the compress RoPE (YaRN when configured) for CSA/HCA."""
@@ -404,17 +413,24 @@ class Transformer(nn.Module):
         return get_ops(self.kernel_backend, self.head.weight.device.type)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, cache: CacheTensors) -> torch.Tensor:
-        """Runs one step, updating `cache` in place; returns fp32 logits [R, vocab] for step.logits_at."""
+    def forward(self, step: StepInput, cache: CacheTensors, keep_streams: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Runs one step, updating `cache` in place; returns fp32 logits [R, vocab] for
+        step.logits_at (and, with keep_streams, the last layer's streams [T, N, C] of every row)."""
         ops = self.ops
         x = self.embed(step.tokens)
         x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         pos_rope = {name: rope(step.positions, x.dtype) for name, rope in self.ropes.items()}   # once per step
         for layer, lc in zip(self.layers, cache.layers):
             x = layer(x, step, lc, self.ropes, pos_rope, ops)
-        x = x[step.logits_at]
+        logits = self.logits(x[step.logits_at], self)
+        return (logits, x) if keep_streams else logits
+
+    def logits(self, x: torch.Tensor, head_of: nn.Module) -> torch.Tensor:
+        """Streams [R, N, C] -> fp32 logits [R, vocab] through `head_of`'s mHC head and final
+        norm (the main model's or an MTP layer's) and the vocabulary head."""
         flat = rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
-                            + self.hc_head_base.float()) + self.args.hc_eps
-        h = self.norm((pre.unsqueeze(-1) * x).sum(1).to(x.dtype))
+        pre = torch.sigmoid(F.linear(flat, head_of.hc_head_fn.float()) * head_of.hc_head_scale.float()
+                            + head_of.hc_head_base.float()) + self.args.hc_eps
+        h = head_of.norm((pre.unsqueeze(-1) * x).sum(1).to(x.dtype))
         return self.head(h).float()

@@ -55,12 +55,16 @@ class ModelRunner:
                          logits_at=d(logits_at))
         return step, sampled.tolist(), extra
 
-    def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None
-            ) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
+    def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None,
+            keep_streams: bool = False) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
         """fp32 logits: 1 + drafts rows per sampled sequence, then one per `extra` (batch index,
-        position)."""
+        position). With keep_streams the step and the last layer's streams stay in `self.last`."""
         step, sampled, extra = self.build(batch, drafts)
-        logits = self.model(step, self.cache)
+        if keep_streams:
+            logits, streams = self.model(step, self.cache, keep_streams=True)
+            self.last = (step, streams)
+        else:
+            logits = self.model(step, self.cache)
         return logits.cpu(), sampled, extra
 
 

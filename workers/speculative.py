@@ -28,11 +28,18 @@ from .sequence import Sequence
 
 
 class Drafter(ABC):
-    """Proposes up to k next tokens for a sequence (its tokens so far: prompt + output)."""
+    """Proposes up to k next tokens for a sequence (its tokens so far: prompt + output).
+    A drafter that `wants_streams` is shown every step after its tokens are settled:
+    `observe(batch, starts, step, streams, k)` with each sequence's num_computed before the
+    step and the main model's last-layer streams of every row."""
+    wants_streams = False
 
     @abstractmethod
     def propose(self, seq: Sequence, k: int) -> list[int]:
         ...
+
+    def observe(self, batch, starts: list[int], step, streams: torch.Tensor, k: int) -> None:
+        """Called after each step when wants_streams (a model-based draft runs here)."""
 
 
 class OracleDrafter(Drafter):

@@ -89,3 +89,41 @@ def test_drafts_never_complete_a_compressor_window_or_cross_a_block():
     assert limits.max_drafts(computed=7, n_real=1, k=3) == 3     # count 8 (a window just closed)
     assert limits.max_drafts(computed=15, n_real=1, k=3) == 0    # count 16: a block just ended
     assert limits.max_drafts(computed=0, n_real=8, k=3) == 0     # the window is full of real tokens
+
+
+# --- the checkpoint's MTP layer as the draft ------------------------------------------------------
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """The tiny checkpoint in the release's tensor names plus one (random) MTP layer, dense."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.quant_checkpoint import _mtp_tensors, _upstream_name
+    dense = write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), "swa_csa_hca")
+    state = {_upstream_name(k): v for k, v in load_file(str(dense / "model.safetensors")).items()}
+    cfg = json.loads((dense / "config.json").read_text())
+    state.update(_mtp_tensors(state, cfg, 1, seed=0))
+    out = tmp_path_factory.mktemp("mtp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafts_leave_greedy_output_unchanged(mtp_checkpoint, k):
+    def run(spec: int):
+        e = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20,
+                                speculative_tokens=spec))
+        return [o.token_ids for o in e.generate(prompts(), GREEDY)], e.stats
+    plain, _ = run(0)
+    spec, stats = run(k)
+    assert spec == plain
+    assert stats["draft_tokens"] > 0
+
+
+def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):
+    from workers.config import ConfigError
+    path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
+    with pytest.raises(ConfigError, match="MTP"):
+        Engine(EngineConfig(model=str(path), block_tokens=16, kv_cache_bytes=8 << 20, speculative_tokens=1))
