@@ -262,8 +262,12 @@ class Experts(nn.Module):
 
 
 def grouped_mm_runs(x: torch.Tensor) -> bool:
-    """F.grouped_mm takes any float dtype on CPU; on CUDA only bf16 (sm90+)."""
-    return hasattr(F, "grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+    """F.grouped_mm takes any float dtype on CPU; on CUDA only bf16 on sm90+ (untested here)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -5,7 +5,8 @@ the last real row and of every draft row. Row i's token is sampled as usual; whi
 equals d(i+1) the draft is accepted and sampling continues on the next row, so greedy
 output is exactly the non-speculative output, and under temperature > 0 this is the
 rejection-sampling rule for a deterministic draft (accept d with probability p(d), else
-a token from p without d).
+a token from p without d); each emitted token is one draw, in the same order as without
+drafts, so a seeded request gives the same tokens with or without speculation.
 
 Rollback is exact and cheap because drafts are placed where rejecting them only leaves
 rows that are never read: no draft completes a compressor window (the window's entry,

@@ -65,6 +65,19 @@ def test_speculative_greedy_equals_plain_greedy(checkpoint, cold, k, wrong):
         assert 0 < s["accepted_draft_tokens"] < s["draft_tokens"]
 
 
+def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(checkpoint):
+    """Under temperature > 0 each emitted token is still one draw from the target distribution
+    of its row (accepted drafts are draws that happened to equal the draft), in the same order,
+    so a seeded run gives the same tokens with or without speculation."""
+    name, path = checkpoint
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=5, ignore_eos=True)
+    plain = [o.token_ids for o in engine_for(path, name).generate(prompts(), sampled)]
+    engine = engine_for(path, name)
+    engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=3) for p, r in zip(prompts(), plain)}), 3)
+    assert [o.token_ids for o in engine.generate(prompts(), sampled)] == plain
+    assert 0 < engine.stats["accepted_draft_tokens"] < engine.stats["draft_tokens"]
+
+
 @pytest.mark.parametrize("policy", ["full", "periodic"])
 def test_speculative_run_leaves_a_cache_that_later_requests_reuse_exactly(checkpoint, cold, policy):
     """Blocks written while drafts were rolled back are hashed and restored by the next
