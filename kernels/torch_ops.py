@@ -161,8 +161,11 @@ def indexer_topk(
     keys = gather_paged(key_cache, block_table, key_len)                   # [B, E, Di]
     if q.shape[0] == keys.shape[0]:       # one query per sequence (decode): one batched call
         groups = [(torch.arange(q.shape[0], device=q.device), q_seq)]
-    else:                                 # prefill: score each sequence's queries against its keys
-        groups = [(rows, None) for rows in _segments(q_seq)]
+    else:      # every one-query sequence in one batched call; each prefill chunk against its own keys
+        segments = _segments(q_seq)
+        singles = [rows for rows in segments if rows.numel() == 1]
+        groups = [(torch.cat(singles), q_seq[torch.cat(singles)])] if singles else []
+        groups += [(rows, None) for rows in segments if rows.numel() > 1]
     for rows, seqs in groups:
         if seqs is None:
             b = int(q_seq[rows[0]])

@@ -56,3 +56,21 @@ def test_decode_step_op_count_does_not_grow_with_the_batch(tmp_path, name):
     for a, b in zip(one, eight):
         assert len(a) == len(b), f"{len(a)} ops for 1 sequence, {len(b)} for 8"
         assert sorted(a) == sorted(b)
+
+
+def test_indexer_picks_of_a_mixed_batch_equal_each_sequence_alone():
+    """Decoding sequences are scored in one call beside prefill chunks; picks (ties included)
+    are what each sequence gets on its own."""
+    import torch
+
+    from kernels import torch_ops
+    from tests.kernel_cases import indexer_case
+    seq_lens, n_q = [9, 40, 23, 61, 17], [1, 6, 1, 1, 4]
+    args = indexer_case(seq_lens, n_q, 4, 16, ratio=4, epb=4, topk=5, integer=True)
+    out = torch_ops.indexer_topk(**args)
+    for b in range(len(seq_lens)):
+        rows = args["q_seq"] == b
+        alone = dict(args, q=args["q"][rows], weights=args["weights"][rows], q_pos=args["q_pos"][rows],
+                     q_seq=torch.zeros(int(rows.sum()), dtype=torch.long),
+                     block_table=args["block_table"][b:b + 1], key_len=args["key_len"][b:b + 1])
+        assert torch.equal(out[rows], torch_ops.indexer_topk(**alone))
