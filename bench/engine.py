@@ -26,8 +26,11 @@ Definitions (all times from time.perf_counter):
                   the steady state with all c requests decoding
       ref         sum over requests of (max_tokens - 1) / sum of (t_end - t_first)
       batched ref c * (max_tokens - 1) / (t_last_token - t_first_token)
-  * decode step ms (kvmesh): median wall time of an engine step while all c requests decode
-    (one token each); its flatness over c is what continuous batching buys
+  * decode step ms: kvmesh's median and fastest engine step while all c requests decode (one
+    token each), and batched ref's median and fastest step (between consecutive tokens); the
+    fastest is the least disturbed by other load, so "fastest-step ratio" (batched ref's
+    fastest step / kvmesh's) is the load-robust decode speed ratio, and kvmesh's fastest step
+    over c shows how flat the step is
   * end-to-end tok/s: all generated tokens / wall time from t0 to the last token
   * ratio: kvmesh / reference
 
@@ -82,7 +85,8 @@ class RunResult:
     ttft_own_mean_s: float | None = None    # reference only: without queueing
     cached_tokens: int = 0                   # kvmesh only: must be 0 (no prefix reuse)
     preemptions: int = 0                     # kvmesh only
-    step_ms: float | None = None             # kvmesh only: median decode step
+    step_ms: float | None = None             # kvmesh and batched ref: median decode step
+    step_min_ms: float | None = None         # kvmesh and batched ref: fastest decode step (least disturbed by load)
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -122,7 +126,8 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         e2e_tok_s=total / (t_end - t0),
         cached_tokens=sum(final[r].cached_tokens for r in ids),
         preemptions=engine.scheduler.preemptions - preempted_before,
-        step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None)
+        step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None,
+        step_min_ms=min(decode_steps) * 1e3 if decode_steps else None)
     return result, [final[r].token_ids for r in ids]
 
 
@@ -184,7 +189,9 @@ def run_reference_batched(model, prompts: list[list[int]], max_tokens: int) -> t
     result = RunResult(
         "transformers-batched", n, max_tokens * n, times[-1] - t0, ttft_mean_s=times[0] - t0,
         decode_tok_s=(max_tokens - 1) * n / (times[-1] - times[0]) if times[-1] > times[0] else float("nan"),
-        e2e_tok_s=max_tokens * n / (times[-1] - t0))
+        e2e_tok_s=max_tokens * n / (times[-1] - t0),
+        step_ms=statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3,
+        step_min_ms=min(b - a for a, b in zip(times, times[1:])) * 1e3)
     return result, [row[len(prompts[0]):].tolist() for row in out]
 
 
@@ -196,7 +203,8 @@ def median_run(runs: list[RunResult]) -> RunResult:
     first = runs[0]
     return RunResult(first.system, first.concurrency, first.generated_tokens, med("wall_s"), med("ttft_mean_s"),
                      med("decode_tok_s"), med("e2e_tok_s"), med("ttft_own_mean_s"),
-                     sum(r.cached_tokens for r in runs), sum(r.preemptions for r in runs), med("step_ms"))
+                     sum(r.cached_tokens for r in runs), sum(r.preemptions for r in runs), med("step_ms"),
+                     min((r.step_min_ms for r in runs if r.step_min_ms is not None), default=None))
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -205,17 +213,19 @@ Row = tuple[RunResult, RunResult, RunResult, int]   # kvmesh, one-at-a-time ref,
 
 def table(rows: list[Row], repeats: int) -> str:
     head = ("| concurrency | kvmesh decode tok/s | batched ref decode tok/s | ratio vs batched "
-            "| ref decode tok/s (1 at a time) | ratio vs 1 at a time | kvmesh step ms | step / step at 1 "
+            "| ref decode tok/s (1 at a time) | ratio vs 1 at a time | kvmesh step ms (median / min) "
+            "| min step / min step at 1 | batched ref step ms (median / min) | fastest-step ratio vs batched "
             "| kvmesh e2e tok/s | batched ref e2e tok/s | e2e ratio vs batched | kvmesh TTFT ms "
             "| batched ref TTFT ms | ref TTFT ms (own) | greedy match |")
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
-    base_step = rows[0][0].step_ms if rows and rows[0][0].concurrency == 1 else None
+    base_step = rows[0][0].step_min_ms if rows and rows[0][0].concurrency == 1 else None
     for k, r, b, matched in rows:
-        flat = f"{k.step_ms / base_step:.2f}x" if base_step and k.step_ms else "-"
+        flat = f"{k.step_min_ms / base_step:.2f}x" if base_step and k.step_min_ms else "-"
         lines.append(
             f"| {k.concurrency} | {k.decode_tok_s:,.1f} | {b.decode_tok_s:,.1f} | {k.decode_tok_s / b.decode_tok_s:.2f}x "
             f"| {r.decode_tok_s:,.1f} | {k.decode_tok_s / r.decode_tok_s:.2f}x "
-            f"| {k.step_ms or float('nan'):.1f} | {flat} "
+            f"| {k.step_ms or float('nan'):.1f} / {k.step_min_ms or float('nan'):.1f} | {flat} "
+            f"| {b.step_ms:.1f} / {b.step_min_ms:.1f} | {b.step_min_ms / k.step_min_ms:.2f}x "
             f"| {k.e2e_tok_s:,.1f} | {b.e2e_tok_s:,.1f} | {k.e2e_tok_s / b.e2e_tok_s:.2f}x "
             f"| {k.ttft_mean_s * 1e3:,.0f} | {b.ttft_mean_s * 1e3:,.0f} | {r.ttft_own_mean_s * 1e3:,.0f} "
             f"| {matched}/{2 * k.concurrency * repeats} |")
@@ -242,7 +252,9 @@ def plot(rows: list[Row], path: Path, model_name: str) -> None:
     ax.set_ylabel("tokens / s")
     ax.set_title(f"throughput ({model_name}, fp32, CPU)", fontsize=10)
     ax.legend(fontsize=7)
-    ax2.plot(cs, [k.step_ms for k, _, _, _ in rows], "o-", label="kvmesh decode step")
+    ax2.plot(cs, [k.step_ms for k, _, _, _ in rows], "o-", label="kvmesh decode step, median")
+    ax2.plot(cs, [k.step_min_ms for k, _, _, _ in rows], "o--", label="kvmesh decode step, fastest")
+    ax2.plot(cs, [b.step_min_ms for _, _, b, _ in rows], "^--", label="transformers batched step, fastest")
     ax2.set_ylim(bottom=0)
     ax2.set_ylabel("ms per decode step (all requests decoding)")
     ax2.set_title("decode step time vs batch size", fontsize=10)
