@@ -145,3 +145,10 @@ def test_layout_with_a_block_size_that_splits_windows_exits_2(tmp_path, capsys):
 def test_layout_without_a_config_exits_2(capsys):
     assert main(["layout"]) == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_generate_with_speculative_tokens_on_a_checkpoint_without_mtp_exits_2_naming_it(checkpoint, tmp_path, capsys):
+    (tmp_path / "requests.jsonl").write_text(request("a", prompt="x") + "\n")
+    assert main(["generate", "--model", str(checkpoint), "--input", str(tmp_path / "requests.jsonl"),
+                 "--block-tokens", str(BLOCK), "--kv-cache-mb", "8", "--speculative-tokens", "2"]) == 2
+    assert "MTP" in capsys.readouterr().err
