@@ -264,6 +264,26 @@ def plot(rows: list[Row], path: Path, model_name: str) -> None:
     plt.close(fig)
 
 
+# ---- decode step time vs batch size alone (--step-sweep) --------------------------------------------
+def step_sweep(engine: Engine, levels: list[int], args, vocab: int, rounds: int = 3) -> list[str]:
+    """kvmesh alone: median and fastest decode step per batch size, the sizes interleaved over
+    `rounds` so that a burst of other load hits every size alike."""
+    steps: dict[int, list[RunResult]] = {c: [] for c in levels}
+    for r in range(rounds):
+        for i, c in enumerate(levels):
+            run, _ = run_kvmesh(engine, make_prompts(c, args.prompt_len, vocab, seed=70_000 + 100 * r + i),
+                                args.max_tokens)
+            steps[c].append(run)
+    base = min(x.step_min_ms for x in steps[levels[0]])
+    lines = ["| batch size | median decode step ms | fastest decode step ms | fastest / fastest at "
+             f"{levels[0]} | decode tok/s at the fastest step |", "|---:|---:|---:|---:|---:|"]
+    for c, runs in steps.items():
+        fastest = min(x.step_min_ms for x in runs)
+        lines.append(f"| {c} | {statistics.median(x.step_ms for x in runs):.1f} | {fastest:.1f} "
+                     f"| {fastest / base:.2f}x | {c * 1e3 / fastest:,.0f} |")
+    return lines
+
+
 # ---- speculative decoding (--speculative K) -----------------------------------------------------------
 def speculative_rows(engine: Engine, levels: list[int], args, vocab: int) -> list[str]:
     """Per concurrency: plain decode vs an oracle draft (the plain run's own greedy tokens:
@@ -374,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads for both systems (default 1: at these shapes a second "
                              "thread buys little, and on a shared machine OpenMP barriers turn it into noise)")
     parser.add_argument("--out", default="bench/out/engine.json")
+    parser.add_argument("--step-sweep", action="store_true",
+                        help="only kvmesh's decode step time per batch size (no reference; sizes interleaved)")
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="also measure speculative decoding with K drafts per step (oracle and wrong drafts)")
     parser.add_argument("--quantized", action="store_true",
@@ -388,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     # a KV budget with room to spare: a preemption would make the run measure something else
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                  max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES))
+    if args.step_sweep:
+        run_kvmesh(engine, make_prompts(max(levels), args.prompt_len, engine.args.vocab_size, WARMUP_SEED),
+                   args.max_tokens)
+        print(f"kvmesh decode step vs batch size; prompt {args.prompt_len}, max_tokens {args.max_tokens}, "
+              f"load average {os.getloadavg()[0]:.1f}\n")
+        print("\n".join(step_sweep(engine, levels, args, engine.args.vocab_size)))
+        return 0
     from transformers import DeepseekV4ForCausalLM
     reference = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = engine.args.vocab_size
