@@ -135,6 +135,18 @@ def test_mtp_drafts_leave_greedy_output_unchanged(mtp_checkpoint, k):
     assert stats["draft_tokens"] > 0
 
 
+def test_mtp_drafts_after_a_restored_prefix_leave_greedy_output_unchanged(mtp_checkpoint):
+    """The second request restores the first one's blocks; the MTP layer never ran there."""
+    e = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20,
+                            speculative_tokens=2))
+    first = e.generate(prompts(), GREEDY)
+    again = e.generate([p + o.token_ids for p, o in zip(prompts(), first)], GREEDY)
+    assert sum(o.cached_tokens for o in again) > 0
+    cold = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20))
+    assert [o.token_ids for o in again] == [o.token_ids for o in cold.generate(
+        [p + o.token_ids for p, o in zip(prompts(), first)], GREEDY)]
+
+
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):
     from workers.config import ConfigError
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
