@@ -72,6 +72,18 @@ def test_compress_windows_matches_torch_on_cuda(case, dtype):
     assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_compress_windows_with_a_previous_half_per_window_matches_torch_on_cuda(dtype):
+    """The model's batched compressor update: every window takes its Ca half from prev_* [N, m, d]."""
+    args = compressor_case(512, 4, 512, overlap=True, with_prev=True, rope_dim=64, dtype=dtype, device=DEV)
+    gen = torch.Generator().manual_seed(1)
+    prev_kv = torch.randn(512, 4, 512, generator=gen).to(dtype).to(DEV)
+    prev_gate = torch.randn(512, 4, 512, generator=gen).to(dtype).to(DEV)
+    prev_gate[::7] = float("-inf")
+    args = dict(args, prev_kv=prev_kv, prev_gate=prev_gate)
+    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args))
+
+
 # (seq_lens, n_queries, heads, head_dim, ratio, entries per block, topk)
 INDEXER_CASES = {
     "decode_top512": ([1, 900, 8192, 16384] * 4, [1] * 16, 64, 128, 4, 32, 512),
