@@ -315,8 +315,9 @@ class Engine:
                 plain.append(b)
                 plain_rows.append(row)
             row += 1 + len(draft)
-        outputs += self._sample(batch, logits, plain, plain_rows)
+        # restore rejected rows before forks of the plain sequences can take a slot freed above
         self.speculator.settle(batch, drafts, accepted, saved)
+        outputs += self._sample(batch, logits, plain, plain_rows)
         self.stats["draft_tokens"] += sum(len(d) for d in drafts.values())
         self.stats["accepted_draft_tokens"] += sum(accepted.values())
         for b, n_ok in accepted.items():
