@@ -78,6 +78,19 @@ def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(checkpoint):
     assert 0 < engine.stats["accepted_draft_tokens"] < engine.stats["draft_tokens"]
 
 
+def test_seeded_forks_with_drafts_equal_seeded_forks_without(checkpoint):
+    """n > 1: each fork draws from its own generator, drafts or not (the oracle holds fork 0's
+    tokens, so the other forks' drafts are mostly rejected)."""
+    name, path = checkpoint
+    forks = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=11, n=3, ignore_eos=True)
+    plain = [o.token_ids for o in engine_for(path, name).generate(prompts(), forks)]
+    engine = engine_for(path, name)
+    engine.set_drafter(OracleDrafter({tuple(p): corrupt(plain[3 * i], 0.3, seed=4)
+                                      for i, p in enumerate(prompts())}), 3)
+    assert [o.token_ids for o in engine.generate(prompts(), forks)] == plain
+    assert 0 < engine.stats["accepted_draft_tokens"] < engine.stats["draft_tokens"]
+
+
 @pytest.mark.parametrize("policy", ["full", "periodic"])
 def test_speculative_run_leaves_a_cache_that_later_requests_reuse_exactly(checkpoint, cold, policy):
     """Blocks written while drafts were rolled back are hashed and restored by the next
