@@ -11,7 +11,6 @@ for the prefill router, and turns the pool's chunks into OpenAI bodies or SSE ev
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator

@@ -365,22 +365,6 @@ class Engine:
                 self._append_token(s, token, logprob, top)
                 outputs.append(self._output(s))
         return outputs
-        picked = list(zip(seqs, *sample_batch(logits[rows], [self._sample_row(s) for s in seqs])))
-        held_forks = set()
-        for s, token, logprob, top in picked:
-            if id(s) in born:
-                parent = self.seqs[s.request_id]
-                if parent.hold_kv:      # prefill role: the forks happen on the decode worker
-                    parent.siblings.append((token, logprob, top, self._first_finish(s, token)))
-                    held_forks.add(id(s))
-                else:
-                    self._attach(parent, s)
-        for s, token, logprob, top in picked:
-            if id(s) in held_forks:
-                continue
-            self._append_token(s, token, logprob, top)
-            outputs.append(self._output(s))
-        return failed + outputs
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor, extra: list[tuple[int, int]]) -> None:
         """logits at prompt position p score prompt token p + 1 (echo with logprobs)."""

@@ -18,7 +18,7 @@ from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
 from kvstore.persist import PutJob, WriteBehind
-from kvstore.planner import (MISS, Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due,
+from kvstore.planner import (Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due,
                              plan_restore)
 from kvstore.store import ObjectStore
 
