@@ -31,13 +31,27 @@ import os, subprocess, sys
 home, shared, config, log, *keep = sys.argv[1:]
 def mount(*args):
     subprocess.run(["mount", *args], check=True)
+PRIVATE = (("/tmp", "4g"), ("/dev/shm", "2g"), ("/run", "64m"), ("/mnt", "16m"))
 mount("--make-rprivate", "/")
-for path, size in (("/tmp", "4g"), ("/dev/shm", "2g"), ("/run", "64m"), ("/mnt", "16m")):
+# paths the hosts need (the Python, the venv, the repo) that lie under a private folder:
+# staged beside home before the tmpfs hides them, bound back at the same path after
+staged = []
+for i, path in enumerate(p for p in keep if p.startswith(tuple(d + "/" for d, _ in PRIVATE))):
+    stage = os.path.join(os.path.dirname(home), "stage", str(i))
+    os.makedirs(stage, exist_ok=True)
+    mount("--bind", path, stage)
+    staged.append((stage, path))
+for path, size in PRIVATE:
     mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", path)
-os.makedirs("/run/sshd")
+for stage, path in staged:
+    os.makedirs(path, exist_ok=True)
+    mount("--bind", stage, path)
+os.makedirs("/run/sshd", exist_ok=True)
 os.makedirs("/mnt/kvmesh")
 mount("--bind", shared, "/mnt/kvmesh")
 for path in keep:          # parts of the real /root the hosts need (a Python installed there)
+    if not path.startswith("/root/"):
+        continue
     target = os.path.join(home, os.path.relpath(path, "/root"))
     os.makedirs(target, exist_ok=True)
     mount("--bind", path, target)
@@ -61,11 +75,16 @@ AcceptEnv none
 """
 
 
-def python_home() -> list[str]:
-    """The folder of PYTHON when it lives under /root (pyenv): it stays visible on the hosts,
-    whose /root is private."""
+def visible_paths() -> list[str]:
+    """What the hosts must see at the same path although their /root, /tmp, ... are private:
+    the interpreter's folder (pyenv under /root), the venv and this checkout (a CI clone may
+    live under /tmp)."""
     real = Path(PYTHON)
-    return [str(Path("/root") / real.relative_to("/root").parts[0])] if real.is_relative_to("/root") else []
+    paths = [str(Path("/root") / real.relative_to("/root").parts[0])] if real.is_relative_to("/root") else []
+    for path in (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve()):
+        if not any(path.is_relative_to(p) for p in paths):
+            paths.append(str(path))
+    return paths
 
 
 def run(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -104,7 +123,7 @@ class Hosts:
     """`count` hosts: ips[i] is 10.213.N.(i+1); the bridge (this side) is 10.213.N.254."""
 
     def __init__(self, count: int):
-        self.keep = python_home()
+        self.keep = visible_paths()
         self.net = free_subnet()
         self.prefix = f"kvo{self.net}"
         self.root = Path(tempfile.mkdtemp(prefix="kvo-", dir="/var/tmp"))   # /tmp is private on the hosts
