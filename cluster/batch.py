@@ -1,7 +1,9 @@
 """`kvmesh generate`: a JSONL batch file through one engine, all lines concurrently.
 
 A bad line (malformed JSON, missing id or prompt, invalid sampling values, prompt too
-long) gets an `error` result; the other lines complete.
+long) gets an `error` result; the other lines complete. The exit status is 1 whenever
+any line did not complete (bad input, or a request that failed in the engine: its
+result has `finish_reason: "error"` and an `error` field).
 """
 from __future__ import annotations
 
@@ -68,23 +70,39 @@ def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
             rid = _maybe_id(line)
             results[i] = {"id": rid, "error": str(e), "finish_reason": "error"}
     bar = tqdm(total=len(order), desc="requests", file=sys.stderr, disable=not order)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[order[out.request_id]] = {
-                    "id": out.request_id, "token_ids": out.token_ids, "text": out.text,
-                    "logprobs": out.logprobs, "finish_reason": out.finish_reason,
-                    "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens}
-                bar.update(1)
+    try:
+        _run(engine, order, results, bar)
+    except Exception as e:  # the engine itself failed: every line still open gets the error
+        print(f"kvmesh generate: the engine failed: {type(e).__name__}: {e}", file=sys.stderr)
+        for rid, i in order.items():
+            results.setdefault(i, {"id": rid, "error": f"engine failed: {type(e).__name__}: {e}",
+                                   "finish_reason": "error"})
     bar.close()
-    engine.flush()
-    engine.close()
+    try:
+        engine.flush()
+        engine.close()
+    except Exception as e:
+        print(f"kvmesh generate: persisting the cache failed: {e}", file=sys.stderr)
     text = "".join(json.dumps(results[i]) + "\n" for i in sorted(results))
     if output_path:
         output_path.write_text(text)
     else:
         sys.stdout.write(text)
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _run(engine, order: dict[str, int], results: dict[int, dict], bar) -> None:
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                result = {
+                    "id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                    "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+                    "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens}
+                if out.error or out.finish_reason not in ("stop", "length"):
+                    result["error"] = out.error or f"the request ended with finish_reason {out.finish_reason!r}"
+                results[order[out.request_id]] = result
+                bar.update(1)
 
 
 def _maybe_id(line: str):

@@ -23,11 +23,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compressed entries + indexer keys (default auto = the compute dtype)")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K drafts per step from the checkpoint's MTP layer (default 0 = off)")
+    p.add_argument("--require-store", action="store_true",
+                   help="fail at start-up when the store or index is unusable (default: run without reuse)")
+    p.add_argument("--store-read-timeout-s", type=float, default=10.0,
+                   help="a store read slower than this is a miss (default 10)")
 
 
 def engine_config(args: argparse.Namespace):
+    """The engine config from the flags; the store key comes from KVMESH_STORE_KEY."""
+    import os
+
     from workers.engine import EngineConfig
-    return EngineConfig(model=args.model, dtype=args.dtype, block_tokens=args.block_tokens,
+    return EngineConfig(store_key=os.environ.get("KVMESH_STORE_KEY") or None,
+                        require_store=args.require_store, store_read_timeout_s=args.store_read_timeout_s,
+                        model=args.model, dtype=args.dtype, block_tokens=args.block_tokens,
                         kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels,
                         store=args.store, index=args.index, swa_policy=args.swa_policy,

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 MiB = 1 << 20
 HEAD_IP = "{head_ip}"
+STORE_KEY_ENV = "KVMESH_STORE_KEY"
 
 
 class ConfigFileError(ValueError):
@@ -49,6 +50,11 @@ class EngineSettings(_Strict):
     host_cache_mb: int = Field(256, ge=0)
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = Field(
         "auto", description="compressed entries + indexer keys: auto (= dtype), bfloat16, or fp8 (V4's FP8 records)")
+    store_key: SecretStr | None = Field(None, min_length=16, description=(
+        "MAC key for store objects; default: the KVMESH_STORE_KEY environment variable of each worker"))
+    require_store: bool = Field(False, description="a store / index unusable at start-up is fatal (default: "
+                                                   "serve without prefix reuse)")
+    store_read_timeout_s: float = Field(10.0, gt=0, description="a store read slower than this is a miss")
 
     @field_validator("store")
     @classmethod
@@ -57,7 +63,9 @@ class EngineSettings(_Strict):
 
     def engine_config(self, worker_id: str | None = None):
         from workers.engine import EngineConfig
+        key = self.store_key.get_secret_value() if self.store_key else os.environ.get(STORE_KEY_ENV) or None
         return EngineConfig(
+            store_key=key, require_store=self.require_store, store_read_timeout_s=self.store_read_timeout_s,
             model=self.model, dtype=self.dtype, device=self.device, block_tokens=self.block_tokens,
             kv_cache_bytes=self.kv_cache_mb * MiB, max_num_seqs=self.max_num_seqs,
             max_batched_tokens=self.max_batched_tokens, max_model_len=self.max_model_len,

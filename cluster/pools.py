@@ -100,30 +100,49 @@ class Prefill(_Worker):
         self.agent, self.fallback = self._make_agent()
         self.held: dict[str, float] = {}        # request id -> release deadline
         self._reaper: asyncio.Task | None = None
+        self._held_changed: asyncio.Event | None = None
 
     async def prefill(self, req: GenRequest, hint: RouteHint | None = None) -> Handoff:
+        """Every exit but a handoff that decode can still claim (NIXL: registered with a
+        release deadline; Ray: exported) frees the held cache, cancellation included."""
+        self._start_reaper()
+        handed_over = False
+        try:
+            last = None
+            async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True):
+                last = out
+            base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
+                        first_logprob=last.logprobs[0], finished=last.finish_reason != "held",
+                        finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
+                        worker_id=self.worker_id, fingerprint=self.layout_id, worker=self.stats(),
+                        first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
+                        siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs,
+                        first_finish=last.first_finish)
+            if last.finish_reason != "held":
+                return Handoff(**base)
+            held = await self.engine.held_handle(req.request_id)
+            base["rng_state"] = held.rng_state
+            if self.agent is not None:
+                regions = self.engine.engine.cache.block_regions(held.block_ids, held.slot)
+                handoff = Handoff(**base, num_blocks=len(held.block_ids), source=self.agent.describe(regions))
+                self._hold(req.request_id)
+                handed_over = True
+                return handoff
+            payload = await self._export(req.request_id)
+            return Handoff(**base, num_blocks=len(held.block_ids), payload=payload, fallback_reason=self.fallback)
+        finally:
+            if not handed_over:     # no await here: this also runs when the call was cancelled
+                self.held.pop(req.request_id, None)
+                self.engine.call(self.engine.engine.release_held, req.request_id)
+
+    def _hold(self, request_id: str) -> None:
+        self.held[request_id] = time.monotonic() + self.config.handoff.release_timeout_s
+        self._held_changed.set()
+
+    def _start_reaper(self) -> None:
         if self._reaper is None:
+            self._held_changed = asyncio.Event()
             self._reaper = asyncio.create_task(self._release_loop())
-        last = None
-        async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True):
-            last = out
-        base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
-                    first_logprob=last.logprobs[0], finished=last.finish_reason != "held",
-                    finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
-                    worker_id=self.worker_id, fingerprint=self.layout_id, worker=self.stats(),
-                    first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
-                    siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs,
-                    first_finish=last.first_finish)
-        if last.finish_reason != "held":
-            return Handoff(**base)
-        held = await self.engine.held_handle(req.request_id)
-        base["rng_state"] = held.rng_state
-        if self.agent is not None:
-            self.held[req.request_id] = time.monotonic() + self.config.handoff.release_timeout_s
-            regions = self.engine.engine.cache.block_regions(held.block_ids, held.slot)
-            return Handoff(**base, num_blocks=len(held.block_ids), source=self.agent.describe(regions))
-        payload = await self._export(req.request_id)
-        return Handoff(**base, num_blocks=len(held.block_ids), payload=payload, fallback_reason=self.fallback)
 
     async def export(self, request_id: str, hint: RouteHint | None = None):
         """The held cache as a Ray object (decode's fallback after a failed READ); releases it."""
@@ -144,6 +163,9 @@ class Prefill(_Worker):
 
     async def _release_loop(self) -> None:
         while True:
+            if not self.held:       # idle: sleep until a handoff is held (no polling)
+                self._held_changed.clear()
+                await self._held_changed.wait()
             await asyncio.sleep(RELEASE_POLL_S)
             try:
                 for msg in self.agent.notifications() if self.agent else []:

@@ -207,6 +207,16 @@ class CacheTensors:
                     out[f"{i}.{name}"] = lc.tails[name][slot].to("cpu", copy=True)
         return out
 
+    def slot_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What one checkpoint object must hold (what slot_state returns): name -> (shape, dtype)."""
+        out = {}
+        for i, lc in enumerate(self.layers):
+            out[f"{i}.ring"] = (tuple(lc.ring.shape[1:]), lc.ring.dtype)
+            for name in OVERLAP_FIELDS:
+                if name in lc.tails:
+                    out[f"{i}.{name}"] = (tuple(lc.tails[name].shape[1:]), lc.tails[name].dtype)
+        return out
+
     def load_slot(self, slot: int, position: int, tensors: dict[str, torch.Tensor]) -> None:
         for i, lc in enumerate(self.layers):
             w = lc.ring.shape[1]

@@ -10,20 +10,24 @@ Byte layout (all integers little-endian)::
     24      H     JSON header      utf-8, see below
     24+H    pad   zeros up to DATA_ALIGN
     D       ...   data: tensors back to back, each starting at a DATA_ALIGN multiple
+    D+L     32    MAC (only when the header has "mac"): HMAC-SHA256 with the deployment's
+                  store key over bytes [0, D+L) (kvstore.mac)
 
-    D = align_up(24 + H, DATA_ALIGN); the object is exactly D + data_length bytes.
+    D = align_up(24 + H, DATA_ALIGN), L = data_length; the object is exactly D + L bytes
+    (+ 32 with a MAC).
 
 JSON header::
 
     {"fingerprint": str, "kind": "block"|"checkpoint", "hash": 16-hex,
      "parent": 16-hex|null, "token_count": int, "byteorder": "little",
-     "data_length": int,
+     "data_length": int, "mac": "hmac-sha256" (absent without a key),
      "tensors": [{"name", "dtype" (torch dtype name, e.g. "bfloat16"), "shape",
                   "offset" (from D), "nbytes"}, ...]}
 
-The checksum covers every byte except itself, so truncation, a flipped bit
-anywhere, or a spliced header is detected. ``decode_object`` verifies all of it
-before returning anything; every failure is a ``CorruptObjectError``.
+The checksum covers every byte except itself and the MAC, so truncation, a flipped
+bit anywhere, or a spliced header is detected; the MAC makes a forgery detectable
+too. ``decode_object`` verifies all of it before returning anything; every failure
+is a ``CorruptObjectError`` (``UnauthenticatedObjectError`` for a MAC failure).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 import xxhash
 
 from kvstore.hashing import hash_hex, parse_hash_hex
+from kvstore.mac import MAC_NAME, MAC_SIZE, StoreKey
 
 MAGIC = b"KVMESH01"
 FORMAT_VERSION = 1
@@ -63,6 +68,10 @@ class CorruptObjectError(Exception):
     """A store object failed verification; the message names what is wrong."""
 
 
+class UnauthenticatedObjectError(CorruptObjectError):
+    """A store object has no MAC, or one that the reader's key does not verify."""
+
+
 class CacheObject(NamedTuple):
     """A verified store object. ``tensors`` may be views into the decoded buffer."""
 
@@ -74,6 +83,7 @@ class CacheObject(NamedTuple):
     tensors: dict[str, torch.Tensor]
     data: memoryview | None = None   # the verified tensor bytes (set when decoded lazily)
     table: tuple = ()                # ((name, dtype, shape, offset, nbytes), ...) offsets into `data`
+    data_start: int = 0              # where `data` starts in the object's bytes
 
 
 def _align_up(n: int) -> int:
@@ -100,11 +110,13 @@ def encode_object_parts(
     parent: int | None,
     token_count: int,
     tensors: dict[str, torch.Tensor],
+    key: StoreKey | None = None,
 ) -> list[bytes | memoryview]:
     """Encode an object as a list of buffers whose concatenation is the object.
 
-    Lets a writer stream it without building one big buffer. Raises ValueError
-    for a bad kind / token_count and TypeError for an unsupported dtype.
+    Lets a writer stream it without building one big buffer. With ``key`` the object
+    carries a MAC. Raises ValueError for a bad kind / token_count and TypeError for an
+    unsupported dtype.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -122,12 +134,15 @@ def encode_object_parts(
         })
         blobs.append((offset, blob))
         offset += blob.nbytes
-    header = json.dumps({
+    fields = {
         "fingerprint": fingerprint, "kind": kind, "hash": hash_hex(h),
         "parent": None if parent is None else hash_hex(parent),
         "token_count": int(token_count), "byteorder": sys.byteorder,
         "data_length": offset, "tensors": table,
-    }, separators=(",", ":")).encode()
+    }
+    if key is not None:
+        fields["mac"] = MAC_NAME
+    header = json.dumps(fields, separators=(",", ":")).encode()
     data_start = _align_up(PREFIX_SIZE + len(header))
     body: list[bytes | memoryview] = [header, bytes(data_start - PREFIX_SIZE - len(header))]
     pos = 0
@@ -136,7 +151,8 @@ def encode_object_parts(
         pos = blob_offset + blob.nbytes
     head = PREFIX_STRUCT.pack(MAGIC, FORMAT_VERSION, len(header), 0)
     checksum = _checksum(head[:CHECKSUM_OFFSET], body)
-    return [PREFIX_STRUCT.pack(MAGIC, FORMAT_VERSION, len(header), checksum), *body]
+    parts = [PREFIX_STRUCT.pack(MAGIC, FORMAT_VERSION, len(header), checksum), *body]
+    return parts + [key.mac(parts)] if key is not None else parts
 
 
 def encode_object(
@@ -146,9 +162,10 @@ def encode_object(
     parent: int | None,
     token_count: int,
     tensors: dict[str, torch.Tensor],
+    key: StoreKey | None = None,
 ) -> bytes:
     """Encode one store object (see the module docstring for the layout)."""
-    return b"".join(encode_object_parts(fingerprint, kind, h, parent, token_count, tensors))
+    return b"".join(encode_object_parts(fingerprint, kind, h, parent, token_count, tensors, key))
 
 
 def _checksum(prefix: bytes | memoryview, body: Iterable[bytes | memoryview]) -> int:
@@ -164,12 +181,16 @@ def decode_object(
     expect_hash: int,
     expect_kind: str | None = None,
     lazy: bool = False,
+    key: StoreKey | None = None,
 ) -> CacheObject:
     """Verify and decode one store object; raise CorruptObjectError on any mismatch.
 
     ``lazy`` skips building per-tensor views: the result carries the verified ``data``
     bytes and the checked ``table`` instead, for callers that unpack many objects of one
     layout at once.
+
+    With ``key``, an object without a MAC that this key verifies is rejected
+    (``UnauthenticatedObjectError``); without one, a MAC present is not checked.
 
     Tensors are zero-copy views (``torch.frombuffer``) when ``buf`` is writable
     (a bytearray, a copy-on-write mmap); a read-only buffer is copied once so no
@@ -178,7 +199,7 @@ def decode_object(
     view = memoryview(buf).cast("B")
     if view.readonly:
         view = memoryview(bytearray(view))
-    header = _verified_header(view)
+    header = _verified_header(view, key)
     if header.get("fingerprint") != expect_fingerprint:
         raise CorruptObjectError(
             f"foreign fingerprint {str(header.get('fingerprint'))[:16]}, "
@@ -199,13 +220,13 @@ def decode_object(
     table = _checked_table(int(header["data_length"]), json.dumps(entries, separators=(",", ":")))
     if lazy:
         data = view[data_start:data_start + int(header["data_length"])]
-        return CacheObject(expect_fingerprint, kind, h, parent, token_count, {}, data, table)
+        return CacheObject(expect_fingerprint, kind, h, parent, token_count, {}, data, table, data_start)
     tensors = {e[0]: _tensor_view(view, data_start, e) for e in table}
     return CacheObject(expect_fingerprint, kind, h, parent, token_count, tensors)
 
 
-def _verified_header(view: memoryview) -> dict:
-    """Check magic, version, lengths and checksum; return the parsed JSON header."""
+def _verified_header(view: memoryview, key: StoreKey | None) -> dict:
+    """Check magic, version, lengths, checksum and MAC; return the parsed JSON header."""
     if len(view) < PREFIX_SIZE:
         raise CorruptObjectError(f"truncated: {len(view)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
     magic, version, header_len, checksum = PREFIX_STRUCT.unpack_from(view)
@@ -217,15 +238,24 @@ def _verified_header(view: memoryview) -> dict:
         raise CorruptObjectError(f"truncated: header of {header_len} bytes runs past the end ({len(view)} bytes)")
     try:
         header = json.loads(bytes(view[PREFIX_SIZE : PREFIX_SIZE + header_len]))
-        expected_len = _align_up(PREFIX_SIZE + header_len) + int(header["data_length"])
-    except (ValueError, KeyError, TypeError) as e:
+        end = _align_up(PREFIX_SIZE + header_len) + int(header["data_length"])
+        mac = header.get("mac")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptObjectError(f"unreadable header: {type(e).__name__}: {e}") from e
+    if mac not in (None, MAC_NAME):
+        raise CorruptObjectError(f"unknown MAC {mac!r}, this build knows {MAC_NAME!r}")
+    expected_len = end + (MAC_SIZE if mac else 0)
     if len(view) != expected_len:
         what = "truncated" if len(view) < expected_len else "trailing bytes"
         raise CorruptObjectError(f"{what}: object is {len(view)} bytes, header says {expected_len}")
-    actual = _checksum(view[:CHECKSUM_OFFSET], [view[PREFIX_SIZE:]])
+    actual = _checksum(view[:CHECKSUM_OFFSET], [view[PREFIX_SIZE:end]])
     if actual != checksum:
         raise CorruptObjectError(f"checksum mismatch: stored {checksum:016x}, computed {actual:016x}")
+    if key is not None:
+        if not mac:
+            raise UnauthenticatedObjectError("no MAC: written without a store key, not trusted under one")
+        if not key.verify([view[:end]], view[end:]):
+            raise UnauthenticatedObjectError("MAC mismatch: not written with this deployment's store key")
     if header.get("byteorder") != sys.byteorder:
         raise CorruptObjectError(f"byte order {header.get('byteorder')!r}, this host is {sys.byteorder}")
     return header

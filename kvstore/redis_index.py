@@ -15,13 +15,14 @@ pipeline: ``TIME``, one ``MGET`` for blocks, one for checkpoints, and one
 ``ZRANGE .. WITHSCORES`` per hash; members whose score is <= the server time
 are ignored. Lease granularity is therefore 1 ms.
 
-Faults: when Redis is unreachable (connection refused/reset, timeout) no method
-raises. ``lookup`` returns an empty result and writes are dropped; one warning
+Faults: when Redis is unreachable (connection refused/reset, timeout) or answers
+with an error reply (READONLY after a failover, OOM under ``noeviction``, LOADING,
+BUSY, ...) no method raises. ``lookup`` returns an empty result and writes are dropped; one warning
 is logged per outage; further calls are skipped (not attempted) until an
 exponentially growing backoff deadline passes, then one call probes Redis and,
 if it answers, everything resumes. Dropped publishes are not replayed: the
 store is the truth and a miss only costs recompute (``rebuild_from`` re-publishes).
-Other Redis errors (wrong type, bad script) are bugs and do propagate.
+The URL's password never reaches a log line (``kvstore.redact``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.hashing import hash_hex
+from kvstore.redact import redact_url
 from kvstore.index import (
     LookupResult,
     PrefixIndex,
@@ -56,7 +58,8 @@ DEFAULT_SOCKET_TIMEOUT_S = 1.0
 DEFAULT_BACKOFF_INITIAL_S = 0.1
 DEFAULT_BACKOFF_MAX_S = 30.0
 _CLEAR_BATCH = 1000  # keys per SCAN page / UNLINK call in clear()
-_FAULTS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# Every Redis failure is a fault: the index is a hint, and a request must not fail over it.
+_FAULTS = (redis.exceptions.RedisError,)
 
 # KEYS: lease sets; ARGV[1]: worker id; ARGV[2]: ttl in ms. Returns server time (ms).
 _PUBLISH_MEMORY_LUA = """
@@ -94,7 +97,7 @@ class RedisIndex(PrefixIndex):
             raise ValueError(
                 f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
             )
-        self._url = url
+        self._url = redact_url(url)     # for logs; the client keeps the real one
         self._ns = f"{KEY_PREFIX}:{fingerprint[:NAMESPACE_CHARS]}"
         # No client-level retries: our own backoff decides when to try again.
         self._client = redis.Redis.from_url(
@@ -109,6 +112,7 @@ class RedisIndex(PrefixIndex):
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
         self._healthy = True
+        self._causes: set[str] = set()
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._stats = dict.fromkeys(
@@ -143,11 +147,14 @@ class RedisIndex(PrefixIndex):
             )
             self._retry_at = self._clock() + self._backoff_s
             backoff = self._backoff_s
+            cause = f"{type(error).__name__}:{str(error).split(' ')[0]}"
+            first = first and cause not in self._causes      # each cause is logged once
+            self._causes.add(cause)
         if first:
             log.warning(
-                "prefix index at %s unreachable during %s (%s); lookups miss and "
+                "prefix index at %s failed during %s (%s: %s); lookups miss and "
                 "publishes are dropped until it answers again (retrying with backoff)",
-                self._url, op, error,
+                self._url, op, type(error).__name__, error,
             )
         else:
             log.debug("prefix index still unreachable (%s); next try in %.2fs", error, backoff)
@@ -159,7 +166,7 @@ class RedisIndex(PrefixIndex):
             self._healthy = True
             self._backoff_s = 0.0
             self._stats["reconnects"] += 1
-        log.warning("prefix index at %s reachable again; prefix reuse resumes", self._url)
+        log.info("prefix index at %s answers again; prefix reuse resumes", self._url)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -15,7 +15,13 @@ the index a hint (DESIGN §4):
   only once the object is durable.
 * ``get`` verifies every object (local: one copy-on-write ``mmap``, zero-copy);
   a corrupt, truncated or foreign one is deleted, unpublished, counted and
-  served as a miss. It never returns wrong data.
+  served as a miss. It never returns wrong data, and never raises or hangs for
+  what it finds: an I/O error, a directory or FIFO at an object's path, a read
+  past ``read_timeout_s`` are misses too, logged once per cause with the
+  object's name. An object that cannot be removed is quarantined (never read
+  again by this process).
+* With a ``key`` (kvstore.mac) objects carry a MAC and only those it verifies
+  are used; without one the store trusts whoever can write to it (said once).
 * Capacity is per fingerprint namespace. A put that goes over it evicts (and
   unpublishes) the least recently used objects: this process's reads and
   writes, seeded from file mtimes. A put never fails for space; an object
@@ -24,7 +30,6 @@ the index a hint (DESIGN §4):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -38,9 +43,12 @@ import torch
 
 from kvstore.hashing import check_fingerprint, hash_hex, parse_hash_hex
 from kvstore.index import PrefixIndex
+from kvstore.hashing import FINGERPRINT_MIN_CHARS
+from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
-from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, read_text, read_whole, resolve_uri,
-                              write_atomic)
+from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
+                              read_whole, resolve_uri, write_atomic)
+from kvstore.timed_io import IoTimeoutError, TimedRunner
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,13 @@ OBJECT_SUFFIX = ".kv"
 FINGERPRINT_FILE = "FINGERPRINT"
 NAMESPACE_CHARS = 16
 _OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
+_FINGERPRINT_RE = re.compile(r"^[0-9a-f]{%d,}$" % FINGERPRINT_MIN_CHARS)
+DEFAULT_READ_TIMEOUT_S = 10.0
+_trust_warned = False
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store cannot be opened (its root or namespace is unusable); the message says why."""
 
 
 class StoreStats(NamedTuple):
@@ -66,6 +81,9 @@ class StoreStats(NamedTuple):
     corrupt: int
     evicted: int
     skipped: int
+    read_errors: int = 0      # I/O errors, wrong file types, timeouts
+    timeouts: int = 0
+    quarantined: int = 0      # unusable objects that could not be removed
 
 
 class _Entry(NamedTuple):
@@ -107,6 +125,8 @@ class ObjectStore:
         capacity_bytes: int | None = None,
         index: PrefixIndex | None = None,
         evict_unread_first: bool = False,
+        key: StoreKey | None = None,
+        read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
@@ -120,11 +140,20 @@ class ObjectStore:
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU first
         self._bytes = 0
         self._counters = dict.fromkeys(
-            ("reads", "writes", "bytes_read", "bytes_written", "misses", "corrupt", "evicted", "skipped"), 0
+            ("reads", "writes", "bytes_read", "bytes_written", "misses", "corrupt", "evicted", "skipped",
+             "read_errors", "timeouts", "quarantined"), 0
         )
-        for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
-            self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
-        self._claim_namespace()
+        self._key = key
+        self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
+        self._quarantine: set[tuple[str, int]] = set()
+        self._logged: set[tuple[str, str]] = set()   # (cause, object) pairs already logged
+        try:
+            for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
+                self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
+            self._claim_namespace()
+        except OSError as e:
+            raise StoreUnavailableError(f"store {uri}: cannot use {self._dir}: {e}") from e
+        self._say_trust(uri)
         if index is not None:
             self.attach_index(index)
         self._scan()
@@ -145,9 +174,19 @@ class ObjectStore:
             )
         self._index = index
 
+    def _say_trust(self, uri: str) -> None:
+        global _trust_warned
+        if self._key is None and not _trust_warned:
+            _trust_warned = True
+            log.warning("store %s has no key (KVMESH_STORE_KEY / engine.store_key): objects are checksummed, "
+                        "not authenticated; anyone who can write to it controls outputs for its prefixes", uri)
+
     def _claim_namespace(self) -> None:
         path = f"{self._dir}/{FINGERPRINT_FILE}"
         owner = read_text(self._fs, path)
+        if owner is not None and not _FINGERPRINT_RE.match(owner):
+            log.warning("store namespace marker %s is corrupt (%r): rewritten", path, owner[:40])
+            owner = None
         if owner is None:
             write_atomic(self._fs, path, [self._fingerprint.encode()])
         elif owner != self._fingerprint:
@@ -169,7 +208,7 @@ class ObjectStore:
         Re-putting an existing hash replaces the object.
         """
         _check_kind(kind)
-        parts = encode_object_parts(self._fingerprint, kind, h, parent, token_count, tensors)
+        parts = encode_object_parts(self._fingerprint, kind, h, parent, token_count, tensors, self._key)
         size = sum(memoryview(p).nbytes for p in parts)
         if self._capacity is not None and size > self._capacity:
             log.warning(
@@ -188,21 +227,21 @@ class ObjectStore:
     # -- reading -----------------------------------------------------------------
 
     def get(self, kind: str, h: int, lazy: bool = False) -> CacheObject | None:
-        """The verified object, or None for a missing or corrupt one (then deleted).
+        """The verified object, or None for a missing or unusable one (then removed).
         ``lazy``: return the verified bytes and tensor table instead of tensor views."""
         _check_kind(kind)
         path = self._path(kind, h)
-        try:
-            buf = read_whole(self._fs, path)
-        except FileNotFoundError:
+        if (kind, h) in self._quarantine:
             self._track(kind, h, None, misses=1)
             return None
         try:
-            obj = decode_object(buf, self._fingerprint, h, kind, lazy=lazy)
-        except CorruptObjectError as e:
-            log.warning("corrupt store object %s (%s): deleted, served as a miss", path, e)
-            self._track(kind, h, None, corrupt=1)
-            self.delete(kind, h)
+            buf = self._reader.run(lambda: read_whole(self._fs, path))
+            obj = decode_object(buf, self._fingerprint, h, kind, lazy=lazy, key=self._key)
+        except FileNotFoundError:
+            self._track(kind, h, None, misses=1)
+            return None
+        except (OSError, CorruptObjectError) as e:
+            self.reject(kind, h, e)
             return None
         self._track(kind, h, len(buf), reads=1, bytes_read=len(buf))
         return obj
@@ -213,15 +252,18 @@ class ObjectStore:
         `staging`, a reused flat uint8 buffer, when it is big enough).
 
         Returns (rows [n, size] or None, lazily decoded objects viewing those rows); an
-        object that is missing or corrupt is None (corrupt ones are deleted, as in `get`).
+        object that is missing or unusable is None (and removed, as in `get`).
         One read per object into its row: no mapping, no intermediate copy. When the
         objects are not all local files of one size, falls back to `get(lazy=True)`.
+        Raises IoTimeoutError when a read hangs past the timeout: the hung read may
+        still write into `staging` later, so the caller must stop using that buffer.
         """
         _check_kind(kind)
         paths = [self._path(kind, h) for h in hashes]
         sizes = [_local_size(p) for p in paths] if is_local(self._fs) else [None]
         size = sizes[0]
-        if size is None or any(x != size for x in sizes):
+        if size is None or any(x != size for x in sizes) or any(k in self._quarantine for k in
+                                                                 ((kind, h) for h in hashes)):
             return None, [self.get(kind, h, lazy=True) for h in hashes]
         need = len(paths) * size
         if staging is not None and staging.numel() >= need:
@@ -229,25 +271,76 @@ class ObjectStore:
         else:
             rows = torch.empty(len(paths), size, dtype=torch.uint8)
         view = memoryview(rows.numpy()).cast("B")
+        done = [0] * len(paths)
+        errors: list[BaseException | None] = [None] * len(paths)
+        progress = [0]
+        abandoned = threading.Event()
+
+        def read_all() -> None:
+            for i, path in enumerate(paths):
+                if abandoned.is_set():
+                    return
+                progress[0] = i
+                try:
+                    with open_regular(path) as f:
+                        done[i] = read_into(f, view[i * size:(i + 1) * size])
+                except OSError as e:
+                    errors[i] = e
+        try:
+            self._reader.run(read_all)
+        except IoTimeoutError as e:
+            abandoned.set()
+            self.reject(kind, hashes[progress[0]], e)
+            raise
         objs: list[CacheObject | None] = []
-        for i, (h, path) in enumerate(zip(hashes, paths)):
-            row = view[i * size:(i + 1) * size]
+        for i, h in enumerate(hashes):
+            obj = None
             try:
-                with open(path, "rb", buffering=0) as f:
-                    done = f.readinto(row)
-                obj = decode_object(row[:done], self._fingerprint, h, kind, lazy=True)
+                if errors[i] is not None:
+                    raise errors[i]
+                obj = decode_object(view[i * size:i * size + done[i]], self._fingerprint, h, kind, lazy=True,
+                                    key=self._key)
             except FileNotFoundError:
                 self._track(kind, h, None, misses=1)
-                obj = None
-            except CorruptObjectError as e:
-                log.warning("corrupt store object %s (%s): deleted, served as a miss", path, e)
-                self._track(kind, h, None, corrupt=1)
-                self.delete(kind, h)
-                obj = None
+            except (OSError, CorruptObjectError) as e:
+                self.reject(kind, h, e)
             else:
                 self._track(kind, h, size, reads=1, bytes_read=size)
             objs.append(obj)
         return rows, objs
+
+    def reject(self, kind: str, h: int, error: BaseException) -> None:
+        """An object that cannot be used (corrupt, forged, unreadable, of another layout):
+        count it, log the cause once, unpublish it and remove it - or, when it cannot be
+        removed, quarantine it so this process never reads it again."""
+        path = self._path(kind, h)
+        corrupt = isinstance(error, CorruptObjectError) or not isinstance(error, (OSError, TimeoutError))
+        timeout = isinstance(error, TimeoutError)
+        self._track(kind, h, None, corrupt=int(corrupt), read_errors=int(not corrupt), timeouts=int(timeout))
+        self._log_once(type(error).__name__, path, "store object %s unusable (%s: %s): served as a miss",
+                       path, type(error).__name__, error)
+        if timeout:     # removing may hang the same way: only stop reading it
+            self._quarantine_add(kind, h)
+            self._update_index(kind, h, present=False)
+            return
+        try:
+            self.delete(kind, h)
+        except OSError as e:
+            self._quarantine_add(kind, h)
+            self._log_once("undeletable", path, "cannot remove unusable store object %s (%s): quarantined, "
+                           "this process will not read it again", path, e)
+
+    def _quarantine_add(self, kind: str, h: int) -> None:
+        with self._lock:
+            if (kind, h) not in self._quarantine:
+                self._quarantine.add((kind, h))
+                self._counters["quarantined"] += 1
+
+    def _log_once(self, cause: str, name: str, msg: str, *args) -> None:
+        with self._lock:
+            first = (cause, name) not in self._logged
+            self._logged.add((cause, name))
+        (log.warning if first else log.debug)(msg, *args)
 
     def contains(self, kind: str, h: int) -> bool:
         """Whether an object file exists (not verified; ``get`` verifies)."""
@@ -274,6 +367,8 @@ class ObjectStore:
             self._fs.delete_file(self._path(kind, h))
         except FileNotFoundError:
             return False
+        with self._lock:
+            self._quarantine.discard((kind, h))
         return True
 
     def gc(self, target_bytes: int | None = None) -> int:
@@ -299,8 +394,13 @@ class ObjectStore:
             self._counters["evicted"] += len(victims)
         for kind, h in victims:
             self._update_index(kind, h, present=False)  # first: no reader is sent to a vanishing file
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self._fs.delete_file(self._path(kind, h))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._log_once("evict", self._path(kind, h), "cannot evict store object %s: %s",
+                               self._path(kind, h), e)
         if victims:
             log.info("evicted %d objects from %s to fit %d bytes", len(victims), self._dir, target)
         return len(victims)

@@ -9,9 +9,11 @@ things only a local filesystem can do and that the store relies on there:
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
+import stat
 import time
 import uuid
 from typing import Sequence
@@ -35,13 +37,47 @@ def is_local(filesystem: pafs.FileSystem) -> bool:
     return isinstance(filesystem, pafs.LocalFileSystem)
 
 
+class NotAFileError(OSError):
+    """A store path holds something other than a regular file (a directory, a FIFO, a device)."""
+
+
 def read_text(filesystem: pafs.FileSystem, path: str) -> str | None:
-    """A small text file's stripped contents, or None if it does not exist."""
+    """A small text file's stripped contents (undecodable bytes replaced), or None if it
+    does not exist. Other failures (a directory there, an I/O error) raise OSError."""
     try:
+        if is_local(filesystem):
+            with open_regular(path) as f:
+                return f.read(1 << 16).decode(errors="replace").strip()
         with filesystem.open_input_stream(path) as f:
-            return f.read().decode().strip()
+            return f.read().decode(errors="replace").strip()
     except FileNotFoundError:
         return None
+
+
+def open_regular(path: str):
+    """Open a local file for unbuffered reading, refusing anything but a regular file.
+    O_NONBLOCK makes opening a FIFO return at once (it has no effect on regular files)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise NotAFileError(errno.EINVAL, f"{kind} where an object should be", path)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_into(f, view: memoryview) -> int:
+    """Read until `view` is full or EOF; returns the bytes read (short reads are retried)."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return done
 
 
 def list_namespace_dirs(uri: str, marker: str) -> dict[str, str | None]:
@@ -88,7 +124,7 @@ def read_whole(filesystem: pafs.FileSystem, path: str) -> mmap.mmap | bytearray:
     into a bytearray.
     """
     if is_local(filesystem):
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return bytearray()  # mmap cannot map an empty file

@@ -50,7 +50,7 @@ class AsyncEngine:
             for kind, *payload in inbox:
                 self._apply(kind, payload)
             if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
+                self._wake.wait()       # every inbox write and shutdown sets it: no polling when idle
                 self._wake.clear()
                 continue
             try:

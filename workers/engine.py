@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,14 +25,17 @@ from kvstore.cache_tensors import CacheTensors, size_pools
 from kvstore.hashing import PrefixHasher, model_fingerprint
 from kvstore.host_cache import HostCache
 from kvstore.index import make_index
+from kvstore.mac import StoreKey
 from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
 from kvstore.planner import SwaPolicy, recompute_span
+from kvstore.redact import redact_url
 from kvstore.state_slots import SlotPool
-from kvstore.store import ObjectStore
+from kvstore.store import DEFAULT_READ_TIMEOUT_S, ObjectStore
 
 from .default_model import ensure_default_model
-from .loader import load_model, weights_identity
+from .loader import load_model
 from .auto_policy import AutoPeriod
+from .weights_id import weights_identity
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .grammar import GuideCompiler
@@ -70,6 +73,13 @@ class EngineConfig:
     worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
     prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
     speculative_tokens: int = 0         # drafts per decode step from the checkpoint's MTP layer (0 = off)
+    store_key: str | None = field(default=None, repr=False)   # MAC key for store objects (kvstore.mac)
+    require_store: bool = False         # True: a store / index that fails at start-up is fatal
+    store_read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
+
+
+class StoreUnavailable(RuntimeError):
+    """`require_store` is set and the store or index could not be opened."""
 
 
 class Engine:
@@ -132,7 +142,25 @@ class Engine:
         self.fingerprint = model_fingerprint(a.raw, weights_identity(model_dir), dtype_name, c.block_tokens,
                                              LAYOUT_VERSION * 2 + int(swa_blocks))
         hasher = PrefixHasher(self.fingerprint, c.block_tokens)
-        store = ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes) if c.store else None
+        key = StoreKey(c.store_key) if c.store_key else None   # a bad key is a config error: fatal
+        try:
+            store, index = self._open_tiers(key)
+        except Exception as e:     # the store and index are an optimisation: serve without them
+            if c.require_store:
+                raise StoreUnavailable(f"store {c.store!r} / index {redact_url(c.index)!r}: {e}") from e
+            log.warning("prefix store/index unusable at start-up (%s: %s): serving without prefix reuse "
+                        "(require_store makes this fatal)", type(e).__name__, e)
+            store = index = None
+        span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
+        worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        tuner = AutoPeriod(self.layout, capacity_bytes=c.store_capacity_bytes) if self.policy.adaptive else None
+        return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,
+                           HostCache(c.host_cache_bytes), worker, enabled=c.prefix_reuse, auto=tuner)
+
+    def _open_tiers(self, key: StoreKey | None):
+        c = self.config
+        store = (ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes, key=key,
+                             read_timeout_s=c.store_read_timeout_s) if c.store else None)
         index = None
         if store is not None or c.index != "local":
             index = make_index(c.index, self.fingerprint, store)
@@ -140,11 +168,7 @@ class Engine:
                 store.attach_index(index)
                 if c.index != "local":   # the store is the truth: re-seed a shared index from it
                     index.rebuild_from(store)
-        span = recompute_span(a.num_hidden_layers, a.sliding_window, max([a.csa_ratio, a.hca_ratio]))
-        worker = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        tuner = AutoPeriod(self.layout, capacity_bytes=c.store_capacity_bytes) if self.policy.adaptive else None
-        return PrefixCache(self.cache, self.blocks, hasher, self.policy, span, store, index,
-                           HostCache(c.host_cache_bytes), worker, enabled=c.prefix_reuse, auto=tuner)
+        return store, index
 
     def flush(self) -> None:
         """Wait until every persisted block and checkpoint is durable in the store."""
@@ -211,11 +235,14 @@ class Engine:
             seq.generator.set_state(resume.rng_state)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache, wherever it is: waiting, running, or already
+        held for a handoff (a cancel can race the step that moves it to `held`)."""
         seq = self.seqs.pop(request_id, None)
         for s in self.groups.pop(request_id, None) or ([seq] if seq is not None else []):
             if s.status != Status.FINISHED:
                 s.finish_reason = "abort"
                 self.scheduler.finish(s)
+        self.release_held(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -62,21 +62,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def weights_identity(model_dir: str | Path) -> str:
-    """A content identity of the weights that every node computes alike: each safetensors
-    file's header (names, dtypes, shapes, offsets) and its first and last MiB of data."""
-    import xxhash
-    h = xxhash.xxh3_128()
-    for f in weight_files(Path(model_dir)):
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-        h.update(str(size).encode())
-    return h.hexdigest()
-
-
 def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:

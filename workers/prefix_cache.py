@@ -17,10 +17,12 @@ from kvstore.cache_tensors import CacheTensors
 from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
+from kvstore.objects import CorruptObjectError
 from kvstore.persist import PutJob, WriteBehind
 from kvstore.planner import (Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due,
                              plan_restore)
 from kvstore.store import ObjectStore
+from kvstore.timed_io import IoTimeoutError
 
 from .auto_policy import AutoPeriod
 from .sequence import Sequence
@@ -44,6 +46,7 @@ class ReuseStats:
     truncated_hits: int = 0
     query_tokens: int = 0           # prompt tokens looked up (vLLM's prefix_cache_queries)
     tier_hit_tokens: dict = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
+    errors: int = 0                            # restores / index calls that failed: served cold
     last: dict = field(default_factory=dict)   # the latest restore's breakdown
 
 
@@ -64,11 +67,29 @@ class PrefixCache:
         self._last_renew = time.monotonic()
         self._reconnects = 0
         self._block_shapes = cache.block_shapes()
+        self._slot_shapes = cache.slot_shapes()
         self._table_ok: tuple = ()
         self._tiers: list[str] = []             # the tier of each block of the restore in progress
+        self._logged: set[str] = set()
         # Reads from the store land here first; touched once now so a restore never
         # page-faults its way through fresh memory.
         self._staging = torch.zeros(staging_bytes if store is not None else 0, dtype=torch.uint8)
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        """A tier failed: count it, log each cause once (a broken store must not flood the log)."""
+        self.stats.errors += 1
+        cause = f"{what}:{type(error).__name__}"
+        first = cause not in self._logged
+        self._logged.add(cause)
+        (log.warning if first else log.debug)("prefix reuse: %s failed (%s: %s); served as a miss", what,
+                                             type(error).__name__, error)
+
+    def _index_call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:      # the index is a hint: never fail a request over it
+            self._failed(f"index {what}", e)
+            return None
 
     # ---- hashing ------------------------------------------------------------------------------
     def chain(self, seq: Sequence, blocks: int) -> list[int]:
@@ -91,8 +112,9 @@ class PrefixCache:
 
     def availability(self, hashes: list[int]) -> Availability:
         if self.index is not None:
-            self._reseed_after_outage()
-        looked = self.index.lookup(hashes) if self.index is not None and self.store is not None else None
+            self._index_call("reseed", self._reseed_after_outage)
+        looked = (self._index_call("lookup", self.index.lookup, hashes)
+                  if self.index is not None and self.store is not None else None)
         stored = looked.stored if looked else 0
         ckpts = set(looked.checkpoints) if looked else set()
         n = 0
@@ -106,9 +128,23 @@ class PrefixCache:
         return Availability(n, frozenset(c for c in ckpts if c < n))
 
     def restore(self, seq: Sequence) -> bool:
-        """Restore the longest usable prefix into seq (blocks + slot). False = out of memory."""
+        """Restore the longest usable prefix into seq (blocks + slot). False = out of memory.
+        Any failure of a tier (I/O, index, an object that does not fit) leaves seq cold."""
         if not self.enabled:
             return True
+        try:
+            return self._restore(seq)
+        except Exception as e:
+            if isinstance(e, IoTimeoutError):   # a hung read may still write into the old buffer
+                self._staging = torch.zeros_like(self._staging)
+            self._failed("restore", e)
+            self._release(seq)
+            self.cache.reset_slot(seq.slot)
+            seq.num_computed = seq.cached_tokens = seq.hashed_blocks = 0
+            seq.ring_from = seq.keep_tokens = 0
+            return True
+
+    def _restore(self, seq: Sequence) -> bool:
         self.stats.lookups += 1
         self.stats.query_tokens += len(seq.prompt)
         if self.auto is not None and seq.request_id != self._last_observed:
@@ -205,10 +241,11 @@ class PrefixCache:
             if obj.table != self._table_ok:
                 have = {name: (shape, dtype) for name, dtype, shape, _, _ in obj.table}
                 if have != self._block_shapes or (i and obj.table != objs[0].table):
-                    log.warning("block %x was written for another cache layout: treated as a miss", h)
+                    self.store.reject("block", h, CorruptObjectError(
+                        "its tensors do not fit this cache layout (missing, extra or reshaped)"))
                     return None, 0, (), i
                 self._table_ok = obj.table
-        starts = {(rows.shape[1] if rows is not None else len(o.data)) - len(o.data) for o in objs}
+        starts = {o.data_start for o in objs}
         if rows is None or len(starts) != 1:   # objects of different sizes: pack their data rows
             rows = torch.stack([torch.frombuffer(o.data, dtype=torch.uint8) for o in objs])
             starts = {0}
@@ -219,7 +256,10 @@ class PrefixCache:
     def _forget(self, kind: str, h: int) -> None:
         """The index pointed at an object the store does not have (or had corrupt): drop it."""
         if self.index is not None:
-            self.index.remove_blocks([h]) if kind == "block" else self.index.remove_checkpoint(h)
+            if kind == "block":
+                self._index_call("remove", self.index.remove_blocks, [h])
+            else:
+                self._index_call("remove", self.index.remove_checkpoint, h)
 
     def _fetch(self, kind: str, h: int):
         tensors = self.host.get(kind, h)
@@ -228,6 +268,11 @@ class PrefixCache:
         obj = self.store.get(kind, h)
         if obj is None:
             self._forget(kind, h)
+            return None
+        have = {name: (tuple(t.shape), t.dtype) for name, t in obj.tensors.items()}
+        if kind == "checkpoint" and have != self._slot_shapes:
+            self.store.reject(kind, h, CorruptObjectError(
+                "its tensors do not fit this cache layout (missing, extra or reshaped)"))
             return None
         self.stats.bytes_loaded += sum(t.numel() * t.element_size() for t in obj.tensors.values())
         self.stored.add((kind, h))
@@ -285,7 +330,8 @@ class PrefixCache:
                 self.pool.set_hash(seq.blocks[i], hashes[i])
                 self._persist_block(seq.blocks[i], hashes, i)
             if self.index is not None:
-                self.index.publish_memory(self.worker_id, hashes[seq.hashed_blocks:full], MEMORY_LEASE_S)
+                self._index_call("publish", self.index.publish_memory, self.worker_id,
+                                 hashes[seq.hashed_blocks:full], MEMORY_LEASE_S)
             seq.hashed_blocks = full
         if self.policy.checkpoints and seq.num_computed and seq.num_computed % self.bt == 0:
             pos = seq.num_computed
@@ -326,11 +372,12 @@ class PrefixCache:
         if self.index is None:
             return
         if evicted:
-            self.index.remove_memory(self.worker_id, evicted)
+            self._index_call("remove", self.index.remove_memory, self.worker_id, evicted)
         now = time.monotonic()
         if now - self._last_renew > MEMORY_LEASE_S / 2:
             self._last_renew = now
-            self.index.publish_memory(self.worker_id, list(self.pool.by_hash), MEMORY_LEASE_S)
+            self._index_call("publish", self.index.publish_memory, self.worker_id, list(self.pool.by_hash),
+                             MEMORY_LEASE_S)
 
     def flush(self) -> None:
         if self.writer is not None:

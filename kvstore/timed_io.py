@@ -1,0 +1,63 @@
+"""Blocking calls with a deadline: a read that hangs (a FIFO, a hung NFS mount) must not
+hang the engine. The call runs on a daemon worker thread; past the deadline the caller
+gets `IoTimeoutError` and the worker is abandoned (a thread stuck in the kernel cannot
+be interrupted; it exits on its own if the call ever returns), and a fresh one serves
+the next call.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class IoTimeoutError(TimeoutError):
+    """A store read did not finish within its deadline."""
+
+
+class _Worker:
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self.jobs.get()
+            if fn is None:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+
+class TimedRunner:
+    """Runs one blocking call at a time with a deadline (None: inline, no deadline)."""
+
+    def __init__(self, timeout_s: float | None, name: str = "kvmesh-io"):
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive or None, got {timeout_s}")
+        self.timeout_s, self.name = timeout_s, name
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
+        self.abandoned = 0          # workers left behind in a hung call
+
+    def run(self, fn: Callable[[], T]) -> T:
+        if self.timeout_s is None:
+            return fn()
+        with self._lock:
+            if self._worker is None:
+                self._worker = _Worker(self.name)
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._worker.jobs.put((fn, fut))
+            try:
+                return fut.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._worker.jobs.put((None, None))     # it exits once the hung call returns
+                self._worker = None
+                self.abandoned += 1
+                raise IoTimeoutError(f"no answer within {self.timeout_s:g} s") from None
