@@ -31,6 +31,7 @@ class WriteBehind:
         self.store = store
         self._q: queue.Queue[PutJob | None] = queue.Queue(max_pending)
         self.stats = {"queued": 0, "written": 0, "bytes": 0, "errors": 0, "dropped": 0, "write_s": 0.0}
+        self._causes: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="kvmesh-persist", daemon=True)
         self._thread.start()
 
@@ -51,9 +52,13 @@ class WriteBehind:
                 self.stats["bytes"] += self.store.put(job.kind, job.hash, job.parent, job.token_count, job.tensors)
                 self.stats["write_s"] += time.perf_counter() - t0
                 self.stats["written"] += 1
-            except Exception:
+            except Exception as e:
                 self.stats["errors"] += 1
-                log.exception("persisting %s %x failed", job.kind if job else "?", job.hash if job else 0)
+                cause = type(e).__name__
+                first = cause not in self._causes      # a broken store must not flood the log
+                self._causes.add(cause)
+                (log.warning if first else log.debug)("persisting %s %x failed (%s: %s); it stays uncached",
+                                                      job.kind if job else "?", job.hash if job else 0, cause, e)
             finally:
                 self._q.task_done()
 

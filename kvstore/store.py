@@ -146,7 +146,7 @@ class ObjectStore:
         self._key = key
         self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
         self._quarantine: set[tuple[str, int]] = set()
-        self._logged: set[tuple[str, str]] = set()   # (cause, object) pairs already logged
+        self._logged: set[str] = set()   # causes already logged
         try:
             for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
                 self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
@@ -317,7 +317,7 @@ class ObjectStore:
         corrupt = isinstance(error, CorruptObjectError) or not isinstance(error, (OSError, TimeoutError))
         timeout = isinstance(error, TimeoutError)
         self._track(kind, h, None, corrupt=int(corrupt), read_errors=int(not corrupt), timeouts=int(timeout))
-        self._log_once(type(error).__name__, path, "store object %s unusable (%s: %s): served as a miss",
+        self._log_once(type(error).__name__, "store object %s unusable (%s: %s): served as a miss",
                        path, type(error).__name__, error)
         if timeout:     # removing may hang the same way: only stop reading it
             self._quarantine_add(kind, h)
@@ -327,7 +327,7 @@ class ObjectStore:
             self.delete(kind, h)
         except OSError as e:
             self._quarantine_add(kind, h)
-            self._log_once("undeletable", path, "cannot remove unusable store object %s (%s): quarantined, "
+            self._log_once("undeletable", "cannot remove unusable store object %s (%s): quarantined, "
                            "this process will not read it again", path, e)
 
     def _quarantine_add(self, kind: str, h: int) -> None:
@@ -336,10 +336,12 @@ class ObjectStore:
                 self._quarantine.add((kind, h))
                 self._counters["quarantined"] += 1
 
-    def _log_once(self, cause: str, name: str, msg: str, *args) -> None:
+    def _log_once(self, cause: str, msg: str, *args) -> None:
+        """Warn at the first occurrence of each cause (naming its object); debug after that, so
+        a store full of bad objects cannot flood the log (the counters count them all)."""
         with self._lock:
-            first = (cause, name) not in self._logged
-            self._logged.add((cause, name))
+            first = cause not in self._logged
+            self._logged.add(cause)
         (log.warning if first else log.debug)(msg, *args)
 
     def contains(self, kind: str, h: int) -> bool:
@@ -399,7 +401,7 @@ class ObjectStore:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                self._log_once("evict", self._path(kind, h), "cannot evict store object %s: %s",
+                self._log_once("evict", "cannot evict store object %s: %s",
                                self._path(kind, h), e)
         if victims:
             log.info("evicted %d objects from %s to fit %d bytes", len(victims), self._dir, target)

@@ -77,6 +77,11 @@ class EngineConfig:
     require_store: bool = False         # True: a store / index that fails at start-up is fatal
     store_read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
 
+    def __repr__(self) -> str:    # the index URL may carry a password; the store key is never shown
+        fields = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self)
+                  if f.repr)
+        return f"EngineConfig({', '.join(fields)})"
+
 
 class StoreUnavailable(RuntimeError):
     """`require_store` is set and the store or index could not be opened."""
