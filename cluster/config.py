@@ -125,6 +125,9 @@ class IngressConfig(_Strict):
     max_ongoing_requests: int = Field(1024, ge=1)
     model_name: str | None = Field(None, description="the name /v1/models reports; default: the model dir's name")
     token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")
+    prefill_s_per_1k_tokens: float = Field(10.0, ge=0, description=(
+        "the first token may take token_timeout_s plus this per 1,000 prompt tokens (prefill's own budget)"))
+    max_body_bytes: int = Field(8 * MiB, gt=0, description="larger request bodies are refused with 413")
     max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     api_keys: list[SecretStr] = Field(default_factory=list,

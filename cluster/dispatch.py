@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 
+from .limits import prefill_budget_s
 from .messages import Chunk, GenRequest, RouteHint
 from .metrics import Metrics
 from .transfer import HandoffError
@@ -47,9 +48,10 @@ def continuation(req: GenRequest, sent: list[int]) -> GenRequest:
 
 class Dispatcher:
     def __init__(self, mode: str, pools: dict, metrics: Metrics, token_timeout_s: float, max_retries: int,
-                 prefix_hint: Callable[[list[int]], RouteHint] | None = None):
+                 prefix_hint: Callable[[list[int]], RouteHint] | None = None, prefill_s_per_1k_tokens: float = 0.0):
         self.mode, self.pools, self.metrics = mode, pools, metrics
         self.token_timeout_s, self.max_retries = token_timeout_s, max_retries
+        self.prefill_s_per_1k_tokens = prefill_s_per_1k_tokens
         self.prefix_hint = prefix_hint or (lambda _ids: RouteHint())
         self.in_flight = {name: 0 for name in pools}
 
@@ -73,13 +75,14 @@ class Dispatcher:
 
     async def _attempt(self, req: GenRequest) -> AsyncIterator[Chunk]:
         hint = self.prefix_hint(req.prompt)
+        budget = prefill_budget_s(len(req.prompt), self.token_timeout_s, self.prefill_s_per_1k_tokens)
         if self.mode == "colocated":
             async for chunk in self._stream("colocated", self.pools["colocated"].options(stream=True)
-                                            .generate.remote(req, hint=hint)):
+                                            .generate.remote(req, hint=hint), budget):
                 yield chunk
             return
         with self._counted("prefill"):
-            handoff = await self._first(self.pools["prefill"].prefill.remote(req, hint=hint))
+            handoff = await self._first(self.pools["prefill"].prefill.remote(req, hint=hint), budget)
         if handoff.worker is not None:
             self.metrics.workers.update(handoff.worker)
         last = len(handoff.siblings)
@@ -99,25 +102,29 @@ class Dispatcher:
                 self.metrics.transfer(chunk.transfer)
             yield chunk
 
-    async def _first(self, response):
+    async def _first(self, response, budget_s: float):
         try:
-            return await asyncio.wait_for(response, self.token_timeout_s)
+            return await asyncio.wait_for(response, budget_s)
         except asyncio.TimeoutError:
             response.cancel()
-            raise WorkerStalled(f"no first token within {self.token_timeout_s}s") from None
+            raise WorkerStalled(f"no first token within {budget_s:.0f}s (the prefill budget)") from None
 
-    async def _stream(self, pool: str, gen) -> AsyncIterator[Chunk]:
+    async def _stream(self, pool: str, gen, first_budget_s: float | None = None) -> AsyncIterator[Chunk]:
+        """`first_budget_s`: the wait for the first chunk (it includes the prefill when the
+        pool runs the prompt too); token_timeout_s for every later one."""
         with self._counted(pool):
             done = False
+            timeout = first_budget_s or self.token_timeout_s
             try:
                 while True:
                     try:
-                        chunk = await asyncio.wait_for(gen.__anext__(), self.token_timeout_s)
+                        chunk = await asyncio.wait_for(gen.__anext__(), timeout)
                     except StopAsyncIteration:
                         done = True
                         return
                     except asyncio.TimeoutError:
-                        raise WorkerStalled(f"{pool}: no token within {self.token_timeout_s}s") from None
+                        raise WorkerStalled(f"{pool}: no token within {timeout:.0f}s") from None
+                    timeout = self.token_timeout_s
                     for c in chunk if isinstance(chunk, list) else [chunk]:   # n > 1: a step's chunks
                         if c.worker is not None:
                             self.metrics.workers.update(c.worker)

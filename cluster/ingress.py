@@ -31,6 +31,7 @@ from .api import (APIError, ChatCompletionRequest, CompletionRequest, Detokenize
                   bad_request, model_not_found, overloaded, package_version, parse_body)
 from .config import ServeConfig
 from .dispatch import Dispatcher, WorkerFailed
+from .limits import read_body
 from .locator import PrefixLocator
 from .messages import GenRequest
 from .metrics import Metrics, RequestTimer, scrape_pools
@@ -125,10 +126,10 @@ class _Events:
 
     async def _deltas(self):
         try:
-            yield self._feed(*self.first)
+            yield await self._feed(*self.first)
             if not self.resp.done:
                 async for prompt, chunk in self.chunks:
-                    yield self._feed(prompt, chunk)
+                    yield await self._feed(prompt, chunk)
                     if self.resp.done:
                         break
         finally:
@@ -136,8 +137,10 @@ class _Events:
             self.timer.done(sum(len(p) for p in self.resp.prompts))
             self.ingress.metrics.cached_tokens.inc(self.resp.cached_tokens)
 
-    def _feed(self, prompt: int, chunk):
+    async def _feed(self, prompt: int, chunk):
         self.timer.tokens(len(chunk.token_ids))
+        if self.body.stop_strings:      # stop-string matching runs off the event loop
+            return await asyncio.to_thread(self.resp.feed, prompt, chunk)
         return self.resp.feed(prompt, chunk)
 
     async def whole(self):
@@ -192,7 +195,8 @@ class Ingress:
         self.pools = pools
         self.locator = PrefixLocator(config.engine.index)
         self.dispatch = Dispatcher(config.mode, pools, self.metrics, config.ingress.token_timeout_s,
-                                   config.ingress.max_retries, self.locator.hint)
+                                   config.ingress.max_retries, self.locator.hint,
+                                   config.ingress.prefill_s_per_1k_tokens)
         self.metrics.workers.attach(self._worker_stats)
         self.limits: dict | None = None
 
@@ -243,14 +247,14 @@ class Ingress:
     @api.post("/tokenize")
     async def tokenize(self, request: Request):
         self._auth(request)
-        body = parse_body(await request.body(), TokenizeRequest)
+        body = parse_body(await read_body(request, self.config.ingress.max_body_bytes), TokenizeRequest)
         ids = self._tokenize_body(body)
         return {"tokens": ids, "count": len(ids), "max_model_len": (await self._limits())["max_model_len"]}
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request):
         self._auth(request)
-        body = parse_body(await request.body(), DetokenizeRequest)
+        body = parse_body(await read_body(request, self.config.ingress.max_body_bytes), DetokenizeRequest)
         vocab = (await self._limits())["vocab_size"]
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -265,12 +269,12 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._auth(request)
-        return await self._serve("completions", await request.body())
+        return await self._serve("completions", await read_body(request, self.config.ingress.max_body_bytes))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._auth(request)
-        return await self._serve("chat", await request.body())
+        return await self._serve("chat", await read_body(request, self.config.ingress.max_body_bytes))
 
     # ---- the common path ----------------------------------------------------------------------
     def _tokenize_body(self, body) -> list[int]:

@@ -109,3 +109,42 @@ def redis_process() -> Iterator[PrivateRedis]:
 def redis_server(redis_process: PrivateRedis) -> str:
     """URL of the session's private Redis: ``redis://127.0.0.1:PORT/0``."""
     return redis_process.url
+
+
+# ---------------------------------------------------------------------------------
+# reliability: a password-protected private Redis that allows DEBUG (fault injection:
+# CONFIG SET maxmemory, REPLICAOF, DEBUG SLEEP). One per test module.
+# ---------------------------------------------------------------------------------
+REDIS_PASSWORD = "s3cret-Pa55word-for-the-index"
+
+
+@pytest.fixture(scope="module")
+def password_redis():
+    """(client, url with the password) of a private redis-server for fault injection."""
+    import redis
+
+    if not Path(REDIS_SERVER_BINARY).exists():
+        pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
+    workdir, port = tempfile.mkdtemp(prefix="kvmesh-redis-faults-"), _free_port()
+    proc = subprocess.Popen([REDIS_SERVER_BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--requirepass", REDIS_PASSWORD,
+                             "--enable-debug-command", "local", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, password=REDIS_PASSWORD, socket_timeout=5)
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    try:
+        yield client, f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)

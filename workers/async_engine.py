@@ -48,7 +48,10 @@ class AsyncEngine:
             with self._lock:
                 inbox, self._inbox = self._inbox, []
             for kind, *payload in inbox:
-                self._apply(kind, payload)
+                try:
+                    self._apply(kind, payload)
+                except Exception:   # one bad message must not stop the loop for everyone
+                    log.exception("engine inbox message %r failed", kind)
             if not self.engine.has_unfinished():
                 self._wake.wait()       # every inbox write and shutdown sets it: no polling when idle
                 self._wake.clear()
@@ -67,12 +70,16 @@ class AsyncEngine:
     def _apply(self, kind: str, payload: list) -> None:
         if kind == "abort":
             self.engine.abort(payload[0])
-        elif kind == "call":
+        elif kind == "call":    # runs even if the caller stopped waiting (a release must still happen)
             fut, fn, args = payload
             try:
-                fut.set_result(fn(*args))
+                result, error = fn(*args), None
             except Exception as e:
-                fut.set_exception(e)
+                result, error = None, e
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(result) if error is None else fut.set_exception(error)
+            elif error is not None:
+                log.warning("engine call %s failed after its caller left: %s", getattr(fn, "__name__", fn), error)
         else:
             rid, prompt, params, kw = payload
             try:

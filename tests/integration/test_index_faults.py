@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import subprocess
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import redis
 
-from tests.conftest import REDIS_SERVER_BINARY, _free_port
+from tests.conftest import REDIS_PASSWORD as PASSWORD
+from tests.conftest import _free_port
 from tests.helpers import random_prompt, write_tiny_checkpoint
 from workers.engine import Engine, EngineConfig
 from workers.sampling import SamplingParams
@@ -23,34 +20,11 @@ from workers.sampling import SamplingParams
 BT = 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 PROMPT = random_prompt(120, seed=5)
-PASSWORD = "s3cret-Pa55word-for-the-index"
 
 
 @pytest.fixture(scope="module")
-def server():
-    """A private password-protected redis-server that allows DEBUG from loopback."""
-    if not Path(REDIS_SERVER_BINARY).exists():
-        pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
-    workdir, port = tempfile.mkdtemp(prefix="kvmesh-redis-faults-"), _free_port()
-    proc = subprocess.Popen([REDIS_SERVER_BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--requirepass", PASSWORD, "--enable-debug-command", "local",
-                             "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, password=PASSWORD, socket_timeout=5)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    try:
-        yield client, f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def server(password_redis):
+    return password_redis
 
 
 @pytest.fixture(scope="module")
