@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 MiB = 1 << 20
 HEAD_IP = "{head_ip}"
 STORE_KEY_ENV = "KVMESH_STORE_KEY"
+REDIS_PASSWORD = "{redis_password}"
+REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"
 
 
 class ConfigFileError(ValueError):
@@ -150,8 +153,14 @@ class ServeConfig(_Strict):
     handoff: HandoffConfig = HandoffConfig()
 
     def with_head_ip(self, head_ip: str) -> "ServeConfig":
-        """`{head_ip}` in the index spec -> the Ray head's IP (Redis runs on the head)."""
+        """`{head_ip}` in the index spec -> the Ray head's IP (Redis runs on the head);
+        `{redis_password}` -> $KVMESH_REDIS_PASSWORD (so the password stays out of the file)."""
         index = self.engine.index.replace(HEAD_IP, head_ip)
+        if REDIS_PASSWORD in index:
+            if not os.environ.get(REDIS_PASSWORD_ENV):
+                raise ConfigFileError(f"engine.index uses {REDIS_PASSWORD} but {REDIS_PASSWORD_ENV} is not set "
+                                      "where the app is built (see deploy/README.md, secrets)")
+            index = index.replace(REDIS_PASSWORD, quote(os.environ[REDIS_PASSWORD_ENV], safe=""))
         return self.model_copy(update={"engine": self.engine.model_copy(update={"index": index})})
 
     def pool_engine(self, pool: PoolConfig, worker_id: str | None = None):

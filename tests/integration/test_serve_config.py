@@ -15,8 +15,9 @@ SERVE_FILES = ["serve.yaml", "serve-local-cluster.yaml", "serve-cluster.yaml"]
 
 
 @pytest.mark.parametrize("name", SERVE_FILES)
-def test_serve_files_are_valid_serve_configs_with_separately_scaled_pools(name):
+def test_serve_files_are_valid_serve_configs_with_separately_scaled_pools(name, monkeypatch):
     from ray.serve.schema import ServeDeploySchema
+    monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "pw")     # the cluster recipe's Redis has a password
     raw = yaml.safe_load((DEPLOY / name).read_text())
     ServeDeploySchema.model_validate(raw)
     assert raw["applications"][0]["import_path"] == "cluster.app:build_app"
@@ -73,6 +74,15 @@ def test_bad_config_files_name_the_problem(tmp_path, text):
 def test_head_ip_placeholder_is_resolved():
     config = ServeConfig.model_validate({"engine": {"index": "redis://{head_ip}:6380/0"}})
     assert config.with_head_ip("10.1.2.3").engine.index == "redis://10.1.2.3:6380/0"
+
+
+def test_redis_password_placeholder_comes_from_the_environment(monkeypatch):
+    config = ServeConfig.model_validate({"engine": {"index": "redis://:{redis_password}@{head_ip}:6380/0"}})
+    monkeypatch.delenv("KVMESH_REDIS_PASSWORD", raising=False)
+    with pytest.raises(ConfigFileError, match="KVMESH_REDIS_PASSWORD"):
+        config.with_head_ip("10.1.2.3")
+    monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "p@ss/word")
+    assert config.with_head_ip("10.1.2.3").engine.index == "redis://:p%40ss%2Fword@10.1.2.3:6380/0"
 
 
 def test_kvmesh_serve_parses_its_options():
