@@ -16,6 +16,7 @@ import torch
 from .store import ObjectStore
 
 log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 60.0
 
 
 class PutJob(NamedTuple):
@@ -62,11 +63,22 @@ class WriteBehind:
             finally:
                 self._q.task_done()
 
-    def flush(self) -> None:
-        """Block until every submitted object is durable (or failed)."""
-        self._q.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted object is durable (or failed); False if `timeout_s`
+        passed first (a hung store must not hang shutdown)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._q.all_tasks_done:
+            while self._q.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._q.all_tasks_done.wait(left)
+        return True
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        if not self.flush(timeout_s):
+            log.warning("store writes still pending after %.0f s at close: abandoned (they stay uncached)",
+                        timeout_s)
+            return
         self._q.put(None)
         self._thread.join(timeout=10)

@@ -86,7 +86,10 @@ def list_namespace_dirs(uri: str, marker: str) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     for info in filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
         if info.type == pafs.FileType.Directory and _NAMESPACE_RE.match(info.base_name):
-            found[info.base_name] = read_text(filesystem, f"{info.path}/{marker}")
+            try:
+                found[info.base_name] = read_text(filesystem, f"{info.path}/{marker}")
+            except OSError:     # a directory or an unreadable file where the marker should be
+                found[info.base_name] = None
     return found
 
 

@@ -170,11 +170,12 @@ class AsyncEngine:
         out["prefix_hit_tokens"] = dict(r.tier_hit_tokens)
         out.update(reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
                    reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
-                   reuse_recomputed_tokens=r.recomputed_tokens)
+                   reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
         if e.prefix.store is not None:
             s = e.prefix.store.stats()
             out.update(store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
-                       store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes)
+                       store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
+                       store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
         return out
 
     def shutdown(self) -> None:

@@ -131,3 +131,18 @@ def test_metrics_forget_workers_that_are_gone():
         snaps.update(WorkerStats("prefill", w, {"running": 1}))
     snaps.retain({"b"})
     assert list(snaps.latest) == ["b"]
+
+
+def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):
+    import json
+
+    from cluster.batch import run_batch_file
+    from workers.engine import Engine, EngineConfig
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi", "max_tokens": 2}\n')
+
+    def broken_step(self):
+        raise RuntimeError("simulated engine failure")
+    monkeypatch.setattr(Engine, "step", broken_step)
+    code = run_batch_file(EngineConfig(kv_cache_bytes=16 << 20), tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    line = json.loads((tmp_path / "out.jsonl").read_text())
+    assert code == 1 and line["finish_reason"] == "error" and "simulated engine failure" in line["error"]
