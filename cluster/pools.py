@@ -199,11 +199,16 @@ class Decode(_Worker):
         resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
                         handoff.rng_state, handoff.siblings, handoff.first_top, handoff.first_finish)
         first = True
-        async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume, batched=True):
-            if loader.error is not None:
-                raise HandoffError(f"request {req.request_id}: the cache could not be moved: {loader.error}")
-            yield self._chunks(outs, loader.report if first else None)
-            first = False
+        try:
+            async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
+                                                   batched=True):
+                if loader.error is not None:
+                    raise HandoffError(f"request {req.request_id}: the cache could not be moved: {loader.error}")
+                yield self._chunks(outs, loader.report if first else None)
+                first = False
+        finally:    # ended before the READ started: hand the held cache back now, not at the timeout
+            if handoff.source is not None and loader.give_back():
+                self.prefill.release.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))
 
     def _fetch_export(self, handoff: Handoff):
         """From the engine thread: ask the prefill worker holding `handoff` for a Ray copy."""

@@ -9,6 +9,7 @@ state slot always travels with the blocks: both paths move exactly
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -41,6 +42,18 @@ class Loader:
         self.prefetched = None           # a Ray ref fetched before the engine asked
         self.report: TransferReport | None = None
         self.error: str | None = None
+        self._lock = threading.Lock()
+        self._state = "pending"          # -> "loading" (decode owns the transfer) | "given_back"
+
+    def give_back(self) -> bool:
+        """The request ended before its cache was read: True if the READ never started and
+        never will (prefill may free the cache now); False if it started (the READ's
+        notification, or prefill's timeout, frees it)."""
+        with self._lock:
+            if self._state != "pending":
+                return False
+            self._state = "given_back"
+            return True
 
     async def prefetch(self, reply) -> None:
         self.prefetched = (await reply)[0]
@@ -48,6 +61,11 @@ class Loader:
     def load(self, cache, block_ids: list[int], slot: int) -> None:
         start = time.monotonic()
         h = self.handoff
+        with self._lock:
+            if self._state != "pending":
+                self.error = "the request ended before its cache was read"
+                return
+            self._state = "loading"
         try:
             if len(block_ids) != h.num_blocks:
                 raise HandoffError(f"decode allocated {len(block_ids)} blocks for {h.num_blocks} held by prefill")
