@@ -62,7 +62,6 @@ class WorkerSnapshots:
         if self._source is not None:
             self.latest = {w.worker_id: w for w in await self._source()}
 
-
     def collect(self):
         workers = list(self.latest.values())
         yield from self._vllm_named(workers)

@@ -13,8 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from cluster.api import APIError
 from cluster.limits import prefill_budget_s, read_body
-from cluster.messages import WorkerStats
-from cluster.metrics import WorkerSnapshots
 from cluster.text import Detokenizer
 from kvstore.mac import StoreKey
 from kvstore.objects import UnauthenticatedObjectError, decode_object, encode_object
@@ -123,14 +121,6 @@ def test_body_limit_refuses_declared_and_streamed_bodies():
             asyncio.run(read_body(Req(b"x" * 51, declared), 50))
         assert e.value.status == 413
     assert prefill_budget_s(60_000, 60, 10) == 660
-
-
-def test_metrics_forget_workers_that_are_gone():
-    snaps = WorkerSnapshots()
-    for w in ("a", "b"):
-        snaps.update(WorkerStats("prefill", w, {"running": 1}))
-    snaps.retain({"b"})
-    assert list(snaps.latest) == ["b"]
 
 
 def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):
