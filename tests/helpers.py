@@ -58,6 +58,13 @@ def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.floa
     return path
 
 
+def tiny_engine(path: Path, name: str, **kw):
+    """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget."""
+    from workers.engine import Engine, EngineConfig
+    kw.setdefault("kv_cache_bytes", 8 << 20)
+    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
+
+
 @functools.lru_cache(maxsize=8)
 def reference_model(path: str):
     from transformers import DeepseekV4ForCausalLM

@@ -5,7 +5,6 @@ transformers' tokenizer adds it, and generation stops on the tokenizer's end-of-
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -3,7 +3,6 @@ min_p, logit_bias, top-N logprobs, grammar-guided JSON; the batch sampler's math
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

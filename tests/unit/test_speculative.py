@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, write_tiny_checkpoint
+from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, tiny_engine, random_prompt, write_tiny_checkpoint
 from workers.engine import Engine, EngineConfig
 from workers.sampling import SamplingParams
 from workers.speculative import DraftLimits, OracleDrafter
@@ -23,10 +23,6 @@ def checkpoint(request, tmp_path_factory):
     return name, write_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
 
 
-def engine_for(path, name, **kw) -> Engine:
-    kw.setdefault("kv_cache_bytes", 8 << 20)
-    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
-
 
 def prompts() -> list[list[int]]:
     return [random_prompt(n, seed=100 + n) for n in PROMPT_LENS]
@@ -40,7 +36,7 @@ def corrupt(tokens: list[int], rate: float, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def cold(checkpoint):
     name, path = checkpoint
-    engine = engine_for(path, name)
+    engine = tiny_engine(path, name)
     outs = engine.generate(prompts(), GREEDY)
     return [o.token_ids for o in outs], engine.stats["steps"]
 
@@ -50,7 +46,7 @@ def cold(checkpoint):
 def test_speculative_greedy_equals_plain_greedy(checkpoint, cold, k, wrong):
     name, path = checkpoint
     ref, plain_steps = cold
-    engine = engine_for(path, name)
+    engine = tiny_engine(path, name)
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, wrong, seed=k) for p, r in zip(prompts(), ref)}), k)
     outs = engine.generate(prompts(), GREEDY)
     assert [o.token_ids for o in outs] == ref
@@ -71,8 +67,8 @@ def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(checkpoint):
     so a seeded run gives the same tokens with or without speculation."""
     name, path = checkpoint
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=5, ignore_eos=True)
-    plain = [o.token_ids for o in engine_for(path, name).generate(prompts(), sampled)]
-    engine = engine_for(path, name)
+    plain = [o.token_ids for o in tiny_engine(path, name).generate(prompts(), sampled)]
+    engine = tiny_engine(path, name)
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=3) for p, r in zip(prompts(), plain)}), 3)
     assert [o.token_ids for o in engine.generate(prompts(), sampled)] == plain
     assert 0 < engine.stats["accepted_draft_tokens"] < engine.stats["draft_tokens"]
@@ -83,8 +79,8 @@ def test_seeded_forks_with_drafts_equal_seeded_forks_without(checkpoint):
     tokens, so the other forks' drafts are mostly rejected)."""
     name, path = checkpoint
     forks = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=11, n=3, ignore_eos=True)
-    plain = [o.token_ids for o in engine_for(path, name).generate(prompts(), forks)]
-    engine = engine_for(path, name)
+    plain = [o.token_ids for o in tiny_engine(path, name).generate(prompts(), forks)]
+    engine = tiny_engine(path, name)
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(plain[3 * i], 0.3, seed=4)
                                       for i, p in enumerate(prompts())}), 3)
     assert [o.token_ids for o in engine.generate(prompts(), forks)] == plain
@@ -98,13 +94,13 @@ def test_speculative_run_leaves_a_cache_that_later_requests_reuse_exactly(checkp
     name, path = checkpoint
     ref, _ = cold
     swa = f"periodic:{BLOCK_TOKENS[name]}" if policy == "periodic" else policy
-    engine = engine_for(path, name, swa_policy=swa)
+    engine = tiny_engine(path, name, swa_policy=swa)
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=7) for p, r in zip(prompts(), ref)}), 3)
     engine.generate(prompts(), GREEDY)
     follow = [p + r for p, r in zip(prompts(), ref)]
     again = engine.generate(follow, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert sum(o.cached_tokens for o in again) > 0
-    fresh = engine_for(path, name).generate(follow, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    fresh = tiny_engine(path, name).generate(follow, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
+from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.sampling import SamplingParams
 
 
@@ -27,8 +26,7 @@ class OpCounter(TorchDispatchMode):
 def decode_step_ops(path, name: str, n_seqs: int, prompt_len: int, steps: int) -> list[list[str]]:
     """The ops the runner (step input + forward) dispatches in each of `steps` decode steps of
     n_seqs requests with prompts of equal length."""
-    engine = Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], kv_cache_bytes=8 << 20,
-                                 prefix_reuse=False))
+    engine = tiny_engine(path, name, prefix_reuse=False)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(n_seqs):
         engine.add_request(f"r{i}", random_prompt(prompt_len, seed=i), params)
