@@ -84,7 +84,7 @@ import json, sys, time
 import httpx, ray
 from ray import serve
 from cluster.app import build_app
-from cluster.testing import free_port
+from cluster.testing import free_port, small_config
 
 ray.init(address=sys.argv[1], logging_level="ERROR")
 deadline = time.monotonic() + float(sys.argv[2])
