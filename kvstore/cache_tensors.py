@@ -152,9 +152,12 @@ class LayerCache:
 
 
 class CacheTensors:
+    """Every layer's cache: `num_blocks` blocks and `num_slots` state slots, as the layout's
+    specs say (with swa_blocks, blocks also carry SWA K=V and end-of-block overlap state).
+    `dtype`, when given, must be the layout's compute dtype: the specs set every tensor's dtype."""
+
     def __init__(self, layout: CacheLayout, num_blocks: int, num_slots: int,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu", swa_blocks: bool = False):
-        """`dtype`, when given, must be the layout's compute dtype (the specs set every tensor's dtype)."""
         if dtype is not None and dtype != getattr(torch, layout.params.dtype):
             raise LayoutError(f"cache tensors in {dtype} for a layout in {layout.params.dtype}: "
                               f"build the layout with the model's dtype")
