@@ -33,6 +33,7 @@ kvstore imports nothing from workers: `LayoutParams` carries the plain numbers.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -150,6 +151,7 @@ class LayerSpec:
     def _compressors(self, swa_blocks: bool) -> list[CompressorSpec]:
         return [c for c in (self.compressor(swa_blocks), self.indexer(swa_blocks)) if c]
 
+    @functools.cache                # specs are frozen: build each layer type's tensor list once
     def block_tensors(self, swa_blocks: bool = False) -> tuple[TensorSpec, ...]:
         """What one block holds in this layer (with swa_blocks also its tokens' SWA K=V and
         the end-of-block overlap state)."""
@@ -157,6 +159,7 @@ class LayerSpec:
         return ((self.swa,) * swa_blocks + tuple(c.entries for c in comps)
                 + tuple(t for c in comps for t in c.block_overlap))
 
+    @functools.cache
     def state_tensors(self) -> tuple[TensorSpec, ...]:
         """What one state slot holds in this layer."""
         comps = self._compressors(False)
