@@ -60,7 +60,7 @@ class Restore(NamedTuple):
     loaded: dict[int, Tensors]           # hit block index -> its object from the host cache or the store
     tiers: tuple[str, ...]               # per hit block: "device" | "host" | "store"
     state: Tensors | None                # the checkpoint's state; None: rebuilt (full) or none
-    read_s: float = 0.0
+    read_s: float = 0.0                  # finding and reading it (fill adds the copy: stats.load_s)
 
 
 class PrefixCache:
@@ -242,12 +242,13 @@ class PrefixCache:
         seq's computation resumes. Mutates those blocks, their names in the pool, seq's
         slot and restore fields, and the stats. False: it could not be written (logged,
         counted); the caller serves seq cold."""
+        t0 = time.perf_counter()
         try:
             self._write(seq, found)
         except Exception as e:
             self._failed("restore", e)
             return False
-        self._apply(seq, found)
+        self._apply(seq, found, found.read_s + time.perf_counter() - t0)
         return True
 
     def _write(self, seq: Sequence, found: Restore) -> None:
@@ -271,8 +272,8 @@ class PrefixCache:
         elif self.policy.kind == "full":
             self.cache.rebuild_slot(seq.slot, found.plan.keep_tokens, seq.blocks)
 
-    def _apply(self, seq: Sequence, found: Restore) -> None:
-        plan, load_s = found.plan, found.read_s
+    def _apply(self, seq: Sequence, found: Restore, load_s: float) -> None:
+        plan = found.plan
         seq.num_computed = plan.recompute_from
         seq.ring_from = plan.recompute_from if self.policy.kind == "zero" else 0
         seq.keep_tokens = plan.keep_tokens
