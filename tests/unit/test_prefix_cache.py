@@ -94,7 +94,7 @@ def test_a_corrupt_store_object_truncates_the_hit_and_is_removed(tmp_path):
     assert reader.store.stats().corrupt == 1 and not reader.store.contains("block", chain[3])
 
 
-def test_a_missing_store_object_truncates_the_hit_and_leaves_the_index(tmp_path):
+def test_a_missing_store_object_truncates_the_hit_and_is_dropped_from_the_index(tmp_path):
     writer = make_parts(tmp_path)
     compute(writer, request(prompt_of(5), "w"))
     chain = writer.prefix.chain(request(prompt_of(5)), 5)
