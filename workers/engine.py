@@ -42,6 +42,7 @@ from .grammar import GuideCompiler
 from .histogram import Histogram
 from .sampler import SampleRow, sample_batch
 from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
+from .kv_manager import KVCacheManager
 from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
@@ -51,6 +52,7 @@ from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+STORE_STAGING_BYTES = 32 << 20     # the store reads restored blocks into this reused buffer
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ class Engine:
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
         kv = config.kv_cache_dtype    # part of the fingerprint: a bf16 object is never read as fp8
         self.prefix = self._prefix_cache(model_dir, dtype_name if kv == "auto" else f"{dtype_name}/kv:{kv}", swa_blocks)
-        self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,
-                                   config.max_batched_tokens, on_admit=self._admit, cut=self.prefix.cut)
+        self.kv = KVCacheManager(self.cache, self.blocks, self.slots, self.prefix)
+        self.scheduler = Scheduler(self.kv, num_slots, config.max_batched_tokens, on_admit=self._admit)
         self.runner = ModelRunner(self.model, self.cache, config.device)
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
@@ -165,7 +167,8 @@ class Engine:
     def _open_tiers(self, key: StoreKey | None):
         c = self.config
         store = (ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes, key=key,
-                             read_timeout_s=c.store_read_timeout_s) if c.store else None)
+                             read_timeout_s=c.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES)
+                 if c.store else None)
         index = None
         if store is not None or c.index != "local":
             index = make_index(c.index, self.fingerprint, store)
@@ -253,15 +256,12 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- the step -------------------------------------------------------------------------
-    def _admit(self, seq: Sequence) -> bool:
-        """Hook run when a request gets a state slot; False = not enough memory, retry later."""
-        self.cache.reset_slot(seq.slot)
-        seq.ring_from = seq.keep_tokens = 0
-        if seq.resume is not None and seq.num_computed == 0:
-            if not self.scheduler.ensure_blocks(seq, len(seq.prompt)):
-                return False
-            seq.resume.load(self.cache, list(seq.blocks), seq.slot)
-            seq.num_computed = len(seq.prompt)
+    def _admit(self, seq: Sequence) -> None:
+        """Run when a request holds its cache (restored, loaded from a handoff, or empty):
+        a handed-off request with n > 1 forks its siblings here."""
+        if seq.params.prompt_logprobs is not None:   # every prompt position is computed (again)
+            seq.prompt_lps = []
+        if seq.resume is not None and seq.siblings:
             for i, (token, logprob, top, finish) in seq.siblings:
                 child = self._child(seq, i)
                 child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
@@ -273,11 +273,6 @@ class Engine:
                     child.guide.accept(token)
                 self._attach(seq, child)
             seq.siblings = []
-            return True
-        if seq.params.prompt_logprobs is not None:   # every prompt position must be computed
-            seq.prompt_lps = []
-            return True
-        return self.prefix.restore(seq)
 
     # ---- handoff (prefill role) --------------------------------------------------------------
     def held_handle(self, request_id: str) -> HeldKV:
@@ -292,13 +287,12 @@ class Engine:
     def release_held(self, request_id: str) -> None:
         seq = self.held.pop(request_id, None)
         if seq is not None:
-            self.scheduler.free(seq)
+            self.kv.free(seq)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()            # admission restores prefixes here
-        failed = [self._failure(seq, e) for seq, e in self.scheduler.failed]
-        self.scheduler.failed.clear()
+        batch, failed = self.scheduler.schedule()    # admission restores prefixes here
+        failed = [self._failure(seq, e.__cause__ or e) for seq, e in failed]
         if not batch:
             return failed
         now = time.monotonic()
@@ -446,16 +440,10 @@ class Engine:
         child waits and recomputes its tokens like a preempted request."""
         group = self.groups.setdefault(parent.request_id, [parent])
         group.append(child)
-        full, partial = divmod(parent.num_computed, self.config.block_tokens)
-        if not self.slots.num_free or (partial and not self.blocks.can_allocate(1)):
+        if not self.kv.fork(parent, child):
             self.scheduler.add(child)
             return
-        child.slot = self.slots.allocate()
-        self.cache.copy_slot(parent.slot, child.slot)
-        child.blocks = [self.blocks.fork(b) for b in parent.blocks[:full]]
-        if partial:
-            child.blocks.append(self.blocks.allocate())
-            self.cache.copy_block(parent.blocks[full], child.blocks[-1])
+        full = parent.num_computed // self.config.block_tokens
         child.num_computed, child.hashed_blocks = parent.num_computed, min(parent.hashed_blocks, full)
         child.ring_from, child.keep_tokens = parent.ring_from, parent.keep_tokens
         child.status = Status.RUNNING
