@@ -288,7 +288,7 @@ def main() -> int:
     p.add_argument("--fork-trials", type=int, default=3)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = {"kv_cache_mb": 128, "max_num_seqs": 16, "max_batched_tokens": 1024, "store": None}
+    engine = {"kv_cache_bytes": 128 << 20, "max_num_seqs": 16, "max_batched_tokens": 1024, "store": None}
     runs: list[Run] = []
     rng = random.Random(0)
     with LocalServe(num_cpus=4) as ls:

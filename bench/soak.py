@@ -290,7 +290,7 @@ def main() -> int:
     proc, rclient, url_redis = start_redis(workdir)
     result: dict = {"args": vars(args)}
     try:
-        config = small_config("disaggregated", engine={"store": str(store), "index": url_redis, "host_cache_mb": 0,
+        config = small_config("disaggregated", engine={"store": str(store), "index": url_redis, "host_cache_bytes": 0,
                                                        "store_read_timeout_s": 2.0},
                               handoff={"release_timeout_s": RELEASE_TIMEOUT_S},
                               ingress={"num_cpus": 0.1, "token_timeout_s": 60.0})

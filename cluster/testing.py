@@ -25,7 +25,7 @@ def small_config(mode: str = "disaggregated", **overrides: Any) -> ServeConfig:
     """The tiny default model on a small KV budget, memory-only store, tiny replicas."""
     data: dict[str, Any] = {
         "mode": mode,
-        "engine": {"kv_cache_mb": 16, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None},
+        "engine": {"kv_cache_bytes": 16 << 20, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None},
         "prefill": dict(SMALL_POOL), "decode": dict(SMALL_POOL), "colocated": dict(SMALL_POOL),
         "ingress": {"num_cpus": 0.1, "token_timeout_s": 30.0},
         "handoff": {"release_timeout_s": 10.0},

@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 import os
 import socket
+
+import torch
 
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors, size_pools
@@ -27,10 +26,10 @@ from kvstore.host_cache import HostCache
 from kvstore.index import make_index
 from kvstore.mac import StoreKey
 from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
-from kvstore.planner import SwaPolicy, recompute_span
+from kvstore.planner import recompute_span
 from kvstore.redact import redact_url
 from kvstore.state_slots import SlotPool
-from kvstore.store import DEFAULT_READ_TIMEOUT_S, ObjectStore
+from kvstore.store import ObjectStore
 
 from .default_model import ensure_default_model
 from .loader import load_model
@@ -46,41 +45,12 @@ from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
 from .config import ConfigError
+from .engine_config import EngineConfig
 from .mtp_draft import MTPDrafter
 from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None            # checkpoint directory; None = the built-in default model
-    dtype: str | None = None            # None = the checkpoint's dtype
-    device: str = "cpu"
-    block_tokens: int = 128
-    kv_cache_bytes: int = 256 << 20     # classical blocks + state slots
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 1024
-    max_model_len: int | None = None    # None = the model's max_position_embeddings
-    kernel_backend: str = "auto"
-    store: str | None = None            # shared store URI (local dir, file://, s3://...); None = memory only
-    store_capacity_bytes: int | None = None
-    index: str = "local"                # "local" (embedded) or "redis://host:port/db"
-    swa_policy: str = "full"            # full | periodic:P | zero | auto | auto:P
-    kv_cache_dtype: str = "auto"        # compressed entries + indexer keys: auto (= dtype) | bfloat16 | fp8
-    host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
-    worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
-    prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
-    speculative_tokens: int = 0         # drafts per decode step from the checkpoint's MTP layer (0 = off)
-    store_key: str | None = field(default=None, repr=False)   # MAC key for store objects (kvstore.mac)
-    require_store: bool = False         # True: a store / index that fails at start-up is fatal
-    store_read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
-
-    def __repr__(self) -> str:    # the index URL may carry a password; the store key is never shown
-        fields = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self)
-                  if f.repr)
-        return f"EngineConfig({', '.join(fields)})"
 
 
 class StoreUnavailable(RuntimeError):
@@ -100,7 +70,7 @@ class Engine:
         self.layout = CacheLayout.build(
             LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
                          a.sliding_window, dtype_name, config.kv_cache_dtype, a.rope_head_dim), config.block_tokens)
-        self.policy = SwaPolicy.parse(config.swa_policy, config.block_tokens)
+        self.policy = config.policy
         swa_blocks = self.policy.kind == "full"
         num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs, swa_blocks)
         self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device, swa_blocks)
@@ -121,8 +91,6 @@ class Engine:
                       "forward_s": 0.0, "restore_s": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.speculator: Speculator | None = None
-        if config.speculative_tokens < 0:
-            raise ConfigError(f"speculative_tokens must be >= 0, got {config.speculative_tokens}")
         if config.speculative_tokens > 0:
             if not len(self.model.mtp):
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "

@@ -190,7 +190,7 @@ def test_a_second_kvmesh_generate_process_reuses_what_the_first_wrote(model_dir,
     for run in range(2):
         out = tmp_path / f"out{run}.jsonl"
         cmd = [sys.executable, "-m", "cluster.cli", "generate", "--model", str(model_dir), "--input",
-               str(tmp_path / "in.jsonl"), "--output", str(out), "--block-tokens", str(BT), "--kv-cache-mb", "16",
+               str(tmp_path / "in.jsonl"), "--output", str(out), "--block-tokens", str(BT), "--kv-cache-bytes", "16MiB",
                "--store", str(tmp_path / "store"), "--index", spec, "--swa-policy", "full"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         results.append(json.loads(out.read_text()))
