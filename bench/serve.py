@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from cluster.testing import LocalServe, small_config  # noqa: E402
+from tests.local_serve import LocalServe, small_config  # noqa: E402
 
 FIRST_TOKEN_ID = 3                  # ids below are bos / eos / pad in the default model
 TOKEN_RANGE = 256                   # byte tokens of the default tokenizer: 3 .. 258

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from cluster.testing import LocalServe, free_port, small_config  # noqa: E402
+from tests.local_serve import LocalServe, free_port, small_config  # noqa: E402
 
 PASSWORD = "soak-" + os.urandom(8).hex()
 MAX_DURATION_S = 600

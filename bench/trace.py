@@ -132,7 +132,7 @@ def serve_replay(model: Path, policies: list[str], reqs, args, cold) -> list[dic
     """The first requests through `kvmesh serve` (colocated app, one per policy)."""
     import httpx
 
-    from cluster.testing import LocalServe, small_config
+    from tests.local_serve import LocalServe, small_config
     rows = []
     with LocalServe(num_cpus=2) as ls:
         for policy in ["no reuse"] + policies:

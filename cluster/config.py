@@ -178,7 +178,8 @@ class IngressConfig(_Strict):
     token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")
     prefill_s_per_1k_tokens: float = Field(10.0, ge=0, description=(
         "the first token may take token_timeout_s plus this per 1,000 prompt tokens (prefill's own budget)"))
-    max_body_bytes: int = Field(8 * MiB, gt=0, description="larger request bodies are refused with 413")
+    max_body_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(
+        8 * MiB, gt=0, description="larger request bodies are refused with 413 (bytes, or e.g. 8MiB)")
     max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     api_keys: list[SecretStr] = Field(default_factory=list,

@@ -20,7 +20,7 @@ SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
-    """A model config that kvmesh cannot serve; the message names the offending key."""
+    """A model or engine config that kvmesh cannot serve; the message names the offending key."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from kvstore.cache_tensors import CacheTensors, size_pools
 from kvstore.hashing import PrefixHasher, model_fingerprint
 from kvstore.host_cache import HostCache
 from kvstore.index import make_index
+from kvstore.kv_transport import HandoffError, KVTransport, Offer
 from kvstore.mac import StoreKey
 from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
 from kvstore.planner import recompute_span
@@ -46,6 +47,7 @@ from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
 from .config import ConfigError
 from .engine_config import EngineConfig
+from .engine_stats import EngineCounters, EngineStats
 from .mtp_draft import MTPDrafter
 from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
@@ -87,8 +89,7 @@ class Engine:
         self.held: dict[str, Sequence] = {}
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size,
                                     sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
-                      "forward_s": 0.0, "restore_s": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+        self.counters = EngineCounters()
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.speculator: Speculator | None = None
         if config.speculative_tokens > 0:
@@ -187,7 +188,7 @@ class Engine:
         if params.n > 1 and not hold_kv:     # a held request forks on the decode worker
             self.groups[request_id] = [seq]
         self.scheduler.add(seq)
-        self.stats["prompt_tokens"] += len(ids)
+        self.counters.prompt_tokens += len(ids)
         return seq
 
     def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
@@ -251,16 +252,50 @@ class Engine:
     def held_handle(self, request_id: str) -> HeldKV:
         seq = self.held[request_id]
         rng = seq.generator.get_state() if seq.generator is not None else None
-        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng)
+        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng,
+                      self.fingerprint)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self.held
 
     def export_held(self, request_id: str) -> dict[str, torch.Tensor]:
         seq = self.held[request_id]
         return self.cache.gather(seq.blocks, seq.slot)
 
+    def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
+        """Make a held request's blocks + slot readable through `transport` (HandoffError if not held)."""
+        if request_id not in self.held:
+            raise HandoffError(f"this engine does not hold request {request_id}")
+        return transport.offer(self.held_handle(request_id), self.cache)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor (blocks and slots), for a transport to register once."""
+        return self.cache.all_tensors()
+
     def release_held(self, request_id: str) -> None:
         seq = self.held.pop(request_id, None)
         if seq is not None:
             self.scheduler.free(seq)
+
+    def stats(self) -> EngineStats:
+        """Load, memory and counters now (cheap: read between steps, or racily from another thread)."""
+        r, store = self.prefix.stats, self.prefix.store
+        reuse = dict(prefix_query_tokens=r.query_tokens, prefix_hit_tokens=dict(r.tier_hit_tokens),
+                     reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
+                     reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
+                     reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
+        s = store.stats() if store is not None else None
+        stored = {} if s is None else dict(
+            store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
+            store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
+            store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), held=len(self.held),
+            free_blocks=self.blocks.num_free, total_blocks=self.blocks.num_blocks, free_slots=self.slots.num_free,
+            total_slots=self.slots.num_slots, preemptions=self.scheduler.preemptions,
+            kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
+            counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
+            reuse=reuse, store=stored)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -281,12 +316,12 @@ class Engine:
         starts = [seq.num_computed for seq, _ in batch]
         observe = spec is not None and spec.drafter.wants_streams
         logits, sampled, extra = self.runner.run(batch, drafts, keep_streams=observe)
-        self.stats["restore_s"] += t1 - t0
+        self.counters.restore_s += t1 - t0
         forward_s = time.perf_counter() - t1
-        self.stats["forward_s"] += forward_s
+        self.counters.forward_s += forward_s
         if self.prefix.auto is not None:
             self.prefix.auto.observe_prefill(sum(n for _, n in batch), forward_s)
-        self.stats["steps"] += 1
+        self.counters.steps += 1
         sample_rows = len(sampled) + sum(len(d) for d in drafts.values())
         if extra:
             self._prompt_logprobs(batch, logits[sample_rows:], extra)
@@ -318,8 +353,8 @@ class Engine:
         # restore rejected rows before forks of the plain sequences can take a slot freed above
         self.speculator.settle(batch, drafts, accepted, saved)
         outputs += self._sample(batch, logits, plain, plain_rows)
-        self.stats["draft_tokens"] += sum(len(d) for d in drafts.values())
-        self.stats["accepted_draft_tokens"] += sum(accepted.values())
+        self.counters.draft_tokens += sum(len(d) for d in drafts.values())
+        self.counters.accepted_draft_tokens += sum(accepted.values())
         for b, n_ok in accepted.items():
             seq = batch[b][0]
             if n_ok and not seq.finish_reason:
@@ -441,7 +476,7 @@ class Engine:
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.top_logprobs.append(top)
-        self.stats["generated_tokens"] += 1
+        self.counters.generated_tokens += 1
         if seq.guide is not None:
             seq.guide.accept(token)
         if token in stops and len(seq.output) >= p.min_tokens:
@@ -452,14 +487,14 @@ class Engine:
             seq.finish_reason = "length"
         if seq.hold_kv and (not seq.finish_reason or any(sib[3] is None for sib in seq.siblings)):
             seq.first_finish, seq.finish_reason = seq.finish_reason, "held"
-            self.stats["cached_tokens"] += seq.cached_tokens
+            self.counters.cached_tokens += seq.cached_tokens
             self.scheduler.detach(seq)
             self.held[seq.request_id] = seq
             self.seqs.pop(seq.request_id, None)
             self.groups.pop(seq.request_id, None)
         elif seq.finish_reason:
             self.prefix.on_finish(seq)
-            self.stats["cached_tokens"] += seq.cached_tokens if seq.index == 0 else 0
+            self.counters.cached_tokens += seq.cached_tokens if seq.index == 0 else 0
             self.scheduler.finish(seq)
             if self._group_finished(seq.request_id):
                 self.seqs.pop(seq.request_id, None)

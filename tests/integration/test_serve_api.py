@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from cluster.testing import LocalServe, small_config
+from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 
@@ -195,7 +195,7 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
     # a handoff nobody decodes (the client went away): released after release_timeout_s
     prefill = serve.get_deployment_handle("Prefill", "disagg")
     orphan = prefill.prefill.remote(GenRequest("orphan-1", [5] * 300, SamplingParams(max_tokens=8))).result()
-    assert orphan.source is not None and held("disagg") == 1
+    assert orphan.offer.transport == "nixl" and held("disagg") == 1
     timeout = small_config().handoff.release_timeout_s
     deadline = time.monotonic() + timeout + 10
     while held("disagg") and time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.testing import LocalServe, small_config
+from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 

@@ -16,7 +16,7 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.messages import GenRequest, RouteHint
-from cluster.testing import free_port, small_config
+from tests.local_serve import free_port, small_config
 from kvstore.hashing import PrefixHasher
 from kvstore.index import make_index
 from workers.engine import Engine

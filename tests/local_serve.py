@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from .config import ServeConfig
+from cluster.config import ServeConfig
 
 # replicas small enough that both pools, a colocated pool and two ingresses fit two cores
 SMALL_POOL = {"num_cpus": 0.25, "max_ongoing_requests": 16, "max_queued_requests": 64}
@@ -57,7 +57,7 @@ class LocalServe:
         """Deploy (or redeploy) an app; returns its base URL (append /v1/...)."""
         from ray import serve
 
-        from .app import build_app
+        from cluster.app import build_app
         serve.run(build_app(config), name=name, route_prefix=route_prefix)
         return self.base + route_prefix.rstrip("/")
 
