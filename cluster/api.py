@@ -9,7 +9,6 @@ vLLM extensions accepted: `ignore_eos`, `min_tokens`, `top_k`, `min_p`, `repetit
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -307,7 +306,3 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 def _is_union_tag(p) -> bool:
     # pydantic names union members in the error location ("str", "list[int]", "constrained-str")
     return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith(("constrained", "function")))
-
-
-def error_json(err: APIError) -> str:
-    return json.dumps(err.body())

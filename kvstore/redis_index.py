@@ -38,16 +38,9 @@ from redis.retry import Retry
 
 from kvstore.hashing import hash_hex
 from kvstore.redact import redact_url
-from kvstore.index import (
-    LookupResult,
-    PrefixIndex,
-    check_ttl,
-    empty_lookup,
-    make_index,
-    walk_memory,
-)
+from kvstore.index_base import LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
 
-__all__ = ["RedisIndex", "make_index"]
+__all__ = ["RedisIndex"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -8,7 +8,6 @@ keys real checkpoints ship (`compress_ratios`, `compress_rate_csa/hca`,
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,9 +244,3 @@ def _parse(raw: dict, source: str) -> ModelArgs:
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         raw=raw,
     )
-
-
-def lcm_ratio(args: ModelArgs) -> int:
-    """Block sizes must be a multiple of this so blocks never split a compressor window."""
-    ratios = [args.ratio(t) for t in set(args.layer_types) if t != SWA]
-    return math.lcm(*ratios) if ratios else 1
