@@ -6,12 +6,12 @@ object) at `/fallback`. Greedy output must equal the offline engine's, token for
 """
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
 
+from tests.helpers import sse_events
 from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling import SamplingParams
@@ -46,15 +46,12 @@ def greedy(offline: Engine, prompt, max_tokens: int = MAX_TOKENS):
 
 
 def stream_events(client: httpx.Client, url: str, body: dict) -> list[dict]:
-    events = []
     with client.stream("POST", url, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
+        events = list(sse_events(r.iter_lines()))
     assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+    return events[:-1]
 
 
 @pytest.mark.parametrize("mode", MODES + ["fallback"])

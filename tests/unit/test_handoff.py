@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
+from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
+from workers.engine import Engine
 from workers.handoff import Resume
 from workers.sampling import SamplingParams
-
-BT = 16
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +17,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), block_tokens=BT, kv_cache_bytes=8 << 20, **kw))
+    return tiny_engine(model_dir, "swa_csa_hca", **kw)
 
 
 def run(e: Engine):
