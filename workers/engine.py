@@ -158,12 +158,13 @@ class Engine:
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
-            raise InvalidRequestError("prompt: must be a string or a list of integer token ids")
+            raise InvalidRequestError("must be a string or a list of integer token ids", "prompt")
         if not ids:
-            raise InvalidRequestError("prompt: must not be empty")
+            raise InvalidRequestError("must not be empty", "prompt")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})",
+                                      "prompt")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
