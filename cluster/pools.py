@@ -109,13 +109,13 @@ class Prefill(_Worker):
             async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True):
                 last = out
             base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
-                        first_logprob=last.logprobs[0], finished=last.finish_reason != "held",
+                        first_logprob=last.logprobs[0], finished=not last.held,
                         finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
                         worker_id=self.worker_id, worker=self.stats(),
                         first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
                         siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs,
                         first_finish=last.first_finish)
-            if last.finish_reason != "held":
+            if not last.held:
                 return Handoff(**base)
             held = await self.engine.held_handle(req.request_id)
             base["rng_state"] = held.rng_state

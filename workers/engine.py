@@ -490,6 +490,7 @@ class Engine:
             seq.first_finish, seq.finish_reason = seq.finish_reason, "held"
             self.counters.cached_tokens += seq.cached_tokens
             self.scheduler.detach(seq)
+            seq.status = Status.HELD
             self.held[seq.request_id] = seq
             self.seqs.pop(seq.request_id, None)
             self.groups.pop(seq.request_id, None)
@@ -510,7 +511,7 @@ class Engine:
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output[seq.emitted:]
         seq.emitted = len(seq.output)
-        finished = seq.status == Status.FINISHED
+        finished = seq.status in (Status.FINISHED, Status.HELD)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt, token_ids=list(seq.output),
             new_token_ids=new, logprobs=list(seq.logprobs),
@@ -521,7 +522,8 @@ class Engine:
             all_finished=finished and self._group_finished(seq.request_id),
             prompt_logprobs=[None] + seq.prompt_lps if seq.params.prompt_logprobs is not None and
             seq.resume is None and seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
-            siblings=list(seq.siblings) if seq.hold_kv else [], first_finish=seq.first_finish)
+            siblings=list(seq.siblings) if seq.hold_kv else [], first_finish=seq.first_finish,
+            held=seq.status == Status.HELD)
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

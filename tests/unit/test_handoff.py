@@ -115,3 +115,14 @@ def test_when_sequence_0_ends_on_its_first_token_the_other_forks_still_decode(mo
     going = {i for i, s in enumerate(first.siblings, start=1) if s[3] is None}
     assert set(done) == going and all(o.token_ids[0] == first.siblings[i - 1][0] for i, o in done.items())
     assert not decode.has_unfinished() and not decode.groups
+
+
+def test_a_held_request_has_the_held_status_and_is_counted_until_released(model_dir):
+    e = engine(model_dir)
+    e.add_request("h", random_prompt(40, seed=8), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                  hold_kv=True)
+    last = run(e)[-1]
+    assert last.held and last.finished and last.finish_reason == "held"
+    assert e.held["h"].status.name == "HELD" and e.stats().held == 1 and not e.stats().idle
+    e.release_held("h")
+    assert e.stats().held == 0 and e.stats().idle
