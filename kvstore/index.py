@@ -4,7 +4,7 @@ The index is a *hint* (DESIGN §4). The object store is the truth: entries are
 published only after an object is durable and removed when it is evicted, but
 after a crash the two may disagree, so every hit is re-verified on read.
 
-Three tiers of entries, all keyed by block chain hash (:mod:`kvstore.hashing`):
+Three tiers of entries, all keyed by block chain hash (`kvstore.hashing`):
 
 * **block** — the block object for the prefix ending at that hash is in the store;
 * **checkpoint** — a state checkpoint at the end of that prefix is in the store
@@ -13,7 +13,7 @@ Three tiers of entries, all keyed by block chain hash (:mod:`kvstore.hashing`):
   that expires unless re-published.
 
 Every index instance is bound to one model fingerprint; different models never
-see each other's entries. ``make_index`` builds one from a deployment spec.
+see each other's entries. `make_index` builds one from a deployment spec.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _SWEEP_MIN_LEASES = 1024  # below this many leases an expiry sweep is not worth 
 class EmbeddedIndex(PrefixIndex):
     """In-process index for a single node (a laptop, a test): dicts behind one lock.
 
-    Leases are judged by ``clock`` (injectable for tests). Expired leases are
+    Leases are judged by `clock` (injectable for tests). Expired leases are
     dropped lazily on lookup and by an amortised sweep whenever the number of
     leases doubles since the last sweep, so dead workers cannot grow it forever.
     """
@@ -123,7 +123,7 @@ class EmbeddedIndex(PrefixIndex):
         self.clear()
 
     def rebuild_from(self, store: ObjectListing) -> int:
-        """Replace the store tier with exactly what ``store`` lists; leases are kept."""
+        """Replace the store tier with exactly what `store` lists; leases are kept."""
         blocks, checkpoints = self._listing(store)
         with self._lock:
             self._blocks = set(blocks)
@@ -138,10 +138,10 @@ class EmbeddedIndex(PrefixIndex):
 def make_index(spec: str, fingerprint: str, store: ObjectListing | None = None) -> PrefixIndex:
     """Build the index a deployment asks for.
 
-    ``"local"``: an EmbeddedIndex, rebuilt from ``store`` when one is given.
-    ``"redis://host:port/db"`` (or ``rediss://``, ``unix://``): a RedisIndex.
+    `"local"`: an EmbeddedIndex, rebuilt from `store` when one is given.
+    `"redis://host:port/db"` (or `rediss://`, `unix://`): a RedisIndex.
     Anything else raises ValueError naming the spec. The caller still attaches
-    the index to the store (``store.attach_index``) so puts publish to it.
+    the index to the store (`store.attach_index`) so puts publish to it.
     """
     if spec == "local":
         index = EmbeddedIndex(fingerprint)

@@ -22,8 +22,8 @@ class LookupResult(NamedTuple):
 
     stored:      number of leading hashes whose block object is in the store
                  (the walk stops at the first miss).
-    checkpoints: ascending indices ``i < stored`` with a stored checkpoint for the
-                 prefix ending at block ``i``.
+    checkpoints: ascending indices `i < stored` with a stored checkpoint for the
+                 prefix ending at block `i`.
     memory:      worker_id -> number of leading hashes that worker holds in memory
                  under an unexpired lease (workers holding none are omitted).
     """
@@ -36,7 +36,7 @@ class LookupResult(NamedTuple):
 def walk_memory(holders: Iterable[set[str]]) -> dict[str, int]:
     """Per worker, the length of the leading run of blocks it holds.
 
-    ``holders`` yields, block by block, the workers with a live lease on that
+    `holders` yields, block by block, the workers with a live lease on that
     block; the walk stops as soon as no worker holds every block so far.
     """
     counts: dict[str, int] = {}
@@ -68,13 +68,13 @@ class PrefixIndex(abc.ABC):
     """Interface of every prefix index (embedded and Redis share one conformance suite).
 
     Contract:
-    * An instance is bound to ``fingerprint`` at construction; all reads and
+    * An instance is bound to `fingerprint` at construction; all reads and
       writes touch only that namespace.
     * Methods are thread-safe.
     * Publishing is idempotent; removing something absent is a no-op.
     * Store-tier entries (blocks, checkpoints) never expire; callers publish
       them only after the object is durable and remove them when it is evicted.
-    * Memory-tier entries are leases of ``ttl_s`` seconds; publishing again renews.
+    * Memory-tier entries are leases of `ttl_s` seconds; publishing again renews.
     """
 
     def __init__(self, fingerprint: str) -> None:
@@ -86,11 +86,11 @@ class PrefixIndex(abc.ABC):
 
     @abc.abstractmethod
     def lookup(self, hashes: Sequence[int]) -> LookupResult:
-        """Walk ``hashes`` (a block hash chain, first block first); see LookupResult."""
+        """Walk `hashes` (a block hash chain, first block first); see LookupResult."""
 
     @abc.abstractmethod
     def publish_blocks(self, hashes: Sequence[int]) -> None:
-        """Record that the block objects for ``hashes`` are durable in the store."""
+        """Record that the block objects for `hashes` are durable in the store."""
 
     @abc.abstractmethod
     def remove_blocks(self, hashes: Sequence[int]) -> None:
@@ -98,19 +98,19 @@ class PrefixIndex(abc.ABC):
 
     @abc.abstractmethod
     def publish_checkpoint(self, h: int) -> None:
-        """Record that a checkpoint for the prefix ending at ``h`` is durable."""
+        """Record that a checkpoint for the prefix ending at `h` is durable."""
 
     @abc.abstractmethod
     def remove_checkpoint(self, h: int) -> None:
-        """Forget the checkpoint entry for ``h``."""
+        """Forget the checkpoint entry for `h`."""
 
     @abc.abstractmethod
     def publish_memory(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
-        """Lease: ``worker_id`` holds ``hashes`` in memory for the next ``ttl_s`` seconds."""
+        """Lease: `worker_id` holds `hashes` in memory for the next `ttl_s` seconds."""
 
     @abc.abstractmethod
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """End ``worker_id``'s leases on ``hashes`` (it evicted them)."""
+        """End `worker_id`'s leases on `hashes` (it evicted them)."""
 
     @abc.abstractmethod
     def clear(self) -> None:
@@ -121,7 +121,7 @@ class PrefixIndex(abc.ABC):
         """Release connections; the instance must not be used afterwards."""
 
     def rebuild_from(self, store: ObjectListing) -> int:
-        """Publish every object listed by ``store``; return how many were published.
+        """Publish every object listed by `store`; return how many were published.
 
         Additive: entries for objects missing from the store are left alone (they
         are misses on read). EmbeddedIndex overrides this to replace its store tier.
