@@ -19,7 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         if not f.metadata.get("cli", True):
             continue
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        help = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {_shown(f.default)})"
+        text = meta.get("help", "")
+        help = text if "default" in text else f"{text} (default: {_shown(f.default)})"
         kind = next(t for t in (bool, int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)

@@ -66,7 +66,7 @@ def _engine_fields(overrides: bool) -> dict[str, Any]:
             kind = Annotated[kind, BeforeValidator(_bytes)]
         default = SERVE_STORE if f.name == "store" else f.default
         extra = {"min_length": 16} if f.name == "store_key" else {}
-        out[f.name] = (kind, Field(None if overrides else default, description=f.metadata["help"], **extra))
+        out[f.name] = (kind, Field(None if overrides else default, description=f.metadata.get("help"), **extra))
     return out
 
 

@@ -51,7 +51,7 @@ def test_the_repr_hides_the_store_key_and_the_index_password():
 
 def test_the_serve_engine_key_has_every_engine_field_with_the_same_default():
     engine = ServeConfig().engine
-    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.metadata["serve"]}
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.metadata.get("serve", True)}
     assert set(type(engine).model_fields) == set(fields)
     for name, default in fields.items():
         if name not in ("store", "store_key"):      # a server keeps a store; the key is a secret
