@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, create_model,
-                      field_validator, model_validator)
+                      field_validator, model_serializer, model_validator)
 
 from workers.config import ConfigError
 from workers.engine_config import EngineConfig, parse_bytes
@@ -115,6 +115,10 @@ class EngineOverrides(create_model("_EngineOverrideFields", __base__=_Strict, **
     @classmethod
     def _renamed(cls, data):
         return _no_renamed_keys(data, "engine.")
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler):     # a dumped config reloads with the same overrides, no more
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
 class Autoscaling(_Strict):

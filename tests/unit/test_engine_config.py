@@ -78,6 +78,18 @@ def test_a_pool_overrides_only_the_engine_settings_it_names():
     assert (prefill.kv_cache_bytes, prefill.max_num_seqs) == (64 << 20, 8)
 
 
+def test_a_dumped_serve_config_reloads_to_the_same_engines(tmp_path):
+    import yaml
+    config = ServeConfig.model_validate({"engine": {"kv_cache_bytes": "64MiB"},
+                                         "prefill": {"engine": {"max_num_seqs": 4}}})
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    again = load_config(path)
+    for pool in ("prefill", "decode", "colocated"):
+        assert again.pool_engine(getattr(again, pool)) == config.pool_engine(getattr(config, pool))
+    assert again.pool_engine(again.prefill).max_num_seqs == 4 and again.decode.engine.model_dump() == {}
+
+
 def test_the_generate_flags_are_the_cli_fields_of_engine_config():
     args = build_parser().parse_args(["generate", "--input", "x", "--kv-cache-bytes", "8MiB", "--swa-policy",
                                       "zero", "--no-prefix-reuse", "--require-store", "--device", "cpu"])
