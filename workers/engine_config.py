@@ -13,6 +13,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from kvstore.mac import MIN_KEY_BYTES
 from kvstore.planner import PolicyError, SwaPolicy
 from kvstore.redact import redact_url
 from kvstore.store import DEFAULT_READ_TIMEOUT_S
@@ -120,6 +121,9 @@ class EngineConfig:
     def _check_places(self) -> None:
         if not DEVICE_RE.match(str(self.device)):
             raise ConfigError(f"EngineConfig.device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.store_key is not None and len(self.store_key.encode()) < MIN_KEY_BYTES:
+            raise ConfigError(f"EngineConfig.store_key: must be at least {MIN_KEY_BYTES} bytes "
+                              f"(e.g. `openssl rand -hex 32`), got {len(self.store_key.encode())}")
         if self.index != "local" and not str(self.index).startswith(INDEX_SCHEMES):
             raise ConfigError(f"EngineConfig.index: {redact_url(self.index)!r} is neither 'local' nor a URL "
                               f"starting with {', '.join(INDEX_SCHEMES)}")
