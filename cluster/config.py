@@ -38,7 +38,8 @@ class ConfigFileError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # errors name the key and the problem, never the input (it may hold the store key or a Redis password)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 SERVE_STORE = str(Path("~/.cache/kvmesh/store").expanduser())   # a server keeps its prefixes across restarts
@@ -46,16 +47,9 @@ RENAMED = {"kv_cache_mb": "kv_cache_bytes", "store_capacity_mb": "store_capacity
            "host_cache_mb": "host_cache_bytes"}
 
 
-def _bytes(value):
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-
-
 def _engine_fields(overrides: bool) -> dict[str, Any]:
-    """EngineConfig's fields as pydantic fields: the same names, types, defaults and help.
-    `overrides`: every field optional and unset (a pool's overrides of `engine`)."""
+    """EngineConfig's fields as pydantic fields: the same names, types, defaults and help; the
+    checks stay in EngineConfig. `overrides`: no defaults (a pool's overrides of `engine`)."""
     hints = get_type_hints(EngineConfig)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
@@ -63,10 +57,9 @@ def _engine_fields(overrides: bool) -> dict[str, Any]:
             continue
         kind = SecretStr | None if f.name == "store_key" else hints[f.name]
         if f.metadata.get("unit") == "bytes":
-            kind = Annotated[kind, BeforeValidator(_bytes)]
+            kind = Annotated[kind, BeforeValidator(parse_bytes)]
         default = SERVE_STORE if f.name == "store" else f.default
-        extra = {"min_length": 16} if f.name == "store_key" else {}
-        out[f.name] = (kind, Field(None if overrides else default, description=f.metadata.get("help"), **extra))
+        out[f.name] = (kind, Field(None if overrides else default, description=f.metadata.get("help")))
     return out
 
 
@@ -182,7 +175,7 @@ class IngressConfig(_Strict):
     token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")
     prefill_s_per_1k_tokens: float = Field(10.0, ge=0, description=(
         "the first token may take token_timeout_s plus this per 1,000 prompt tokens (prefill's own budget)"))
-    max_body_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(
+    max_body_bytes: Annotated[int, BeforeValidator(parse_bytes)] = Field(
         8 * MiB, gt=0, description="larger request bodies are refused with 413 (bytes, or e.g. 8MiB)")
     max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")

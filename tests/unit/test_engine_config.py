@@ -70,6 +70,15 @@ def test_the_serve_config_refuses_what_engine_config_refuses_and_names_the_key(t
             load_config(path)
 
 
+def test_config_file_errors_never_show_the_store_key_or_the_redis_password(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine: {swa_policy: sometimes, index: 'redis://:hunter22@h:6379/0', "
+                    "store_key: sixteen-bytes-secret}\n")
+    with pytest.raises(ConfigFileError) as e:
+        load_config(path)
+    assert "swa_policy" in str(e.value) and "hunter22" not in str(e.value) and "secret" not in str(e.value)
+
+
 def test_a_pool_overrides_only_the_engine_settings_it_names():
     config = ServeConfig.model_validate({"engine": {"kv_cache_bytes": "64MiB", "max_num_seqs": 8},
                                          "decode": {"engine": {"kv_cache_bytes": "1GiB"}}})
