@@ -190,10 +190,6 @@ class CacheTensors:
         return {f"{i}.{name}": t[block].to("cpu", copy=True)
                 for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
 
-    def load_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Fill one block from a stored object; KeyError/RuntimeError if it does not fit."""
-        self.load_blocks([block], [tensors])
-
     def block_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What one block object must hold: name -> (shape, dtype), from the specs."""
         return {f"{i}.{t.name}": (t.stored_shape, t.torch_dtype)
