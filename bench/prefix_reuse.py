@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.engine_config import parse_bytes  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -50,7 +51,7 @@ QUESTION_TOKENS = 16
 def engine(policy: str, store: str, args, kv: str = "auto") -> Engine:
     """A fresh engine, warmed up on an unrelated short prompt (first-call costs excluded)."""
     e = Engine(EngineConfig(model=args.model, block_tokens=args.block_tokens, swa_policy=policy, store=store,
-                            kv_cache_bytes=args.kv_cache_mb << 20, max_batched_tokens=args.chunk,
+                            kv_cache_bytes=args.kv_cache_bytes, max_batched_tokens=args.chunk,
                             kv_cache_dtype=kv))
     e.generate([[2] * 40], FIRST_TOKEN)
     return e
@@ -148,7 +149,7 @@ def main() -> int:
     p.add_argument("--policies", default="full,periodic:1024,periodic:2048,periodic:4096,zero")
     p.add_argument("--block-tokens", type=int, default=128)
     p.add_argument("--chunk", type=int, default=2048, help="max batched tokens per step")
-    p.add_argument("--kv-cache-mb", type=int, default=768)
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default="768MiB")
     p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto, bfloat16, fp8")
     p.add_argument("--out", default="bench/out/prefix_reuse")
     args = p.parse_args()

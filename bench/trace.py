@@ -35,6 +35,7 @@ from kvstore.cost import Hardware, ScheduledPeriods, simulate  # noqa: E402
 from kvstore.trace import load_trace, prompt_token_ids  # noqa: E402
 from tests.helpers import BLOCK_TOKENS, write_tiny_checkpoint  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.engine_config import parse_bytes  # noqa: E402
 from kvstore.trace import sample_conversations  # noqa: E402
 from workers.replay import run_request, stored_payload  # noqa: E402
 
@@ -65,8 +66,8 @@ def read_bandwidth(root: Path) -> float:
 
 def engine(model: Path, policy: str, store: str, args, reuse: bool = True) -> Engine:
     e = Engine(EngineConfig(model=str(model), block_tokens=args.block_tokens, swa_policy=policy, store=store,
-                            prefix_reuse=reuse, kv_cache_bytes=args.kv_cache_mb << 20,
-                            host_cache_bytes=args.host_cache_mb << 20, max_batched_tokens=args.chunk))
+                            prefix_reuse=reuse, kv_cache_bytes=args.kv_cache_bytes,
+                            host_cache_bytes=args.host_cache_bytes, max_batched_tokens=args.chunk))
     return e
 
 
@@ -86,7 +87,7 @@ def step_cost(model: Path, args) -> float:
     times = {}
     for chunk in (n, args.block_tokens):
         e = Engine(EngineConfig(model=str(model), block_tokens=args.block_tokens, prefix_reuse=False,
-                                max_batched_tokens=chunk, kv_cache_bytes=args.kv_cache_mb << 20))
+                                max_batched_tokens=chunk, kv_cache_bytes=args.kv_cache_bytes))
         warm(e)
         runs = []
         for i in range(3):
@@ -139,7 +140,7 @@ def serve_replay(model: Path, policies: list[str], reqs, args, cold) -> list[dic
             root = tempfile.mkdtemp(prefix="kvmesh-trace-serve-")
             cfg = small_config("colocated", engine={
                 "model": str(model), "block_tokens": args.block_tokens, "swa_policy": "full" if policy == "no reuse"
-                else policy, "store": root, "kv_cache_bytes": args.kv_cache_mb << 20, "host_cache_bytes": args.host_cache_mb << 20,
+                else policy, "store": root, "kv_cache_bytes": args.kv_cache_bytes, "host_cache_bytes": args.host_cache_bytes,
                 "max_batched_tokens": args.chunk})
             url = ls.deploy("trace", cfg)
             ttft, cached, mismatched = [], 0, 0
@@ -227,8 +228,8 @@ def main() -> int:
     p.add_argument("--tiny", default="swa_csa_hca", choices=sorted(BLOCK_TOKENS))
     p.add_argument("--policies", default=None, help="default: full, periodic:4B, periodic:16B, zero, auto "
                                                     "(B = block_tokens)")
-    p.add_argument("--kv-cache-mb", type=int, default=8)
-    p.add_argument("--host-cache-mb", type=int, default=2)
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default="8MiB")
+    p.add_argument("--host-cache-bytes", type=parse_bytes, default="2MiB")
     p.add_argument("--chunk", type=int, default=4096, help="max batched tokens per step")
     p.add_argument("--serve", type=int, default=0, help="also replay the first N requests through kvmesh serve")
     p.add_argument("--out", default="bench/results/trace")
