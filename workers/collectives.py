@@ -124,7 +124,7 @@ class Collectives(SingleRank):
         return [pickle.loads(p[:int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
     def _ctrl(self, t: torch.Tensor) -> None:
-        self._wait(self.ctrl.broadcast([t], 0))
+        self._wait(self.ctrl.broadcast(t, 0))
 
     def _wait(self, work) -> None:
         try:

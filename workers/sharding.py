@@ -22,9 +22,9 @@ import re
 
 import torch
 
-from .config import ConfigError, ModelArgs
 from kernels.quant_ops import FP4_GROUP
 
+from .config import ConfigError, ModelArgs
 from .quant import QuantFormat
 
 LAYER = r"^(?:layers|mtp)\.\d+\."
