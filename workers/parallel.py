@@ -181,7 +181,7 @@ class Leader:
     def ready(self, cache: CacheTensors) -> MirroredCache:
         """Start-up done on rank 0: tell the ranks the cache sizes, wait until all have loaded
         their shard and allocated their cache; RankFailed naming a rank that could not."""
-        self.comm.send(CacheSpec(cache.layout, cache.num_blocks, cache.num_slots, cache.swa_blocks))
+        self.comm.send(CacheSpec(cache.layout, cache.num_blocks, cache.num_slots, cache.swa_blocks), starting=True)
         errors = self.comm.gather_objects(None)
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
@@ -214,7 +214,7 @@ class Leader:
     def close(self, reason: str = "engine closed") -> None:
         if self.dead is None:
             try:
-                self.comm.send(Stop(reason))
+                self.comm.send(Stop(reason), starting=True)
             except RankFailed:
                 pass
         self.launcher.stop()
