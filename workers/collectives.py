@@ -36,7 +36,8 @@ class SingleRank:
     rank, size = 0, 1
 
     def __init__(self) -> None:
-        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}
+        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0,   # the model's
+                      "messages": 0, "message_s": 0.0, "message_bytes": 0}            # rank 0's step messages
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -109,10 +110,14 @@ class Collectives(SingleRank):
     def send(self, message: object, starting: bool = False) -> None:
         """Rank 0: broadcast a picklable message (tensors in it travel as CPU bytes);
         `starting`: the ranks may still be loading (START_TIMEOUT_S)."""
+        t0 = time.perf_counter()
         data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         timeout = self.start_timeout if starting else None
         self._ctrl(torch.tensor([data.numel()], dtype=torch.long), timeout)
         self._ctrl(data, timeout)
+        self.stats["messages"] += 1
+        self.stats["message_bytes"] += data.numel()
+        self.stats["message_s"] += time.perf_counter() - t0
 
     def recv(self) -> object:
         """Followers: the next message rank 0 broadcast."""

@@ -128,7 +128,7 @@ def test_handoff_from_tp2_to_tp1_and_back_equals_tp1(tp2):
     name, path, refs, _, engine = tp2
     if name != sorted(TINY_CONFIGS)[0]:
         pytest.skip("one config is enough: the payload is the same cache for every layer mix")
-    ps, tp1 = prompts(name), tiny_engine(path, name)
+    ps, tp1 = prompts(name), tiny_engine(path, name, swa_policy=engine.config.swa_policy)   # same layout
     assert _handoff(engine, tp1, ps["B"][0], "to-tp1").token_ids == refs["B"][0].token_ids
     assert _handoff(tp1, engine, ps["B"][1], "to-tp2").token_ids == refs["B"][1].token_ids
 
@@ -157,7 +157,7 @@ def test_quantized_weights_shard_with_their_scale_blocks_or_fail_naming_the_tens
     experts = model.layers[1].ffn.experts
     assert isinstance(experts, QuantExperts) and experts.w1.shape[0] == 2 and experts.first == 2
     big = quantize_checkpoint(dense, tmp_path / "big", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
-    with pytest.raises(ConfigError, match=r"attn\.wq_b\.weight is quantized in blocks of 128"):
+    with pytest.raises(ConfigError, match=r"attn\.(wq_b|wo_a)\.weight is quantized in blocks of 128.*cannot be split"):
         load_model(big, shard=Shard(0, 2, expert_parallel=True))
 
 
@@ -165,8 +165,8 @@ def test_quantized_tp2_with_expert_parallel_equals_tp1(tmp_path):
     dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca")
     q = quantize_checkpoint(dense, tmp_path / "q", block=(16, 16), scale_fmt="float", expert_dtype="fp4")
     ps = prompts("swa_csa_hca")["B"]
-    ref = tiny_engine(q, "swa_csa_hca").generate(ps, GREEDY)
-    engine = tiny_engine(q, "swa_csa_hca", tensor_parallel_size=2, enable_expert_parallel=True)
+    ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)   # fp32: sums in another order
+    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         assert_same(engine.generate(ps, GREEDY), ref)
     finally:
