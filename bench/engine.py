@@ -420,7 +420,7 @@ def tp_main(args, levels: list[int], sizes: list[int]) -> int:
                                                                   for r in runs]})
         finally:
             engine.close()
-    same = sum(len(set(map(tuple, by.values()))) == 1 for by in tokens.values())
+    same = sum(len({str(v) for v in by.values()}) == 1 for by in tokens.values())
     print(f"model: {model_dir}, fp32; prompt {args.prompt_len}, max_tokens {args.max_tokens}; torch threads "
           f"{args.threads} per rank; expert parallel {args.enable_expert_parallel}; load average "
           f"{os.getloadavg()[0]:.1f}; greedy tokens equal across sizes in {same}/{len(tokens)} runs\n")
