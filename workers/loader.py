@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -63,13 +64,16 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def read_tensors(files: list[Path], rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the files by name; `rename` may rename one or skip it (None: never read)."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
-                    out[k] = sf.get_tensor(k)
+                    name = rename(k) if rename else k
+                    if name is not None:
+                        out[name] = sf.get_tensor(k)
         except Exception as e:  # safetensors raises several untyped errors on a bad header
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
     return out
@@ -95,6 +99,18 @@ def to_model_state(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
         state[name] = torch.stack([per_expert[i] for i in range(n)])
     return state
+
+
+def owned_experts(first: int, count: int) -> Callable[[str], str | None]:
+    """Expert parallelism at read time: per-expert tensors of experts [first, first + count)
+    renamed to local indices, the others never read (the routed experts are most of the bytes)."""
+    def rename(name: str) -> str | None:
+        m = EXPERT.match(canonical_name(name))
+        if m is None:
+            return name
+        e = int(m[2]) - first
+        return f"{m[1]}.{e}.{m[3]}.{m[4]}" if 0 <= e < count else None
+    return rename
 
 
 def mtp_layer_count(state: dict[str, torch.Tensor]) -> int:
@@ -176,10 +192,14 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     dtype_name = dtype or args.torch_dtype
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r}; use one of {sorted(DTYPES)}")
-    state = to_model_state(read_tensors(weight_files(model_dir)))
+    rename = None
+    if shard.size > 1 and shard.expert_parallel:
+        rename = owned_experts(shard.rank * shard.part(args.n_routed_experts), shard.part(args.n_routed_experts))
+    state = to_model_state(read_tensors(weight_files(model_dir), rename))
     if shard.size > 1:
         shard.split_shared = split_shared(state, shard.size, fmt)
-        state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt)
+        state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt,
+                            whole=args.n_routed_experts)
     with torch.device("meta"):
         model = Transformer(args, kernel_backend, mtp_layer_count(state), shard)
     try:

@@ -66,13 +66,17 @@ def split_shared(state: dict[str, torch.Tensor], size: int, fmt: QuantFormat | N
 
 
 def shard_state(state: dict[str, torch.Tensor], rank: int, size: int, expert_parallel: bool,
-                shared: bool, fmt: QuantFormat | None = None) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s part of every split tensor (views); replicated tensors as they are."""
+                shared: bool, fmt: QuantFormat | None = None, whole: int | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s part of every split tensor (copies); replicated tensors as they are. With
+    expert parallelism, stacked experts with fewer than `whole` (n_routed_experts) rows were
+    already read as this rank's own (loader.owned_experts) and stay as they are."""
     if size == 1:
         return state
     out = {}
     for name, t in state.items():
         dim = _split_dim(name, expert_parallel, shared)
+        if dim == 0 and t.dim() == 3 and whole is not None and t.shape[0] < whole:
+            dim = None                         # experts already this rank's own
         if dim is None:
             out[name] = t
             continue
