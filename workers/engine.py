@@ -48,7 +48,7 @@ from .sequence import RequestOutput, Sequence, Status
 from .config import ConfigError, ModelArgs
 from .collectives import RankFailed
 from .model import SINGLE, Shard
-from .parallel import Leader, LocalProcessLauncher, MirroredCache, RankLauncher
+from .parallel import Leader, LocalProcessLauncher, RankLauncher
 from .sharding import check_sizes
 from .mtp_draft import MTPDrafter
 from .speculative import DraftLimits, Drafter, Speculator

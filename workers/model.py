@@ -255,7 +255,8 @@ class Attention(nn.Module):
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1))
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.n_groups, -1)                           # [T, G, H*D/G]
-        return self.shard.comm.all_reduce(self.wo_b(grouped_linear(self.wo_a, grouped)))   # wo_a: [G*R, H*D/G]
+        partial = self.wo_b(grouped_linear(self.wo_a, grouped))               # wo_a: [G*R, H*D/G]
+        return self.shard.comm.all_reduce(partial)                            # the sublayer's one collective
 
 
 class Experts(nn.Module):

@@ -23,8 +23,9 @@ class ModelRunner:
         logits come first: per sampled sequence its last real row, then its draft rows), and
         (batch index, position) of each further logits row: prompt positions of sequences that
         asked for prompt logprobs (echo). `drafts` (batch index -> draft tokens) run after that
-        sequence's real tokens. The step's tensors are on the CPU. One pass over the batch reads each sequence's scalars and
-        tokens; every per-token and per-block tensor is then built by a few vectorized ops."""
+        sequence's real tokens. The step's tensors are on the CPU. One pass over the batch reads
+        each sequence's scalars and tokens; every per-token and per-block tensor is then built by
+        a few vectorized ops."""
         drafts = drafts or {}
         tokens, blocks, extra_at, extra = [], [], [], []
         per_seq = torch.tensor([(s.num_computed, n + len(drafts.get(b, ())), s.slot, s.ring_from, s.keep_tokens,
