@@ -356,7 +356,8 @@ class MoE(nn.Module):
         e, inter = args.n_routed_experts, args.moe_intermediate_size
         self.gate = Gate(args, hashed)
         if shard.expert_parallel:
-            self.experts = Experts(shard.part(e), args.hidden_size, inter, args.swiglu_limit, shard.rank * shard.part(e))
+            first = shard.rank * shard.part(e)
+            self.experts = Experts(shard.part(e), args.hidden_size, inter, args.swiglu_limit, first)
         else:
             self.experts = Experts(e, args.hidden_size, shard.part(inter), args.swiglu_limit)
         shared = shard.part(inter) if shard.split_shared else inter
