@@ -308,10 +308,10 @@ def speculative_rows(engine: Engine, levels: list[int], args, vocab: int) -> lis
         for wrong in (False, True):
             cont = {tuple(p): [(t + 1) % vocab if wrong else t for t in out] for p, out in zip(prompts, tokens)}
             engine.set_drafter(OracleDrafter(cont), args.speculative)
-            before = (engine.stats["draft_tokens"], engine.stats["accepted_draft_tokens"])
+            before = (engine.counters.draft_tokens, engine.counters.accepted_draft_tokens)
             r, spec_tokens = run_kvmesh(engine, prompts, args.max_tokens)
-            drafted = engine.stats["draft_tokens"] - before[0]
-            accepted = engine.stats["accepted_draft_tokens"] - before[1]
+            drafted = engine.counters.draft_tokens - before[0]
+            accepted = engine.counters.accepted_draft_tokens - before[1]
             equal += sum(a == b for a, b in zip(spec_tokens, tokens))
             cells += [f"{r.decode_tok_s:,.1f}", f"{r.decode_tok_s / plain.decode_tok_s:.2f}x",
                       f"{accepted / max(drafted, 1):.0%}"]
@@ -406,11 +406,11 @@ def tp_main(args, levels: list[int], sizes: list[int]) -> int:
             for i, c in enumerate(levels):
                 runs = []
                 for rep in range(args.repeats):
-                    before, fwd0 = dict(comm.stats), engine.stats["forward_s"]
+                    before, fwd0 = dict(comm.stats), engine.counters.forward_s
                     k, k_tokens = run_kvmesh(engine, make_prompts(c, args.prompt_len, vocab, seed=1000 * i + rep),
                                              args.max_tokens)
                     delta = {key: comm.stats[key] - before[key] for key in before}
-                    runs.append((k, delta, engine.stats["forward_s"] - fwd0))
+                    runs.append((k, delta, engine.counters.forward_s - fwd0))
                     tokens.setdefault((c, rep), {})[size] = k_tokens
                     print(f"tp={size} c={c} #{rep}: {k.wall_s:.2f}s", file=sys.stderr)
                 k = median_run([r[0] for r in runs])

@@ -137,7 +137,7 @@ class MirroredCache:
     """Rank 0's cache as the engine sees it: every mutating `CacheTensors` call is applied and
     recorded (`take()` hands the list over); reads and the tensors pass through. The model's
     forward writes the real cache directly: every rank runs that one itself."""
-    MUTATORS = ("reset_slot", "copy_block", "copy_slot", "load_block", "load_blocks", "load_packed",
+    MUTATORS = ("reset_slot", "copy_block", "copy_slot", "load_blocks", "load_packed",
                 "rebuild_slot", "load_slot", "scatter", "write_ring_rows")
 
     def __init__(self, cache: CacheTensors):

@@ -101,7 +101,7 @@ def test_tp2_forks_and_speculative_rollback_equal_tp1(tp2):
         spec = engine.generate(ps["B"], GREEDY)
     finally:
         engine.set_drafter(None)
-    assert engine.stats["draft_tokens"] > engine.stats["accepted_draft_tokens"] > 0
+    assert engine.counters.draft_tokens > engine.counters.accepted_draft_tokens > 0
     assert_same(spec, refs["B"])
 
 
@@ -137,7 +137,7 @@ def test_handoff_from_tp2_to_tp1_and_back_equals_tp1(tp2):
 @pytest.mark.parametrize("size, ep, numbers", [
     (3, False, ["num_attention_heads=4", "o_groups=2", "vocab_size=300", "moe_intermediate_size=32"]),
     (8, True, ["num_attention_heads=4", "n_routed_experts=4"]),
-    (0, False, ["positive integer"]),
+    (0, False, ["tensor_parallel_size", "> 0"]),
 ])
 def test_a_size_that_does_not_divide_the_model_fails_at_start_up_naming_the_numbers(tmp_path, size, ep, numbers):
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
