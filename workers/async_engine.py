@@ -20,6 +20,7 @@ from kvstore.kv_transport import KVTransport, Offer
 from .engine import Engine, EngineConfig
 from .engine_stats import EngineStats
 from .handoff import HeldKV, Resume
+from .parallel import RankLauncher
 from .sampling import InvalidRequestError, SamplingParams
 from .sequence import RequestOutput
 
@@ -31,8 +32,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | None = None):
-        self.engine = engine or Engine(config)
+    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | None = None,
+                 launcher: RankLauncher | None = None):
+        self.engine = engine or Engine(config, launcher)     # launcher: tensor_parallel_size > 1 ranks
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

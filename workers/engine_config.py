@@ -84,6 +84,13 @@ class EngineConfig:
                                          "without prefix reuse)")
     store_read_timeout_s: float | None = setting(DEFAULT_READ_TIMEOUT_S, "a store read slower than this (s) "
                                                                          "is a miss")
+    tensor_parallel_size: int = setting(1, "ranks one replica spans (vLLM's name): heads, output groups, vocabulary "
+                                           "and experts split across them; every rank holds the whole cache")
+    enable_expert_parallel: bool = setting(False, "with tensor_parallel_size N > 1: each rank owns "
+                                                  "n_routed_experts/N whole experts (else every expert's "
+                                                  "intermediate dim is split)")
+    rank_timeout_s: float = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
+                                          "died or stalled (RankFailed)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -107,7 +114,7 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         positive = ("block_tokens", "kv_cache_bytes", "max_num_seqs", "max_batched_tokens", "max_model_len",
-                    "store_capacity_bytes", "store_read_timeout_s")
+                    "store_capacity_bytes", "store_read_timeout_s", "tensor_parallel_size", "rank_timeout_s")
         for name in positive:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelArgs
-from .model import Experts, Rope, Transformer, swiglu
+from .model import SINGLE, Experts, Rope, Shard, Transformer, swiglu
 from .quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
+from .sharding import shard_state, split_shared
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
 EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
@@ -62,13 +64,16 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def read_tensors(files: list[Path], rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the files by name; `rename` may rename one or skip it (None: never read)."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
-                    out[k] = sf.get_tensor(k)
+                    name = rename(k) if rename else k
+                    if name is not None:
+                        out[name] = sf.get_tensor(k)
         except Exception as e:  # safetensors raises several untyped errors on a bad header
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
     return out
@@ -94,6 +99,18 @@ def to_model_state(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
         state[name] = torch.stack([per_expert[i] for i in range(n)])
     return state
+
+
+def owned_experts(first: int, count: int) -> Callable[[str], str | None]:
+    """Expert parallelism at read time: per-expert tensors of experts [first, first + count)
+    renamed to local indices, the others never read (the routed experts are most of the bytes)."""
+    def rename(name: str) -> str | None:
+        m = EXPERT.match(canonical_name(name))
+        if m is None:
+            return name
+        e = int(m[2]) - first
+        return f"{m[1]}.{e}.{m[3]}.{m[4]}" if 0 <= e < count else None
+    return rename
 
 
 def mtp_layer_count(state: dict[str, torch.Tensor]) -> int:
@@ -154,11 +171,13 @@ def _quant_experts(path: str, module: Experts, state: dict, fmt: QuantFormat | N
         else:
             check_fp8(f"{path}.{w}", q, s, fmt.block, shape[-2:])
         weights[w] = (q, s)
-    return QuantExperts(weights, fmt, module.limit, swiglu)
+    return QuantExperts(weights, fmt, module.limit, swiglu, module.first)
 
 
 def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu",
-               kernel_backend: str = "auto") -> tuple[ModelArgs, Transformer]:
+               kernel_backend: str = "auto", shard: Shard = SINGLE) -> tuple[ModelArgs, Transformer]:
+    """The checkpoint as a Transformer; under tensor parallelism (`shard.size` > 1) only this
+    rank's part of each split tensor (workers/sharding.py) is kept."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
@@ -173,9 +192,16 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     dtype_name = dtype or args.torch_dtype
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r}; use one of {sorted(DTYPES)}")
-    state = to_model_state(read_tensors(weight_files(model_dir)))
+    rename = None
+    if shard.size > 1 and shard.expert_parallel:
+        rename = owned_experts(shard.rank * shard.part(args.n_routed_experts), shard.part(args.n_routed_experts))
+    state = to_model_state(read_tensors(weight_files(model_dir), rename))
+    if shard.size > 1:
+        shard.split_shared = split_shared(state, shard.size, fmt)
+        state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt,
+                            whole=args.n_routed_experts)
     with torch.device("meta"):
-        model = Transformer(args, kernel_backend, mtp_layer_count(state))
+        model = Transformer(args, kernel_backend, mtp_layer_count(state), shard)
     try:
         quantized = install_quantized(model, state, fmt)
     except QuantFormatError as e:
