@@ -35,7 +35,12 @@ class _Worker:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.worker_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = AsyncEngine(config.pool_engine(getattr(config, self.POOL), self.worker_id))
+        pool = getattr(config, self.POOL)
+        self.launcher = None
+        if pool.tensor_parallel_size > 1:     # ranks 1..N-1: actors in this replica's placement group
+            from .ranks import RayRankLauncher
+            self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
+        self.engine = AsyncEngine(config.pool_engine(pool, self.worker_id), launcher=self.launcher)
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
         e = self.engine.engine
         self.layout_id = hashlib.sha256(repr((e.layout, str(e.cache.layers[0].ring.dtype))).encode()).hexdigest()[:16]
@@ -64,6 +69,8 @@ class _Worker:
     def check_health(self) -> None:
         if self.engine.dead is not None:
             raise RuntimeError(f"engine loop died: {self.engine.dead!r}")
+        if self.launcher is not None:     # a rank that died while the engine idles
+            self.launcher.check()
 
     def stats(self, hint: RouteHint | None = None) -> WorkerStats:
         """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`)."""
