@@ -40,7 +40,8 @@ class _Worker:
         if pool.tensor_parallel_size > 1:     # ranks 1..N-1: actors in this replica's placement group
             from .ranks import RayRankLauncher
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
-        self.engine = AsyncEngine(config.pool_engine(pool, self.worker_id), launcher=self.launcher)
+        ranks = {"launcher": self.launcher} if self.launcher else {}    # TODO(i10-model merge): always pass
+        self.engine = AsyncEngine(config.pool_engine(pool, self.worker_id), **ranks)
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
         e = self.engine.engine
         self.layout_id = hashlib.sha256(repr((e.layout, str(e.cache.layers[0].ring.dtype))).encode()).hexdigest()[:16]
