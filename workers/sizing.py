@@ -5,7 +5,9 @@ How a replica of `tp` ranks holds the weights (DeepSeek's reference sharding):
 
     split by TP      query heads (attn.wq_b, attn_sink), the grouped output projection
                      (attn.wo_a by group, attn.wo_b by its input), the shared expert (by its
-                     intermediate size), the embedding and the head (by vocabulary)
+                     intermediate size; the loader replicates it instead where a cut would split
+                     an FP8 scale block, which V4's shapes never do up to 8 ranks; counted split
+                     here), the embedding and the head (by vocabulary)
     routed experts   whole experts per rank with expert parallelism, every expert's
                      intermediate size split without it: 1/tp of the bytes either way
     replicated       wq_a, wkv, the norms, compressors and indexers, the router, mHC
@@ -143,7 +145,8 @@ def split_from_config(args: ModelArgs, mtp_layers: int | None = None) -> WeightS
 
 def parallel_problems(args: ModelArgs, tp: int, expert_parallel: bool) -> list[str]:
     """Why `tp` ranks cannot split this model (empty: they can)."""
-    checks = [("num_attention_heads", args.num_attention_heads), ("o_groups", args.o_groups)]
+    checks = [("num_attention_heads", args.num_attention_heads), ("o_groups", args.o_groups),
+              ("vocab_size", args.vocab_size)]
     checks.append(("n_routed_experts", args.n_routed_experts) if expert_parallel
                   else ("moe_intermediate_size", args.moe_intermediate_size))
     return [f"{key} {value} is not divisible by tensor_parallel_size {tp}" for key, value in checks if value % tp]
