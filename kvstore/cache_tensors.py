@@ -136,6 +136,11 @@ class CacheTensors:
             for t in lc.tails.values():
                 t[dst].copy_(t[src])
 
+    def write_ring_rows(self, slots: torch.Tensor, rows: torch.Tensor, values: list[torch.Tensor]) -> None:
+        """Put back window-ring rows (speculative rollback): values[layer] [N, D] at (slots, rows)."""
+        for lc, v in zip(self.layers, values):
+            lc.ring[slots, rows] = v
+
     def block_state(self, block: int) -> dict[str, torch.Tensor]:
         """Copies of one block's tensors across layers, named '{layer}.{field}'."""
         return {f"{i}.{name}": t[block].to("cpu", copy=True)

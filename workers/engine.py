@@ -45,7 +45,11 @@ from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, m
 from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
-from .config import ConfigError
+from .config import ConfigError, ModelArgs
+from .collectives import RankFailed
+from .model import SINGLE, Shard
+from .parallel import Leader, LocalProcessLauncher, MirroredCache, RankLauncher
+from .sharding import check_sizes
 from .mtp_draft import MTPDrafter
 from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
@@ -76,6 +80,9 @@ class EngineConfig:
     store_key: str | None = field(default=None, repr=False)   # MAC key for store objects (kvstore.mac)
     require_store: bool = False         # True: a store / index that fails at start-up is fatal
     store_read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
+    tensor_parallel_size: int = 1       # ranks one replica spans (workers/parallel.py); vLLM's name
+    enable_expert_parallel: bool = False   # split routed experts by expert (else by intermediate dim)
+    rank_timeout_s: float = 60.0        # a collective (or rank start-up) longer than this: RankFailed
 
     def __repr__(self) -> str:    # the index URL may carry a password; the store key is never shown
         fields = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self)
@@ -88,11 +95,33 @@ class StoreUnavailable(RuntimeError):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    """With tensor_parallel_size N > 1 this process is rank 0 of N (workers/parallel.py):
+    `launcher` starts the others (default: local processes); close() stops them."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
         self.config = config
         model_dir = Path(config.model) if config.model else ensure_default_model()
         self.model_dir = model_dir
-        self.args, self.model = load_model(model_dir, config.dtype, config.device, config.kernel_backend)
+        self.ranks: Leader | None = None
+        shard = SINGLE
+        if config.tensor_parallel_size != 1:
+            check_sizes(ModelArgs.from_file(model_dir / "config.json"), config.tensor_parallel_size,
+                        config.enable_expert_parallel)
+            if config.speculative_tokens:
+                raise ConfigError(f"speculative_tokens={config.speculative_tokens} (the MTP draft) is not supported "
+                                  f"with tensor_parallel_size={config.tensor_parallel_size} yet")
+            self.ranks = Leader(config, launcher or LocalProcessLauncher())
+            shard = Shard(0, config.tensor_parallel_size, config.enable_expert_parallel, comm=self.ranks.comm)
+        try:
+            self._start(model_dir, shard)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close("rank 0 failed to start")
+            raise
+
+    def _start(self, model_dir: Path, shard: Shard) -> None:
+        config = self.config
+        self.args, self.model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)
         self.tokenizer = load_tokenizer(model_dir)
         dtype = self.model.head.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
@@ -104,12 +133,15 @@ class Engine:
         swa_blocks = self.policy.kind == "full"
         num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs, swa_blocks)
         self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device, swa_blocks)
+        self.raw_cache = self.cache          # what the forward writes; under TP self.cache records calls
+        if self.ranks is not None:
+            self.cache = self.ranks.ready(self.raw_cache)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
         kv = config.kv_cache_dtype    # part of the fingerprint: a bf16 object is never read as fp8
         self.prefix = self._prefix_cache(model_dir, dtype_name if kv == "auto" else f"{dtype_name}/kv:{kv}", swa_blocks)
         self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,
                                    config.max_batched_tokens, on_admit=self._admit, cut=self.prefix.cut)
-        self.runner = ModelRunner(self.model, self.cache, config.device)
+        self.runner = ModelRunner(self.model, self.raw_cache, config.device, self.ranks)
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
         self.seqs: dict[str, Sequence] = {}
@@ -181,6 +213,8 @@ class Engine:
 
     def close(self) -> None:
         self.prefix.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -260,7 +294,9 @@ class Engine:
         if seq.resume is not None and seq.num_computed == 0:
             if not self.scheduler.ensure_blocks(seq, len(seq.prompt)):
                 return False
-            seq.resume.load(self.cache, list(seq.blocks), seq.slot)
+            seq.resume.load(self.raw_cache, list(seq.blocks), seq.slot)
+            if self.ranks is not None:      # a NIXL READ writes rank 0's memory only
+                self.cache.resync(seq.blocks, seq.slot)
             seq.num_computed = len(seq.prompt)
             for i, (token, logprob, top, finish) in seq.siblings:
                 child = self._child(seq, i)
@@ -295,6 +331,18 @@ class Engine:
             self.scheduler.free(seq)
 
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. Under tensor parallelism a rank that died or stalled raises
+        RankFailed (within rank_timeout_s); the engine is unusable after it."""
+        if self.ranks is None:
+            return self._step()
+        self.ranks.check()
+        try:
+            return self._step()
+        except RankFailed as e:
+            self.ranks.failed(e)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()            # admission restores prefixes here
         failed = [self._failure(seq, e) for seq, e in self.scheduler.failed]

@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelArgs
-from .model import Experts, Rope, Transformer, swiglu
+from .model import SINGLE, Experts, Rope, Shard, Transformer, swiglu
 from .quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
+from .sharding import shard_state, split_shared
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
 EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
@@ -154,11 +155,13 @@ def _quant_experts(path: str, module: Experts, state: dict, fmt: QuantFormat | N
         else:
             check_fp8(f"{path}.{w}", q, s, fmt.block, shape[-2:])
         weights[w] = (q, s)
-    return QuantExperts(weights, fmt, module.limit, swiglu)
+    return QuantExperts(weights, fmt, module.limit, swiglu, module.first)
 
 
 def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu",
-               kernel_backend: str = "auto") -> tuple[ModelArgs, Transformer]:
+               kernel_backend: str = "auto", shard: Shard = SINGLE) -> tuple[ModelArgs, Transformer]:
+    """The checkpoint as a Transformer; under tensor parallelism (`shard.size` > 1) only this
+    rank's part of each split tensor (workers/sharding.py) is kept."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
@@ -174,8 +177,11 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r}; use one of {sorted(DTYPES)}")
     state = to_model_state(read_tensors(weight_files(model_dir)))
+    if shard.size > 1:
+        shard.split_shared = split_shared(state, shard.size, fmt)
+        state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt)
     with torch.device("meta"):
-        model = Transformer(args, kernel_backend, mtp_layer_count(state))
+        model = Transformer(args, kernel_backend, mtp_layer_count(state), shard)
     try:
         quantized = install_quantized(model, state, fmt)
     except QuantFormatError as e:

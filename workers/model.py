@@ -11,6 +11,8 @@ H = attention heads, N = hc_mult streams, C = hidden_size.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,12 +21,35 @@ from kernels import KernelOps, get_ops
 from kernels.rope import apply_rope
 from kvstore.cache_tensors import CacheTensors, LayerCache
 
+from .collectives import SingleRank
 from .config import CSA, HCA, SWA, ModelArgs, RopeArgs
-from .quant import grouped_linear
+from .quant import grouped_linear, local_experts
 from .step import StepInput
 
 
 PositionRope = dict[str, tuple[torch.Tensor, torch.Tensor]]   # rope type -> (cos, sin) at step.positions
+
+
+@dataclass
+class Shard:
+    """This rank's part of a tensor-parallel model, as DeepSeek's reference splits it: query
+    heads, output groups, sinks (wq_b column-, wo_a group-, wo_b row-parallel), the vocabulary
+    (embedding and head), and the routed experts (whole experts with `expert_parallel`, else
+    each expert's intermediate dim) are split in `size` parts; the shared expert is split like
+    the experts' intermediate dim when `split_shared`, else replicated and counted on rank 0
+    only; everything else (wq_a, wkv, compressor, indexer, router, mHC, norms) is replicated.
+    Each sublayer's partial output is summed by one all-reduce (`comm`)."""
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False
+    split_shared: bool = True
+    comm: SingleRank = field(default_factory=SingleRank, compare=False, repr=False)
+
+    def part(self, n: int) -> int:
+        return n // self.size
+
+
+SINGLE = Shard()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -159,18 +184,24 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_type: str):
+    """Under tensor parallelism this rank owns heads [r*H/N, (r+1)*H/N) (wq_b rows, sinks) and
+    the output groups they feed (wo_a rows, wo_b columns); forward returns the rank's partial
+    output, summed by the all-reduce at its end. wkv, the compressor and the indexer are
+    replicated: the one K=V head and the cache are the same on every rank."""
+
+    def __init__(self, args: ModelArgs, layer_type: str, shard: Shard = SINGLE):
         super().__init__()
-        self.layer_type, self.args = layer_type, args
-        h, d = args.num_attention_heads, args.head_dim
+        self.layer_type, self.args, self.shard = layer_type, args, shard
+        h, d = shard.part(args.num_attention_heads), args.head_dim
         self.n_heads, self.head_dim, self.window = h, d, args.sliding_window
+        self.n_groups = shard.part(args.o_groups)
         self.wq_a = linear(args.hidden_size, args.q_lora_rank)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
         self.wq_b = linear(args.q_lora_rank, h * d)
         self.wkv = linear(args.hidden_size, d)
         self.norm = RMSNorm(d, args.rms_norm_eps)
-        self.wo_a = linear(h * d // args.o_groups, args.o_groups * args.o_lora_rank)
-        self.wo_b = linear(args.o_groups * args.o_lora_rank, args.hidden_size)
+        self.wo_a = linear(h * d // self.n_groups, self.n_groups * args.o_lora_rank)
+        self.wo_b = linear(self.n_groups * args.o_lora_rank, args.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
         self.ratio = args.ratio(layer_type)
         self.compressor = self.indexer = None
@@ -223,27 +254,32 @@ class Attention(nn.Module):
                                    table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1))
         out = apply_rope(out, cos, -sin)
-        grouped = out.reshape(t, self.args.o_groups, -1)                      # [T, G, H*D/G]
-        return self.wo_b(grouped_linear(self.wo_a, grouped))                  # wo_a: [G*R, H*D/G]
+        grouped = out.reshape(t, self.n_groups, -1)                           # [T, G, H*D/G]
+        return self.shard.comm.all_reduce(self.wo_b(grouped_linear(self.wo_a, grouped)))   # wo_a: [G*R, H*D/G]
 
 
 class Experts(nn.Module):
-    """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down)."""
+    """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down). Under tensor
+    parallelism E is this rank's experts [first, first + E) (expert parallelism) or I its
+    part of every expert's intermediate dim; forward returns the rank's partial sum."""
 
-    def __init__(self, n: int, dim: int, inter: int, limit: float):
+    def __init__(self, n: int, dim: int, inter: int, limit: float, first: int | None = None):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
         self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
         self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
-        self.limit = limit
+        self.limit, self.first = limit, first
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, C], idx/weights [T, K] -> [T, C]. The (token, pick) rows are sorted by expert
         and run as one grouped matmul per projection (a fixed op count whatever T is)."""
+        idx = local_experts(idx, self.first, self.w1.shape[0])
         if not grouped_mm_runs(x):
             return self.forward_looped(x, idx, weights)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
+        if self.first is not None:                       # picks other ranks own sort first: drop them
+            order, flat = order[int((flat < 0).sum()):], flat[flat >= 0]
         tok = order // idx.shape[1]
         offs = torch.cumsum(torch.bincount(flat, minlength=self.w1.shape[0]), 0).to(torch.int32)
         xs = x[tok]
@@ -255,6 +291,8 @@ class Experts(nn.Module):
     def forward_looped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
+            if e < 0:
+                continue
             tok, k = torch.where(idx == e)
             h = swiglu(F.linear(x[tok], self.w1[e]), F.linear(x[tok], self.w3[e]), self.limit)
             out.index_add_(0, tok, (F.linear(h, self.w2[e]) * weights[tok, k, None]).to(out.dtype))
@@ -308,15 +346,27 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, hashed: bool):
+    """The router is replicated; routed and shared experts give this rank's partial output,
+    summed by one all-reduce for both (see `Shard`)."""
+
+    def __init__(self, args: ModelArgs, hashed: bool, shard: Shard = SINGLE):
         super().__init__()
+        self.shard = shard
+        e, inter = args.n_routed_experts, args.moe_intermediate_size
         self.gate = Gate(args, hashed)
-        self.experts = Experts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
-        self.shared_experts = SharedExpert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+        if shard.expert_parallel:
+            self.experts = Experts(shard.part(e), args.hidden_size, inter, args.swiglu_limit, shard.rank * shard.part(e))
+        else:
+            self.experts = Experts(e, args.hidden_size, shard.part(inter), args.swiglu_limit)
+        shared = shard.part(inter) if shard.split_shared else inter
+        self.shared_experts = SharedExpert(args.hidden_size, shared, args.swiglu_limit)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x, tokens)
-        return self.experts(x, idx, w) + self.shared_experts(x)
+        y = self.experts(x, idx, w)
+        if self.shard.split_shared or self.shard.rank == 0:      # a replicated shared expert counts once
+            y = y + self.shared_experts(x)
+        return self.shard.comm.all_reduce(y)
 
 
 def hc_weights(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -338,12 +388,12 @@ def hc_weights(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_type: str, mlp_type: str):
+    def __init__(self, args: ModelArgs, layer_type: str, mlp_type: str, shard: Shard = SINGLE):
         super().__init__()
         self.args = args
         n, c = args.hc_mult, args.hidden_size
-        self.attn = Attention(args, layer_type)
-        self.ffn = MoE(args, mlp_type == "hash_moe")
+        self.attn = Attention(args, layer_type, shard)
+        self.ffn = MoE(args, mlp_type == "hash_moe", shard)
         self.attn_norm, self.ffn_norm = RMSNorm(c, args.rms_norm_eps), RMSNorm(c, args.rms_norm_eps)
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * c)))
@@ -369,8 +419,8 @@ class MTPLayer(Block):
     with its own final norm and mHC head (the vocabulary head is the main model's). Loaded and
     kept with the model so a speculative-decoding draft can run it; the main forward does not."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, SWA, "moe")
+    def __init__(self, args: ModelArgs, shard: Shard = SINGLE):
+        super().__init__(args, SWA, "moe", shard)
         n, c = args.hc_mult, args.hidden_size
         self.e_proj, self.h_proj = linear(c, c), linear(c, c)
         self.enorm, self.hnorm = RMSNorm(c, args.rms_norm_eps), RMSNorm(c, args.rms_norm_eps)
@@ -396,16 +446,33 @@ def make_ropes(args: ModelArgs, device: str | torch.device = "cpu") -> nn.Module
                               "compress": Rope(args.compress_rope, args.rope_head_dim)})
 
 
+class ParallelEmbedding(nn.Embedding):
+    """Vocabulary-parallel embedding: this rank holds rows [first, first + V/N); tokens outside
+    them embed to zero here and the all-reduce sums the one rank that has each."""
+
+    def __init__(self, vocab: int, dim: int, shard: Shard = SINGLE):
+        super().__init__(shard.part(vocab), dim)
+        self.shard, self.first = shard, shard.rank * shard.part(vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return super().forward(tokens)
+        local = tokens - self.first
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.shard.comm.all_reduce(x)
+
+
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, kernel_backend: str = "auto", mtp_layers: int = 0):
+    def __init__(self, args: ModelArgs, kernel_backend: str = "auto", mtp_layers: int = 0, shard: Shard = SINGLE):
         super().__init__()
-        self.args = args
+        self.args, self.shard = args, shard
         n, c = args.hc_mult, args.hidden_size
-        self.embed = nn.Embedding(args.vocab_size, c)
-        self.layers = nn.ModuleList(Block(args, t, m) for t, m in zip(args.layer_types, args.mlp_layer_types))
-        self.mtp = nn.ModuleList(MTPLayer(args) for _ in range(mtp_layers))
+        self.embed = ParallelEmbedding(args.vocab_size, c, shard)
+        self.layers = nn.ModuleList(Block(args, t, m, shard) for t, m in zip(args.layer_types, args.mlp_layer_types))
+        self.mtp = nn.ModuleList(MTPLayer(args, shard) for _ in range(mtp_layers))
         self.norm = RMSNorm(c, args.rms_norm_eps)
-        self.head = linear(c, args.vocab_size)
+        self.head = linear(c, shard.part(args.vocab_size))           # vocabulary-parallel rows
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * c))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -437,4 +504,4 @@ class Transformer(nn.Module):
         pre = torch.sigmoid(F.linear(flat, head_of.hc_head_fn.float()) * head_of.hc_head_scale.float()
                             + head_of.hc_head_base.float()) + self.args.hc_eps
         h = head_of.norm((pre.unsqueeze(-1) * x).sum(1).to(x.dtype))
-        return self.head(h).float()
+        return self.shard.comm.all_gather_last(self.head(h).float())

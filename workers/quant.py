@@ -130,18 +130,29 @@ def grouped_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
 
 
+def local_experts(idx: torch.Tensor, first: int | None, n: int) -> torch.Tensor:
+    """Expert parallelism: global expert ids [T, K] -> this rank's local ids (experts
+    [first, first + n)), -1 where another rank owns the pick; first None = all are local."""
+    if first is None:
+        return idx
+    local = idx - first
+    return torch.where((local >= 0) & (local < n), local, -1)
+
+
+
 class QuantExperts(nn.Module):
     """Routed experts, quantized: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] dense shapes, stored
     FP4-packed (`fp4`) or block-scaled FP8 (`fp8`); forward as the dense `Experts`."""
 
     def __init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], fmt: QuantFormat, limit: float,
-                 act: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]):
+                 act: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], first: int | None = None):
         super().__init__()
         for w in ("w1", "w2", "w3"):
             q, s = weights[w]
             self.register_parameter(w, nn.Parameter(q, requires_grad=False))
             self.register_parameter(f"{w}_scale", nn.Parameter(s, requires_grad=False))
         self.fmt, self.limit, self.act = fmt, limit, act       # act: the model's clamped SwiGLU
+        self.first = first                                     # expert parallelism: see local_experts
 
     def _proj(self, w: str, e: int, x: torch.Tensor) -> torch.Tensor:
         q, s = getattr(self, w)[e], getattr(self, f"{w}_scale")[e]
@@ -150,10 +161,13 @@ class QuantExperts(nn.Module):
         return quant_kernels(x).fp8_linear(x, q, s, self.fmt.block)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        idx = local_experts(idx, self.first, self.w1.shape[0])
         if x.is_cuda and self.fmt.expert_dtype == "fp4":
             return self._grouped(x, idx, weights)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
+            if e < 0:
+                continue
             tok, k = torch.where(idx == e)
             h = self.act(self._proj("w1", e, x[tok]), self._proj("w3", e, x[tok]), self.limit)
             out.index_add_(0, tok, (self._proj("w2", e, h) * weights[tok, k, None]).to(out.dtype))
@@ -164,6 +178,8 @@ class QuantExperts(nn.Module):
         from kernels.triton_quant import fp4_grouped_linear
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
+        if self.first is not None:                       # picks other ranks own sort first: drop them
+            order, flat = order[int((flat < 0).sum()):], flat[flat >= 0]
         tok = order // idx.shape[1]
         counts = torch.bincount(flat, minlength=self.w1.shape[0])
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])

@@ -11,8 +11,11 @@ from .step import StepInput
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: CacheTensors, device: str = "cpu"):
-        self.model, self.cache, self.device = model, cache, device
+    """`leader` (tensor parallelism, workers/parallel.py): each step goes to the other ranks
+    before rank 0 runs it."""
+
+    def __init__(self, model: Transformer, cache: CacheTensors, device: str = "cpu", leader=None):
+        self.model, self.cache, self.device, self.leader = model, cache, device, leader
 
     def build(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None
               ) -> tuple[StepInput, list[int], list[tuple[int, int]]]:
@@ -20,7 +23,7 @@ class ModelRunner:
         logits come first: per sampled sequence its last real row, then its draft rows), and
         (batch index, position) of each further logits row: prompt positions of sequences that
         asked for prompt logprobs (echo). `drafts` (batch index -> draft tokens) run after that
-        sequence's real tokens. One pass over the batch reads each sequence's scalars and
+        sequence's real tokens. The step's tensors are on the CPU. One pass over the batch reads each sequence's scalars and
         tokens; every per-token and per-block tensor is then built by a few vectorized ops."""
         drafts = drafts or {}
         tokens, blocks, extra_at, extra = [], [], [], []
@@ -48,11 +51,10 @@ class ModelRunner:
         rows = ndrafts[sampled] + 1
         logits_at = torch.cat([(ends[sampled] - rows).repeat_interleave(rows) + _ranks(rows),
                                torch.tensor(extra_at, dtype=torch.long)])
-        d = lambda x: x.to(self.device)  # noqa: E731
-        step = StepInput(tokens=d(torch.tensor(tokens, dtype=torch.long)), positions=d(positions),
-                         q_seq=d(q_seq), starts=d(starts), lengths=d(lengths), slots=d(slots),
-                         block_table=d(table), ring_from=d(ring_from), keep_tokens=d(keep),
-                         logits_at=d(logits_at))
+        step = StepInput(tokens=torch.tensor(tokens, dtype=torch.long), positions=positions,
+                         q_seq=q_seq, starts=starts, lengths=lengths, slots=slots,
+                         block_table=table, ring_from=ring_from, keep_tokens=keep,
+                         logits_at=logits_at)
         return step, sampled.tolist(), extra
 
     def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None,
@@ -60,6 +62,9 @@ class ModelRunner:
         """fp32 logits: 1 + drafts rows per sampled sequence, then one per `extra` (batch index,
         position). With keep_streams the step and the last layer's streams stay in `self.last`."""
         step, sampled, extra = self.build(batch, drafts)
+        if self.leader is not None:
+            self.leader.forward(step)
+        step = step.to(self.device)
         if keep_streams:
             logits, streams = self.model(step, self.cache, keep_streams=True)
             self.last = (step, streams)

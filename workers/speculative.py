@@ -85,9 +85,7 @@ class RingRows:
         """Put back the rows of the rejected drafts (bool mask over the saved rows)."""
         if not bool(rejected.any()):
             return
-        s, r = self.slots[rejected], self.rows[rejected]
-        for lc, saved in zip(self.cache.layers, self.saved):
-            lc.ring[s, r] = saved[rejected]
+        self.cache.write_ring_rows(self.slots[rejected], self.rows[rejected], [saved[rejected] for saved in self.saved])
 
 
 class Speculator:

@@ -6,6 +6,7 @@ over sequences: a layer's work is a fixed number of tensor ops whatever the batc
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,10 @@ class StepInput:
 
     def __post_init__(self) -> None:
         self.cu = torch.nn.functional.pad(torch.cumsum(self.lengths, 0), (1, 0))
+
+    def to(self, device: str | torch.device) -> "StepInput":
+        """The same step with every input tensor on `device` (derived ones rebuilt there)."""
+        return StepInput(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.init})
 
     def windows(self, ratio: int) -> "WindowPlan":
         """The compressor windows of this step at `ratio` (built on first use, shared by layers)."""

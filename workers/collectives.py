@@ -1,0 +1,153 @@
+"""The process groups of one tensor-parallel replica, and the few collectives kvmesh uses.
+
+Two groups over one TCPStore that rank 0 hosts (`tcp://host:port`):
+* `ctrl`: gloo on CPU, rank 0 -> all broadcasts of pickled messages (each step's inputs and
+  cache commands). Followers wait on it while the engine idles, so its timeout is long; a
+  dead rank 0 still ends the wait at once (the TCP pair closes).
+* `dev`: the model's reductions (gloo on CPU, NCCL on CUDA), bounded by `timeout_s`: a rank
+  that died or stalls turns into `RankFailed` within that time, never a hang.
+
+`SingleRank` is the same interface for TP=1 (every collective is the identity), so the model
+has one code path. Every collective's wall time is summed in `stats` (the benchmark's
+collectives-vs-compute split); on CUDA that needs `sync_timing` (a synchronize per op).
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+
+IDLE_TIMEOUT = datetime.timedelta(days=30)    # ctrl group: followers wait this long between steps
+
+
+class RankFailed(RuntimeError):
+    """A rank of this replica died, or a collective timed out: the engine cannot go on."""
+
+
+class SingleRank:
+    """TP=1: rank 0 of 1; collectives are the identity."""
+    rank, size = 0, 1
+
+    def __init__(self) -> None:
+        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class Collectives(SingleRank):
+    """Rank `rank` of a `size`-rank replica (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, init_method: str, device: str, timeout_s: float,
+                 store: dist.TCPStore | None = None):
+        super().__init__()
+        self.rank, self.size, self.device, self.sync_timing = rank, size, torch.device(device), False
+        host, port = parse_init_method(init_method)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            self.store = store or dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+            self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", self.store), rank, size, IDLE_TIMEOUT)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
+            else:
+                self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev", self.store), rank, size, timeout)
+        except RuntimeError as e:
+            raise RankFailed(f"rank {rank}/{size}: the process group at {init_method} did not form "
+                             f"within {timeout_s:g} s ({e})") from e
+
+    @staticmethod
+    def host_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
+        """Rank 0: the rendezvous store on a free port of `host` (`init_method(store)` names it)."""
+        return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
+    # ---- the model's reductions -------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place."""
+        self._run(lambda: self.dev.allreduce([x]), x.numel() * x.element_size())
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x concatenated along the last dim (rank order): vocab-parallel logits."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._run(lambda: self.dev.allgather([parts], [x.contiguous()]), x.numel() * x.element_size() * self.size)
+        return torch.cat(parts, -1)
+
+    def _run(self, op, nbytes: int) -> None:
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            op().wait()
+            if self.sync_timing and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except RuntimeError as e:     # gloo / NCCL report a dead peer or a timeout this way
+            raise RankFailed(f"rank {self.rank}: a collective failed: a rank died or stalled ({e})") from e
+        self.stats["collectives"] += 1
+        self.stats["collective_bytes"] += nbytes
+        self.stats["collective_s"] += time.perf_counter() - t0
+
+    # ---- control messages (rank 0 -> all) -------------------------------------------------------
+    def send(self, message: object) -> None:
+        """Rank 0: broadcast a picklable message (tensors in it travel as CPU bytes)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        self._ctrl(torch.tensor([data.numel()], dtype=torch.long))
+        self._ctrl(data)
+
+    def recv(self) -> object:
+        """Followers: the next message rank 0 broadcast."""
+        n = torch.zeros(1, dtype=torch.long)
+        self._ctrl(n)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self._ctrl(data)
+        return pickle.loads(data.numpy().tobytes())
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's picklable `obj`, in rank order, on every rank (start-up status)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        self._wait(self.ctrl.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.long)]))
+        width = int(max(sizes))
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self._wait(self.ctrl.allgather([parts], [padded]))
+        return [pickle.loads(p[:int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+    def _ctrl(self, t: torch.Tensor) -> None:
+        self._wait(self.ctrl.broadcast(t, 0))
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RankFailed(f"rank {self.rank}: the control channel failed: a rank died ({e})") from e
+
+    def close(self) -> None:
+        for name in ("dev", "ctrl"):
+            pg = self.__dict__.pop(name, None)
+            if pg is not None and hasattr(pg, "shutdown"):
+                try:
+                    pg.shutdown()
+                except RuntimeError:
+                    pass
+
+
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    if not init_method.startswith("tcp://") or ":" not in init_method[6:]:
+        raise ValueError(f"init_method {init_method!r}: expected tcp://host:port")
+    host, _, port = init_method[6:].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def init_method(host: str, store: dist.TCPStore) -> str:
+    return f"tcp://[{host}]:{store.port}" if ":" in host else f"tcp://{host}:{store.port}"

@@ -1,0 +1,263 @@
+"""One engine across several ranks (tensor / expert parallelism), the rank-0-leads protocol.
+
+    Engine(EngineConfig(tensor_parallel_size=2))        # rank 0 here, rank 1 a spawned process
+
+Rank 0 is the engine: scheduler, prefix cache, store, index, sampling, handoffs. Every rank
+holds its shard of the model (`model.Shard`) and a **full, identical copy of the cache**:
+V4's compressed KV, indexer keys and SWA ring are shared by all query heads, so nothing in the
+cache splits by head, and store objects, prefix hashes and handoffs are the same whatever the
+parallel size (rank 0 persists and hands off its copy).
+
+The copies stay identical because every write to the cache is either
+* the forward itself (every rank runs it on the same `StepInput`), or
+* a `CacheTensors` call rank 0 makes outside the forward (restore loads, reset / copy / load of
+  a slot, forks, speculative rollback, handoff loads). Rank 0's engine sees the cache through
+  `MirroredCache`, which applies each such call and records it; the list goes to the other
+  ranks with the next step, which apply it before running the forward.
+
+    rank 0:   schedule (restores: recorded) ─ send Step(ops, step) ─ forward ─ sample
+    rank k:                                   recv Step ─ apply ops ─ forward (its shard)
+
+A rank that dies or stalls turns the next collective (or `RankLauncher.check`) into
+`RankFailed` within `rank_timeout_s`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvstore.cache_tensors import CacheTensors
+from kvstore.layout import CacheLayout
+
+from .collectives import Collectives, RankFailed, init_method
+from .step import StepInput
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
+
+__all__ = ["ParallelConfig", "RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
+           "MirroredCache", "Leader"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's names; EngineConfig carries the same two fields."""
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+
+class RankLauncher(Protocol):
+    """Starts the ranks 1..N-1 of one replica (a local process each, or Ray actors)."""
+    host: str      # the address rank 0 binds the process group on (its node IP)
+
+    def start(self, world_size: int, init_method: str, config: "EngineConfig") -> None:
+        """Start ranks 1..world_size-1; each runs run_rank(rank, world_size, init_method, config)."""
+
+    def check(self) -> None:
+        """Raise RankFailed if a rank has died."""
+
+    def stop(self) -> None:
+        """Stop every rank (idempotent)."""
+
+
+class LocalProcessLauncher:
+    """Ranks as `spawn` processes on this machine (CUDA: rank r on cuda:r)."""
+    host = "127.0.0.1"
+
+    def __init__(self, threads: int | None = None):
+        self.threads, self.procs = threads, []
+
+    def start(self, world_size: int, init_method: str, config: "EngineConfig") -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(1, world_size):
+            cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
+            p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads),
+                            name=f"kvmesh-rank{rank}", daemon=True)
+            p.start()
+            self.procs.append(p)
+
+    def check(self) -> None:
+        for rank, p in enumerate(self.procs, 1):
+            if not p.is_alive():
+                raise RankFailed(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device on one node: cuda:r for "cuda"; an explicit index or the CPU as given."""
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def _process_main(rank: int, world_size: int, init_method: str, config: "EngineConfig",
+                  threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    run_rank(rank, world_size, init_method, config)
+
+
+# ---- messages from rank 0 (one dataclass per message) ------------------------------------------
+@dataclass(frozen=True)
+class CacheSpec:
+    """Sent once at start-up: the cache every rank allocates (rank 0's sizes, so all agree)."""
+    layout: CacheLayout
+    num_blocks: int
+    num_slots: int
+    swa_blocks: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward: first the cache calls rank 0 made since the last step, in order."""
+    ops: list[tuple[str, tuple]]
+    step: StepInput | None
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str = ""
+
+
+# ---- rank 0 ------------------------------------------------------------------------------------
+class MirroredCache:
+    """Rank 0's cache as the engine sees it: every mutating `CacheTensors` call is applied and
+    recorded (`take()` hands the list over); reads and the tensors pass through. The model's
+    forward writes the real cache directly: every rank runs that one itself."""
+    MUTATORS = ("reset_slot", "copy_block", "copy_slot", "load_block", "load_blocks", "load_packed",
+                "rebuild_slot", "load_slot", "scatter", "write_ring_rows")
+
+    def __init__(self, cache: CacheTensors):
+        self.real, self.ops = cache, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.real, name)
+        if name not in self.MUTATORS:
+            return attr
+
+        def recorded(*args):
+            attr(*args)
+            self.ops.append((name, args))
+        return recorded
+
+    def resync(self, block_ids: list[int], slot: int) -> None:
+        """Blocks and a slot written behind the cache's back (a NIXL READ into its memory):
+        send their bytes as they are now."""
+        self.ops.append(("scatter", (list(block_ids), slot, self.real.gather(block_ids, slot))))
+
+    def take(self) -> list[tuple[str, tuple]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+class Leader:
+    """Rank 0's side of a replica: starts the other ranks, sends them each step."""
+
+    def __init__(self, config: "EngineConfig", launcher: RankLauncher):
+        self.size, self.launcher, self.dead = config.tensor_parallel_size, launcher, None
+        store = Collectives.host_store(launcher.host, self.size, config.rank_timeout_s)
+        method = init_method(launcher.host, store)
+        launcher.start(self.size, method, config)
+        try:
+            self.comm = Collectives(0, self.size, method, config.device, config.rank_timeout_s, store)
+        except BaseException:
+            launcher.stop()
+            raise
+        self.mirror: MirroredCache | None = None
+
+    def ready(self, cache: CacheTensors) -> MirroredCache:
+        """Start-up done on rank 0: tell the ranks the cache sizes, wait until all have loaded
+        their shard and allocated their cache; RankFailed naming a rank that could not."""
+        self.comm.send(CacheSpec(cache.layout, cache.num_blocks, cache.num_slots, cache.swa_blocks))
+        errors = self.comm.gather_objects(None)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise RankFailed("; ".join(f"rank {r} failed to start: {e}" for r, e in bad))
+        self.mirror = MirroredCache(cache)
+        return self.mirror
+
+    def forward(self, step: StepInput) -> None:
+        """Before rank 0 runs `step` (CPU tensors): the other ranks get the pending cache calls
+        and the step."""
+        self.check()
+        try:
+            self.comm.send(Step(self.mirror.take(), step))
+        except RankFailed as e:
+            self.dead = e
+            raise
+
+    def check(self) -> None:
+        if self.dead is not None:
+            raise RankFailed(f"this engine's ranks failed earlier: {self.dead}")
+        try:
+            self.launcher.check()
+        except RankFailed as e:
+            self.dead = e
+            raise
+
+    def failed(self, error: RankFailed) -> None:
+        self.dead = self.dead or error
+
+    def close(self, reason: str = "engine closed") -> None:
+        if self.dead is None:
+            try:
+                self.comm.send(Stop(reason))
+            except RankFailed:
+                pass
+        self.launcher.stop()
+        self.comm.close()
+
+
+# ---- ranks 1..N-1 ------------------------------------------------------------------------------
+def run_rank(rank: int, world_size: int, init_method: str, config: "EngineConfig") -> None:
+    """Rank `rank` of a replica: joins the process group, loads its shard and its own cache
+    replica, then follows rank 0's steps until rank 0 stops it (or dies: then it raises)."""
+    from .default_model import ensure_default_model
+    from .loader import load_model
+    from .model import Shard
+    comm = Collectives(rank, world_size, init_method, config.device, config.rank_timeout_s)
+    try:
+        model, error = None, None
+        try:
+            shard = Shard(rank, world_size, config.enable_expert_parallel, comm=comm)
+            _, model = load_model(config.model or ensure_default_model(), config.dtype, config.device,
+                                  config.kernel_backend, shard)
+        except Exception as e:     # reported to rank 0, which raises it
+            error = f"{type(e).__name__}: {e}"
+            log.error("rank %d: loading failed\n%s", rank, traceback.format_exc())
+        spec = comm.recv()
+        if isinstance(spec, Stop):
+            return
+        cache = None
+        if model is not None:
+            cache = CacheTensors(spec.layout, spec.num_blocks, spec.num_slots, model.head.weight.dtype,
+                                 config.device, spec.swa_blocks)
+        if any(comm.gather_objects(error)):
+            return
+        follow(comm, model, cache, config.device)
+    finally:
+        comm.close()
+
+
+def follow(comm: Collectives, model, cache: CacheTensors, device: str) -> None:
+    while True:
+        msg = comm.recv()
+        if isinstance(msg, Stop):
+            return
+        for name, args in msg.ops:
+            getattr(cache, name)(*args)
+        if msg.step is not None:
+            model(msg.step.to(device), cache)
