@@ -19,6 +19,7 @@ from ray import serve
 
 from kvstore.nixl_transfer import make_agent
 from workers.async_engine import AsyncEngine
+from workers.engine import Engine
 from workers.handoff import Resume
 
 from .config import ServeConfig
@@ -40,8 +41,8 @@ class _Worker:
         if pool.tensor_parallel_size > 1:     # ranks 1..N-1: actors in this replica's placement group
             from .ranks import RayRankLauncher
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
-        ranks = {"launcher": self.launcher} if self.launcher else {}    # TODO(i10-model merge): always pass
-        self.engine = AsyncEngine(config.pool_engine(pool, self.worker_id), **ranks)
+        engine_config = config.pool_engine(pool, self.worker_id)
+        self.engine = AsyncEngine(engine_config, engine=Engine(engine_config, launcher=self.launcher))
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
         e = self.engine.engine
         self.layout_id = hashlib.sha256(repr((e.layout, str(e.cache.layers[0].ring.dtype))).encode()).hexdigest()[:16]

@@ -146,7 +146,10 @@ def test_a_size_that_does_not_divide_the_model_fails_at_replica_start_up(urls, c
     app = build_app(bad)
     late.symlink_to(checkpoint, target_is_directory=True)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=3 does not divide num_attention_heads=4"):
+    with pytest.raises(RuntimeError, match="Deploying application bad failed"):
         serve.run(app, name="bad", route_prefix="/bad")
     print(f"deploy failed after {time.monotonic() - start:.1f}s")
+    status = serve.status().applications["bad"].deployments["Colocated"]
+    assert status.status == "DEPLOY_FAILED"
+    assert "tensor_parallel_size=3 does not divide num_attention_heads=4" in status.message
     serve.delete("bad")
