@@ -1,8 +1,9 @@
 """Tensor-parallel replicas on Ray Serve: a replica of N ranks is the Serve replica (rank 0)
 plus N-1 rank actors in the replica's own placement group.
 
-One Ray cluster for the module, a tiny checkpoint, two apps: disaggregated at `/` (prefill
-TP=2, decode TP=1) and colocated TP=2 at `/colo` (the one whose rank actor is killed).
+One Ray cluster for the module, a tiny checkpoint, two disaggregated apps: at `/` prefill
+TP=2 hands off to decode TP=1, at `/back` prefill TP=1 hands off to decode TP=2 with expert
+parallelism (the pool whose rank actor is killed mid-stream).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from workers.sampling import SamplingParams
 
 NAME = "swa_csa_hca"
 TP2 = {"tensor_parallel_size": 2, "num_cpus": 0.25}
+TP2_EP = {**TP2, "enable_expert_parallel": True}
 KILL_BOUND_S = 90.0          # the client hears the end of its stream within this
 RECOVER_BOUND_S = 120.0      # the pool serves again within this after a rank died
 
@@ -42,7 +44,7 @@ def config(checkpoint, mode: str, **pools):
 def urls(checkpoint):
     with LocalServe(num_cpus=4) as ls:
         yield {"disagg": ls.deploy("disagg", config(checkpoint, "disaggregated", prefill=TP2), "/"),
-               "colo": ls.deploy("colo", config(checkpoint, "colocated", colocated=TP2), "/colo")}
+               "back": ls.deploy("back", config(checkpoint, "disaggregated", decode=TP2_EP), "/back")}
 
 
 def offline(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -71,9 +73,12 @@ def replica_ids(app: str, deployment: str) -> set[str]:
 def test_tp2_prefill_and_tp1_decode_over_http_equal_the_offline_engine(urls, checkpoint):
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 70)]        # within a block, across blocks
     want = offline(checkpoint, prompts, 12)
-    got = [complete(urls["disagg"], p, 12) for p in prompts]
-    assert got == want
-    assert complete(urls["colo"], prompts[1], 12) == want[1]
+    assert [complete(urls["disagg"], p, 12) for p in prompts] == want
+
+
+def test_tp1_prefill_and_tp2_expert_parallel_decode_over_http_equal_the_offline_engine(urls, checkpoint):
+    prompts = [random_prompt(n, seed=n + 1) for n in (9, 40)]
+    assert [complete(urls["back"], p, 12) for p in prompts] == offline(checkpoint, prompts, 12)
 
 
 def test_each_tp2_replica_packs_its_ranks_in_one_placement_group(urls):
@@ -81,24 +86,24 @@ def test_each_tp2_replica_packs_its_ranks_in_one_placement_group(urls):
     assert [a["name"] for a in rank_actors("prefill")] == [f"kvmesh-rank:prefill:{prefill}:1"]
     groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"
               and len(g["bundles"]) == 2 and g["strategy"] == "STRICT_PACK"]
-    assert len(groups) >= 2            # the prefill replica's and the colocated replica's
+    assert len(groups) >= 2            # one per TP=2 replica: /'s prefill and /back's decode
     assert all(b == {"CPU": 0.25} for g in groups for b in g["bundles"].values())
-    assert rank_actors("decode") == []         # TP=1: no rank actors, no placement group bundles
+    (decode,) = replica_ids("back", "Decode")
+    assert [a["name"] for a in rank_actors("decode")] == [f"kvmesh-rank:decode:{decode}:1"]   # TP=1 pools: none
 
 
 @pytest.mark.slow
 def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, checkpoint):
     prompt = random_prompt(20, seed=3)
     want = offline(checkpoint, [prompt], 300)[0]
-    (victim_replica,) = replica_ids("colo", "Colocated")
-    (rank,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"] == f"kvmesh-rank:colocated:{victim_replica}:1"]
+    (victim_replica,) = replica_ids("back", "Decode")
+    (rank,) = [a for a in rank_actors("decode") if a["name"] == f"kvmesh-rank:decode:{victim_replica}:1"]
     body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     tokens, errors, killed = [], [], False
     start = time.monotonic()
     with httpx.Client(timeout=httpx.Timeout(KILL_BOUND_S)) as client:
-        with client.stream("POST", f"{urls['colo']}/v1/completions", json=body) as r:
+        with client.stream("POST", f"{urls['back']}/v1/completions", json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -122,13 +127,13 @@ def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, 
         assert tokens == want
     deadline = time.monotonic() + RECOVER_BOUND_S
     while time.monotonic() < deadline:         # Serve replaces the replica: new placement group, new ranks
-        fresh = replica_ids("colo", "Colocated") - {victim_replica}
-        if fresh and serve.status().applications["colo"].deployments["Colocated"].replica_states.get("RUNNING"):
+        fresh = replica_ids("back", "Decode") - {victim_replica}
+        if fresh and serve.status().applications["back"].deployments["Decode"].replica_states.get("RUNNING"):
             break
         time.sleep(0.5)
-    print(f"colocated pool replaced after {time.monotonic() - start:.1f}s: {fresh}")
+    print(f"decode replica replaced after {time.monotonic() - start:.1f}s: {fresh}")
     assert fresh, "Serve did not replace the replica whose rank died"
-    assert complete(urls["colo"], prompt, 8) == want[:8]
+    assert complete(urls["back"], prompt, 8) == want[:8]
 
 
 def test_a_size_that_does_not_divide_the_model_fails_before_deploying(urls, checkpoint):

@@ -50,3 +50,12 @@ def test_prefill_and_decode_sizes_differ_and_are_validated(tmp_path):
         load_config(None, {"decode.tensor_parallel_size": 2, "decode.num_cpus": 0})
     with pytest.raises(ConfigFileError, match="extra"):
         load_config(None, {"decode.tensor_parallel": 2})
+
+
+def test_each_pool_engine_gets_its_own_parallel_sizes():
+    config = load_config(None, {"prefill.tensor_parallel_size": 2, "prefill.num_cpus": 1,
+                                "decode.enable_expert_parallel": True})
+    prefill, decode = config.pool_engine(config.prefill), config.pool_engine(config.decode)
+    assert (prefill.tensor_parallel_size, prefill.enable_expert_parallel) == (2, False)
+    assert (decode.tensor_parallel_size, decode.enable_expert_parallel) == (1, True)
+    assert config.pool_engine(config.colocated).tensor_parallel_size == 1

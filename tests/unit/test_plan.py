@@ -124,3 +124,19 @@ def test_plan_cli_for_a_released_shape_and_a_checkpoint(dense_dir, capsys):
 def test_plan_with_bad_inputs_exits_2_with_a_message(argv, message, capsys):
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw", [TINY, RELEASED_CONFIGS["V4-Flash"], RELEASED_CONFIGS["V4-Pro"]],
+                         ids=["tiny", "V4-Flash", "V4-Pro"])
+def test_plan_and_the_engine_agree_on_which_sizes_divide_the_model(raw):
+    from workers.config import ConfigError
+    from workers.sharding import check_sizes
+    a = ModelArgs.from_dict(raw)
+    for tp in range(1, 17):
+        for ep in (False, True):
+            try:
+                check_sizes(a, tp, ep)
+                engine_ok = True
+            except ConfigError:
+                engine_ok = False
+            assert engine_ok == (parallel_problems(a, tp, ep) == []), (tp, ep)
