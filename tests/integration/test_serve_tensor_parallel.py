@@ -136,6 +136,21 @@ def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, 
     assert complete(urls["back"], prompt, 8) == want[:8]
 
 
+@pytest.mark.slow
+def test_a_rank_that_dies_while_idle_fails_the_health_check_and_the_replica_is_replaced(urls, checkpoint):
+    (victim_replica,) = replica_ids("disagg", "Prefill")
+    (rank,) = [a for a in rank_actors("prefill") if a["name"] == f"kvmesh-rank:prefill:{victim_replica}:1"]
+    ray.kill(ray.get_actor(rank["name"], namespace=rank["namespace"]), no_restart=True)
+    start, fresh = time.monotonic(), set()
+    while time.monotonic() - start < RECOVER_BOUND_S and not fresh:
+        fresh = replica_ids("disagg", "Prefill") - {victim_replica}
+        time.sleep(0.5)
+    print(f"prefill replica replaced {time.monotonic() - start:.1f}s after its idle rank died")
+    assert fresh, "a dead rank of an idle replica went unnoticed"
+    prompt = random_prompt(30, seed=7)
+    assert complete(urls["disagg"], prompt, 8) == offline(checkpoint, [prompt], 8)[0]
+
+
 def test_a_size_that_does_not_divide_the_model_fails_before_deploying(urls, checkpoint):
     bad = config(checkpoint, "disaggregated", decode={"tensor_parallel_size": 3, "num_cpus": 0.25})
     with pytest.raises(ConfigFileError, match=r"decode\.tensor_parallel_size.*tensor_parallel_size=3.*"
