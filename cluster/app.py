@@ -54,10 +54,9 @@ def check_parallel_sizes(config: ServeConfig) -> None:
         return
     from workers.config import ConfigError, ModelArgs
     from workers.sharding import check_sizes
-    args = ModelArgs.from_file(path)
     for name, pool in sized:
         try:
-            check_sizes(args, pool.tensor_parallel_size, pool.enable_expert_parallel)
+            check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
         except ConfigError as e:
             raise ConfigFileError(f"{name}.tensor_parallel_size: {e}") from None
 

@@ -37,10 +37,6 @@ class _Rank:
     def run(self, rank: int, world_size: int, init_method: str, config) -> None:
         run_rank(rank, world_size, init_method, config)
 
-    def pid(self) -> int:
-        import os
-        return os.getpid()
-
 
 class RayRankLauncher:
     """Starts ranks 1..N-1 of the calling Serve replica in bundles 1..N-1 of its placement group;

@@ -35,7 +35,7 @@ from kvstore.layout import CacheLayout, LayoutParams
 from kvstore.planner import SwaPolicy
 
 from .config import ModelArgs
-from .loader import EXPERT, FP32_PARAM, canonical_name, weight_files
+from .loader import FP32_PARAM, canonical_name, weight_files
 from .quant import QuantFormat
 
 GiB = 1 << 30
