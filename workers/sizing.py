@@ -241,7 +241,8 @@ def format_plan(p: Plan, label: str) -> str:
     rows = [("TP", "EP", "weights/rank GiB", "KV free/rank GiB", "tokens/replica", "max context",
              "requests", "replicas/node", "fits")]
     for f in p.fits:
-        why = "; ".join(f.problems) if f.problems else ("yes" if f.fits else "no: weights exceed the device")
+        why = ("no: TP does not divide " + ", ".join(p.split(" is not")[0] for p in f.problems) if f.problems
+               else "yes" if f.fits else "no: weights exceed the device")
         rows.append((str(f.tp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / GiB:,.1f}",
                      f"{f.free_per_rank / GiB:,.1f}", f"{f.tokens:,}", f"{f.max_context:,}",
                      f"{f.requests_at_context:,}", str(f.replicas_per_node), why))
