@@ -223,28 +223,32 @@ def plan(args: ModelArgs, weights: WeightSplit, device_gib: float, gpus: int, *,
     return Plan(weights, layout, swa_blocks, device, reserve, context, tuple(fits))
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
+
+
 def format_plan(p: Plan, label: str) -> str:
     w, lay = p.weights, p.layout
     kv = lay.params.entry_dtype
-    lines = [f"{label}: {w.params / 1e9:,.1f} B parameters ({w.mtp_params / 1e9:,.1f} B of them MTP; FP4 counted "
-             f"unpacked), weights "
-             f"{w.total / GiB:,.1f} GiB: " + ", ".join(f"{d} {b / GiB:,.1f}" for d, b in
-                                                       sorted(w.by_dtype.items(), key=lambda kv: -kv[1])),
-             f"  split by TP {w.tensor / GiB:,.2f} GiB, routed experts {w.experts / GiB:,.2f} GiB, "
-             f"replicated on every rank {w.replicated / GiB:,.2f} GiB",
+    unit, scale = ("GiB", GiB) if p.device_bytes >= GiB else ("MiB", 1 << 20)
+    lines = [f"{label}: {_count(w.params)} parameters ({_count(w.mtp_params)} of them MTP; FP4 counted unpacked), "
+             f"weights {w.total / scale:,.1f} {unit}: " + ", ".join(
+                 f"{d} {b / scale:,.1f}" for d, b in sorted(w.by_dtype.items(), key=lambda kv: -kv[1])),
+             f"  split by TP {w.tensor / scale:,.2f} {unit}, routed experts {w.experts / scale:,.2f} {unit}, "
+             f"replicated on every rank {w.replicated / scale:,.2f} {unit}",
              f"KV cache ({kv}, block_tokens {lay.block_tokens}): {lay.bytes_per_token():,.1f} B/token compressed"
              + (f", {p.kv_bytes_per_token:,.1f} B/token resident with the `full` policy's SWA K=V"
                 if p.swa_blocks else "") + f"; {lay.slot_bytes:,} B state slot per request; "
              "every rank holds the same cache",
-             f"device {p.device_bytes / GiB:,.1f} GiB, reserve {p.reserve:.0%} for activations / CUDA / NCCL; "
+             f"device {p.device_bytes / scale:,.1f} {unit}, reserve {p.reserve:.0%} for activations / CUDA / NCCL; "
              f"requests at {p.context:,} tokens each", ""]
-    rows = [("TP", "EP", "weights/rank GiB", "KV free/rank GiB", "tokens/replica", "max context",
+    rows = [("TP", "EP", f"weights/rank {unit}", f"KV free/rank {unit}", "tokens/replica", "max context",
              "requests", "replicas/node", "fits")]
     for f in p.fits:
         why = ("no: TP does not divide " + ", ".join(p.split(" is not")[0] for p in f.problems) if f.problems
                else "yes" if f.fits else "no: weights exceed the device")
-        rows.append((str(f.tp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / GiB:,.1f}",
-                     f"{f.free_per_rank / GiB:,.1f}", f"{f.tokens:,}", f"{f.max_context:,}",
+        rows.append((str(f.tp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / scale:,.1f}",
+                     f"{f.free_per_rank / scale:,.1f}", f"{f.tokens:,}", f"{f.max_context:,}",
                      f"{f.requests_at_context:,}", str(f.replicas_per_node), why))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
