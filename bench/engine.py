@@ -34,6 +34,13 @@ Definitions (all times from time.perf_counter):
   * end-to-end tok/s: all generated tokens / wall time from t0 to the last token
   * ratio: kvmesh / reference
 
+With --tensor-parallel-size 1,2 (optionally --enable-expert-parallel) the comparison is
+instead kvmesh against itself at each size, in one run, same prompts: TTFT, decode tok/s,
+end-to-end tok/s and the decode step, and where rank 0's step time goes: inside the model's
+collectives (all-reduce per sublayer, embedding all-reduce, logits all-gather; waiting for the
+slowest rank included), sending each step's message to the other ranks, and the rest
+(compute). Ranks > 0 are local processes with --threads intra-op threads each.
+
 With --quantized the comparison is instead kvmesh against itself on one released-format
 checkpoint (FP8 block-scaled linears, FP4 experts, ~96M parameters, generated here): as
 shipped (weights kept quantized, dequantized just in time) vs the same weights dequantized to
@@ -382,6 +389,60 @@ def quantized_main(args, levels: list[int]) -> int:
     return 0
 
 
+# ---- tensor parallelism -------------------------------------------------------------------------
+def tp_main(args, levels: list[int], sizes: list[int]) -> int:
+    from workers.parallel import LocalProcessLauncher
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    rows, raw, tokens = [], [], {}
+    for size in sizes:
+        engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
+                                     max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
+                                     tensor_parallel_size=size, enable_expert_parallel=args.enable_expert_parallel,
+                                     prefix_reuse=False), launcher=LocalProcessLauncher(args.threads))
+        vocab = engine.args.vocab_size
+        comm = engine.model.shard.comm
+        try:
+            run_kvmesh(engine, make_prompts(max(levels), args.prompt_len, vocab, WARMUP_SEED), args.max_tokens)
+            for i, c in enumerate(levels):
+                runs = []
+                for rep in range(args.repeats):
+                    before, fwd0 = dict(comm.stats), engine.stats["forward_s"]
+                    k, k_tokens = run_kvmesh(engine, make_prompts(c, args.prompt_len, vocab, seed=1000 * i + rep),
+                                             args.max_tokens)
+                    delta = {key: comm.stats[key] - before[key] for key in before}
+                    runs.append((k, delta, engine.stats["forward_s"] - fwd0))
+                    tokens.setdefault((c, rep), {})[size] = k_tokens
+                    print(f"tp={size} c={c} #{rep}: {k.wall_s:.2f}s", file=sys.stderr)
+                k = median_run([r[0] for r in runs])
+                mid = sorted(runs, key=lambda r: r[0].wall_s)[len(runs) // 2]
+                rows.append((size, c, k, *mid[1:]))
+                raw.append({"tp": size, "concurrency": c, "runs": [{**asdict(r[0]), **r[1], "forward_s": r[2]}
+                                                                  for r in runs]})
+        finally:
+            engine.close()
+    same = sum(len(set(map(tuple, by.values()))) == 1 for by in tokens.values())
+    print(f"model: {model_dir}, fp32; prompt {args.prompt_len}, max_tokens {args.max_tokens}; torch threads "
+          f"{args.threads} per rank; expert parallel {args.enable_expert_parallel}; load average "
+          f"{os.getloadavg()[0]:.1f}; greedy tokens equal across sizes in {same}/{len(tokens)} runs\n")
+    print("| TP | c | TTFT ms | decode tok/s | e2e tok/s | step ms (median) | forward s | in collectives | "
+          "collectives / step | KiB reduced / step | step messages | other (compute) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for size, c, k, d, fwd in rows:
+        steps = max(d["messages"], 1)
+        coll = d["collective_s"] / fwd if fwd else 0.0
+        msg = d["message_s"] / fwd if fwd else 0.0
+        print(f"| {size} | {c} | {k.ttft_mean_s * 1e3:.0f} | {k.decode_tok_s:.1f} | {k.e2e_tok_s:.1f} | "
+              f"{k.step_ms or float('nan'):.1f} | {fwd:.2f} | {coll:.0%} | {d['collectives'] / steps:.0f} | "
+              f"{d['collective_bytes'] / steps / 1024:.0f} | {msg:.0%} | {1 - coll - msg:.0%} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(model_dir), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                               "threads_per_rank": args.threads, "load_average": os.getloadavg(),
+                               "expert_parallel": args.enable_expert_parallel, "runs": raw}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the built-in default model)")
@@ -398,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only kvmesh's decode step time per batch size (no reference; sizes interleaved)")
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="also measure speculative decoding with K drafts per step (oracle and wrong drafts)")
+    parser.add_argument("--tensor-parallel-size", metavar="N,M",
+                        help="compare kvmesh at these tensor-parallel sizes (e.g. 1,2) instead of transformers")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="with --tensor-parallel-size: split routed experts by expert")
     parser.add_argument("--quantized", action="store_true",
                         help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
@@ -405,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.quantized:
         return quantized_main(args, levels)
+    if args.tensor_parallel_size:
+        return tp_main(args, levels, [int(n) for n in args.tensor_parallel_size.split(",")])
     model_dir = Path(args.model) if args.model else ensure_default_model()
 
     # a KV budget with room to spare: a preemption would make the run measure something else

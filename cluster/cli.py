@@ -27,6 +27,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fail at start-up when the store or index is unusable (default: run without reuse)")
     p.add_argument("--store-read-timeout-s", type=float, default=10.0,
                    help="a store read slower than this is a miss (default 10)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (local processes; default 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with N > 1: each rank owns n_routed_experts/N whole experts (default: every "
+                        "expert's intermediate dim is split)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -41,6 +46,8 @@ def engine_config(args: argparse.Namespace):
                         max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels,
                         store=args.store, index=args.index, swa_policy=args.swa_policy,
                         kv_cache_dtype=args.kv_cache_dtype, speculative_tokens=args.speculative_tokens,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel,
                         store_capacity_bytes=(args.store_capacity_mb << 20) if args.store_capacity_mb else None)
 
 

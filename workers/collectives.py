@@ -2,10 +2,12 @@
 
 Two groups over one TCPStore that rank 0 hosts (`tcp://host:port`):
 * `ctrl`: gloo on CPU, rank 0 -> all broadcasts of pickled messages (each step's inputs and
-  cache commands). Followers wait on it while the engine idles, so its timeout is long; a
-  dead rank 0 still ends the wait at once (the TCP pair closes).
+  cache commands). Followers wait for the next message while the engine idles, so that one
+  wait has no practical timeout; a dead rank 0 still ends it at once (the TCP pair closes).
 * `dev`: the model's reductions (gloo on CPU, NCCL on CUDA), bounded by `timeout_s`: a rank
   that died or stalls turns into `RankFailed` within that time, never a hang.
+Forming the groups and waiting for every rank to load its shard may take START_TIMEOUT_S
+(a rank that dies meanwhile fails it at once).
 
 `SingleRank` is the same interface for TP=1 (every collective is the identity), so the model
 has one code path. Every collective's wall time is summed in `stats` (the benchmark's
@@ -19,8 +21,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
-IDLE_TIMEOUT = datetime.timedelta(days=30)    # ctrl group: followers wait this long between steps
+IDLE_TIMEOUT = datetime.timedelta(days=30)    # followers wait this long for rank 0's next step
+START_TIMEOUT_S = 600.0                         # ranks spawning and loading their shard
 
 
 class RankFailed(RuntimeError):
@@ -32,7 +36,8 @@ class SingleRank:
     rank, size = 0, 1
 
     def __init__(self) -> None:
-        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}
+        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0,   # the model's
+                      "messages": 0, "message_s": 0.0, "message_bytes": 0}            # rank 0's step messages
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -49,20 +54,21 @@ class Collectives(SingleRank):
         super().__init__()
         self.rank, self.size, self.device, self.sync_timing = rank, size, torch.device(device), False
         host, port = parse_init_method(init_method)
-        timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = timeout = datetime.timedelta(seconds=timeout_s)
+        self.start_timeout = start = datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
         try:
-            self.store = store or dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-            self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", self.store), rank, size, IDLE_TIMEOUT)
+            self.store = store or dist.TCPStore(host, port, size, is_master=False, timeout=start)
+            self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", self.store), rank, size, start)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
             else:
-                self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev", self.store), rank, size, timeout)
+                self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev", self.store), rank, size, start)
         except RuntimeError as e:
             raise RankFailed(f"rank {rank}/{size}: the process group at {init_method} did not form "
-                             f"within {timeout_s:g} s ({e})") from e
+                             f"within {start.total_seconds():g} s ({e})") from e
 
     @staticmethod
     def host_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
@@ -73,13 +79,17 @@ class Collectives(SingleRank):
     # ---- the model's reductions -------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place."""
-        self._run(lambda: self.dev.allreduce([x]), x.numel() * x.element_size())
+        opts = c10d.AllreduceOptions()
+        opts.timeout = self.timeout
+        self._run(lambda: self.dev.allreduce([x], opts), x.numel() * x.element_size())
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dim (rank order): vocab-parallel logits."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._run(lambda: self.dev.allgather([parts], [x.contiguous()]), x.numel() * x.element_size() * self.size)
+        opts = c10d.AllgatherOptions()
+        opts.timeout = self.timeout
+        self._run(lambda: self.dev.allgather([parts], [x.contiguous()], opts), x.numel() * x.element_size() * self.size)
         return torch.cat(parts, -1)
 
     def _run(self, op, nbytes: int) -> None:
@@ -97,22 +107,29 @@ class Collectives(SingleRank):
         self.stats["collective_s"] += time.perf_counter() - t0
 
     # ---- control messages (rank 0 -> all) -------------------------------------------------------
-    def send(self, message: object) -> None:
-        """Rank 0: broadcast a picklable message (tensors in it travel as CPU bytes)."""
+    def send(self, message: object, starting: bool = False) -> None:
+        """Rank 0: broadcast a picklable message (tensors in it travel as CPU bytes);
+        `starting`: the ranks may still be loading (START_TIMEOUT_S)."""
+        t0 = time.perf_counter()
         data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        self._ctrl(torch.tensor([data.numel()], dtype=torch.long))
-        self._ctrl(data)
+        timeout = self.start_timeout if starting else None
+        self._ctrl(torch.tensor([data.numel()], dtype=torch.long), timeout)
+        self._ctrl(data, timeout)
+        self.stats["messages"] += 1
+        self.stats["message_bytes"] += data.numel()
+        self.stats["message_s"] += time.perf_counter() - t0
 
     def recv(self) -> object:
         """Followers: the next message rank 0 broadcast."""
         n = torch.zeros(1, dtype=torch.long)
-        self._ctrl(n)
+        self._ctrl(n, IDLE_TIMEOUT)       # the engine may idle between steps
         data = torch.empty(int(n), dtype=torch.uint8)
         self._ctrl(data)
         return pickle.loads(data.numpy().tobytes())
 
     def gather_objects(self, obj: object) -> list[object]:
-        """Every rank's picklable `obj`, in rank order, on every rank (start-up status)."""
+        """Every rank's picklable `obj`, in rank order, on every rank (start-up status: waits
+        up to START_TIMEOUT_S, the ranks may still be loading)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
         self._wait(self.ctrl.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.long)]))
@@ -123,14 +140,16 @@ class Collectives(SingleRank):
         self._wait(self.ctrl.allgather([parts], [padded]))
         return [pickle.loads(p[:int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
-    def _ctrl(self, t: torch.Tensor) -> None:
-        self._wait(self.ctrl.broadcast(t, 0))
+    def _ctrl(self, t: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
+        opts = c10d.BroadcastOptions()
+        opts.rootRank, opts.timeout = 0, timeout or self.timeout
+        self._wait(self.ctrl.broadcast([t], opts))
 
     def _wait(self, work) -> None:
         try:
             work.wait()
         except RuntimeError as e:
-            raise RankFailed(f"rank {self.rank}: the control channel failed: a rank died ({e})") from e
+            raise RankFailed(f"rank {self.rank}: the control channel failed: a rank died or stalled ({e})") from e
 
     def close(self) -> None:
         for name in ("dev", "ctrl"):

@@ -150,7 +150,7 @@ class MirroredCache:
 
         def recorded(*args):
             attr(*args)
-            self.ops.append((name, args))
+            self.ops.append((name, snapshot(args)))
         return recorded
 
     def resync(self, block_ids: list[int], slot: int) -> None:
@@ -161,6 +161,18 @@ class MirroredCache:
     def take(self) -> list[tuple[str, tuple]]:
         ops, self.ops = self.ops, []
         return ops
+
+
+def snapshot(x):
+    """A copy of a call's arguments as they are now: the caller may reuse its buffers (a
+    store read's rows, a block list that grows) before the next step sends them."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(snapshot(v) for v in x)
+    if isinstance(x, dict):
+        return {k: snapshot(v) for k, v in x.items()}
+    return x
 
 
 class Leader:
@@ -181,7 +193,7 @@ class Leader:
     def ready(self, cache: CacheTensors) -> MirroredCache:
         """Start-up done on rank 0: tell the ranks the cache sizes, wait until all have loaded
         their shard and allocated their cache; RankFailed naming a rank that could not."""
-        self.comm.send(CacheSpec(cache.layout, cache.num_blocks, cache.num_slots, cache.swa_blocks))
+        self.comm.send(CacheSpec(cache.layout, cache.num_blocks, cache.num_slots, cache.swa_blocks), starting=True)
         errors = self.comm.gather_objects(None)
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
@@ -214,7 +226,7 @@ class Leader:
     def close(self, reason: str = "engine closed") -> None:
         if self.dead is None:
             try:
-                self.comm.send(Stop(reason))
+                self.comm.send(Stop(reason), starting=True)
             except RankFailed:
                 pass
         self.launcher.stop()

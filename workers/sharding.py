@@ -124,8 +124,10 @@ def _cut_error(weight: str, state: dict[str, torch.Tensor], dim: int, size: int,
         return None
     block = _block(weight, w, dim, fmt)
     if (n // size) % block:
+        blocks = n // block if n % block == 0 else 0
+        fix = (f"use a tensor_parallel_size that divides {blocks}" if blocks > 1
+               else "it holds less than two whole blocks, so it cannot be split")
         return (f"tensor_parallel_size={size}: {weight} is quantized in blocks of {block} along dim {dim} "
                 f"({n} values); {size} ranks would cut a scale block ({n}/{size} = {n // size} is not a "
-                f"multiple of {block}). Use a tensor_parallel_size that divides {n // block}"
-                + (", or --enable-expert-parallel" if w.dim() == 3 else ""))
+                f"multiple of {block}): {fix}" + (", or use --enable-expert-parallel" if w.dim() == 3 else ""))
     return None

@@ -1,0 +1,197 @@
+"""Tensor / expert parallelism on the CPU (gloo): a TP=2 engine (rank 1 a spawned process)
+equals the TP=1 engine, token for token, on every tiny config: batched, chunked, restored from
+the store under each SWA policy, handed off across sizes, forked, speculated. The cache is
+rank-invariant: what TP=2 stores, TP=1 restores, and the other way round. Bad sizes fail at
+start-up; a rank that dies or stalls gives RankFailed, never a hang.
+
+One TP=2 engine per (config, variant) for the whole module: starting one costs a process spawn."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_tiny_checkpoint
+from tests.quant_checkpoint import quantize_checkpoint
+from workers.config import ConfigError
+from workers.handoff import Resume
+from workers.loader import load_model
+from workers.model import Shard
+from workers.parallel import RankFailed
+from workers.quant import QuantExperts
+from workers.sampling import SamplingParams
+from workers.speculative import OracleDrafter
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
+TOL = 1e-4
+VARIANTS = {"tp2": False, "tp2_ep": True}                         # -> enable_expert_parallel
+POLICIES = ["full", "periodic", "zero"]                           # each (config, variant) gets one, rotating
+
+
+def policy(name: str, variant: str) -> str:
+    kind = POLICIES[(sorted(TINY_CONFIGS).index(name) + list(VARIANTS).index(variant)) % 3]
+    return f"periodic:{2 * BLOCK_TOKENS[name]}" if kind == "periodic" else kind
+
+
+def prompts(name: str) -> dict[str, list[list[int]]]:
+    """A: stored by TP=1 before the TP=2 engine starts; A_ext continues A's first 4 blocks.
+    B: first run at TP=2; B_ext continues them (restored by a TP=1 engine)."""
+    bt = BLOCK_TOKENS[name]
+    a = [random_prompt(4 * bt + 5, seed=1), random_prompt(5 * bt + 1, seed=2)]
+    b = [random_prompt(4 * bt + 3, seed=3), random_prompt(3 * bt, seed=4), random_prompt(7, seed=5)]
+    ext = lambda ps, s: [p[:4 * bt] + random_prompt(9, seed=s + i) for i, p in enumerate(ps)]  # noqa: E731
+    return {"A": a, "A_ext": ext(a, 10), "B": b, "B_ext": ext(b[:1], 20)}
+
+
+def assert_same(outs, refs) -> None:
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert max(abs(x - y) for o, r in zip(outs, refs) for x, y in zip(o.logprobs, r.logprobs)) < TOL
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    name = request.param
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
+    cold = tiny_engine(path, name)           # TP=1, no store: the reference for everything below
+    refs = {k: cold.generate(ps, GREEDY) for k, ps in prompts(name).items()}
+    refs["forks"] = cold.generate(prompts(name)["B"][:1], FORKS)
+    return name, path, refs
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tp2(request, checkpoint, tmp_path_factory):
+    """(name, path, refs, store, TP=2 engine over a store TP=1 wrote A into)."""
+    name, path, refs = checkpoint
+    swa = policy(name, request.param)
+    store = str(tmp_path_factory.mktemp("store"))
+    writer = tiny_engine(path, name, swa_policy=swa, store=store)
+    writer.generate(prompts(name)["A"], GREEDY)
+    writer.close()
+    engine = tiny_engine(path, name, tensor_parallel_size=2, enable_expert_parallel=VARIANTS[request.param],
+                         swa_policy=swa, store=store, max_batched_tokens=3 * BLOCK_TOKENS[name] + 1)
+    yield name, path, refs, store, engine
+    engine.close()
+
+
+def test_tp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_tp2_stored(tp2):
+    name, path, refs, store, engine = tp2
+    ps = prompts(name)
+    out = engine.generate(ps["A_ext"] + ps["B"], GREEDY)      # A_ext from TP=1's store objects, B cold
+    assert all(o.cached_tokens > 0 for o in out[:len(ps["A_ext"])])
+    assert_same(out, refs["A_ext"] + refs["B"])
+    engine.flush()
+    reader = tiny_engine(path, name, swa_policy=engine.config.swa_policy, store=store)
+    again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as TP=2 stored them
+    assert all(o.cached_tokens > 0 for o in again)
+    assert_same(again, refs["B_ext"])
+
+
+def test_tp2_forks_and_speculative_rollback_equal_tp1(tp2):
+    name, _, refs, _, engine = tp2
+    ps = prompts(name)
+    forks = engine.generate(ps["B"][:1], FORKS)
+    assert [o.token_ids for o in forks] == [r.token_ids for r in refs["forks"]]
+    wrong = {tuple(p): [t if i % 3 else (t + 1) % 300 for i, t in enumerate(r.token_ids)]
+             for p, r in zip(ps["B"], refs["B"])}                 # every third draft rejected: ring rollback
+    engine.set_drafter(OracleDrafter(wrong), k=3)
+    try:
+        spec = engine.generate(ps["B"], GREEDY)
+    finally:
+        engine.set_drafter(None)
+    assert engine.stats["draft_tokens"] > engine.stats["accepted_draft_tokens"] > 0
+    assert_same(spec, refs["B"])
+
+
+def _handoff(prefill, decode, prompt, rid):
+    prefill.add_request(rid, prompt, GREEDY, hold_kv=True)
+    first = [o for o in _run(prefill) if o.request_id == rid][-1]
+    assert first.finish_reason == "held"
+    payload = prefill.export_held(rid)
+    prefill.release_held(rid)
+    resume = Resume(first.token_ids[0], first.logprobs[0],
+                    lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens)
+    decode.add_request(rid, prompt, GREEDY, resume=resume)
+    return [o for o in _run(decode) if o.finished][-1]
+
+
+def _run(e):
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    return outs
+
+
+def test_handoff_from_tp2_to_tp1_and_back_equals_tp1(tp2):
+    name, path, refs, _, engine = tp2
+    if name != sorted(TINY_CONFIGS)[0]:
+        pytest.skip("one config is enough: the payload is the same cache for every layer mix")
+    ps, tp1 = prompts(name), tiny_engine(path, name, swa_policy=engine.config.swa_policy)   # same layout
+    assert _handoff(engine, tp1, ps["B"][0], "to-tp1").token_ids == refs["B"][0].token_ids
+    assert _handoff(tp1, engine, ps["B"][1], "to-tp2").token_ids == refs["B"][1].token_ids
+
+
+# ---- start-up errors (no ranks are started for these) --------------------------------------------
+@pytest.mark.parametrize("size, ep, numbers", [
+    (3, False, ["num_attention_heads=4", "o_groups=2", "vocab_size=300", "moe_intermediate_size=32"]),
+    (8, True, ["num_attention_heads=4", "n_routed_experts=4"]),
+    (0, False, ["positive integer"]),
+])
+def test_a_size_that_does_not_divide_the_model_fails_at_start_up_naming_the_numbers(tmp_path, size, ep, numbers):
+    path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        tiny_engine(path, "swa_csa_hca", tensor_parallel_size=size, enable_expert_parallel=ep)
+    assert all(n in str(e.value) for n in numbers), str(e.value)
+    assert time.monotonic() - t0 < 10
+
+
+def test_quantized_weights_shard_with_their_scale_blocks_or_fail_naming_the_tensor(tmp_path):
+    dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca")
+    small = quantize_checkpoint(dense, tmp_path / "small", block=(16, 16), scale_fmt="float", expert_dtype="fp4")
+    with pytest.raises(ConfigError, match=r"experts\.w2 .*blocks of 16.*enable-expert-parallel"):
+        load_model(small, shard=Shard(0, 2, expert_parallel=False))   # FP4 w2: 16 inputs per rank < 32
+    _, model = load_model(small, shard=Shard(1, 2, expert_parallel=True))
+    experts = model.layers[1].ffn.experts
+    assert isinstance(experts, QuantExperts) and experts.w1.shape[0] == 2 and experts.first == 2
+    big = quantize_checkpoint(dense, tmp_path / "big", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+    with pytest.raises(ConfigError, match=r"attn\.(wq_b|wo_a)\.weight is quantized in blocks of 128.*cannot be split"):
+        load_model(big, shard=Shard(0, 2, expert_parallel=True))
+
+
+def test_quantized_tp2_with_expert_parallel_equals_tp1(tmp_path):
+    dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca")
+    q = quantize_checkpoint(dense, tmp_path / "q", block=(16, 16), scale_fmt="float", expert_dtype="fp4")
+    ps = prompts("swa_csa_hca")["B"]
+    ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)   # fp32: sums in another order
+    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert_same(engine.generate(ps, GREEDY), ref)
+    finally:
+        engine.close()
+
+
+# ---- failures -----------------------------------------------------------------------------------
+def test_a_stalled_or_killed_rank_gives_rank_failed_quickly_never_a_hang(tmp_path):
+    path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for how, bound in (("stall", 3.0 + 5), ("kill", 5.0)):
+        engine = tiny_engine(path, "swa_csa_hca", tensor_parallel_size=2, rank_timeout_s=3.0)
+        try:
+            engine.add_request("r", random_prompt(40), long)
+            engine.step()
+            pid = engine.ranks.launcher.procs[0].pid
+            os.kill(pid, signal.SIGSTOP if how == "stall" else signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RankFailed):
+                while engine.has_unfinished():
+                    engine.step()
+            assert time.monotonic() - t0 < bound, how
+            with pytest.raises(RankFailed):           # the engine stays failed
+                engine.step()
+        finally:
+            t0 = time.monotonic()
+            engine.close()
+            assert time.monotonic() - t0 < 15
