@@ -1,4 +1,4 @@
-"""`kvmesh` command line: generate (offline batch), layout, inspect, simulate, store, serve."""
+"""`kvmesh` command line: generate (offline batch), layout, inspect, plan, simulate, store, serve."""
 from __future__ import annotations
 
 import argparse
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     from .simulate_cli import add_simulate_parser
     add_simulate_parser(sub)
+    from .plan_cli import add_plan_parser
+    add_plan_parser(sub)
     try:
         from .serve_cli import add_serve_parser
         add_serve_parser(sub)

@@ -143,6 +143,10 @@ class PoolConfig(_Strict):
     max_queued_requests: int = Field(128, ge=-1, description="beyond this the API answers 503; -1 = no limit")
     engine: EngineOverrides = Field(default_factory=EngineOverrides,
                                     description="engine settings for this pool only (e.g. kv_cache_bytes)")
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "devices per replica: the replica plus N-1 rank actors, each with num_cpus / num_gpus / resources, "
+        "packed on one node (one placement group per replica)"))
+    enable_expert_parallel: bool = Field(False, description="split the routed experts whole across the ranks")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,12 +156,27 @@ class PoolConfig(_Strict):
                              f"{data['kv_cache_mb']}MiB}})")
         return data
 
+    @model_validator(mode="after")
+    def _rank_bundles(self):
+        if self.tensor_parallel_size > 1 and not self.rank_bundle():
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} places one rank per bundle: "
+                             "give the pool num_cpus, num_gpus or resources > 0 so a bundle is not empty")
+        return self
+
+    def rank_bundle(self) -> dict[str, float]:
+        """What one rank (the replica itself for rank 0) reserves in the replica's placement group."""
+        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in bundle.items() if v > 0}
+
     def deployment_options(self, name: str) -> dict[str, Any]:
         opts: dict[str, Any] = dict(
             name=name, max_ongoing_requests=self.max_ongoing_requests,
             max_queued_requests=self.max_queued_requests,
             ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                "resources": dict(self.resources)})
+        if self.tensor_parallel_size > 1:     # bundle 0 is the replica (rank 0), 1..N-1 its rank actors
+            opts["placement_group_bundles"] = [self.rank_bundle() for _ in range(self.tensor_parallel_size)]
+            opts["placement_group_strategy"] = "STRICT_PACK"
         if self.autoscaling:
             opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
@@ -224,7 +243,11 @@ class ServeConfig(_Strict):
         changed = pool.engine.model_dump(exclude_unset=True)
         if changed:
             engine = EngineSettings.model_validate({**engine.model_dump(), **changed})
-        return engine.engine_config(worker_id)
+        config = engine.engine_config(worker_id)
+        if pool.tensor_parallel_size > 1 or pool.enable_expert_parallel:
+            config = dataclasses.replace(config, tensor_parallel_size=pool.tensor_parallel_size,
+                                         enable_expert_parallel=pool.enable_expert_parallel)
+        return config
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:

@@ -18,6 +18,9 @@ from typing import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 
+from workers.async_engine import EngineDeadError
+from workers.parallel import RankFailed
+
 from .limits import prefill_budget_s
 from .messages import Chunk, GenRequest, RouteHint
 from .metrics import Metrics
@@ -34,7 +37,9 @@ class WorkerStalled(RuntimeError):
     """No token arrived within token_timeout_s."""
 
 
-RETRYABLE = (RayActorError, HandoffError, WorkerStalled)
+# a worker process died, a rank of a tensor-parallel worker died (its engine is dead until
+# Serve replaces it), a handoff failed, or no token came in time
+RETRYABLE = (RayActorError, RankFailed, EngineDeadError, HandoffError, WorkerStalled)
 
 
 def continuation(req: GenRequest, sent: list[int]) -> GenRequest:

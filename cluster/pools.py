@@ -36,7 +36,13 @@ class _Worker:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.worker_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = AsyncEngine(config.pool_engine(getattr(config, self.POOL), self.worker_id))
+        pool = getattr(config, self.POOL)
+        self.launcher = None
+        if pool.tensor_parallel_size > 1:     # ranks 1..N-1: actors in this replica's placement group
+            from .ranks import RayRankLauncher
+            self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
+        engine_config = config.pool_engine(pool, self.worker_id)
+        self.engine = AsyncEngine(engine_config, launcher=self.launcher)
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
         self.ray = RayTransport(self.engine.fingerprint, config.handoff.release_timeout_s)
 
@@ -61,6 +67,8 @@ class _Worker:
     def check_health(self) -> None:
         if self.engine.dead is not None:
             raise RuntimeError(f"engine loop died: {self.engine.dead!r}")
+        if self.launcher is not None:     # a rank that died while the engine idles
+            self.launcher.check()
 
     def stats(self, hint: RouteHint | None = None) -> WorkerStats:
         """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`)."""

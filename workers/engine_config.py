@@ -85,10 +85,11 @@ class EngineConfig:
     store_read_timeout_s: float | None = setting(DEFAULT_READ_TIMEOUT_S, "a store read slower than this (s) "
                                                                          "is a miss")
     tensor_parallel_size: int = setting(1, "ranks one replica spans (vLLM's name): heads, output groups, vocabulary "
-                                           "and experts split across them; every rank holds the whole cache")
+                                           "and experts split across them; every rank holds the whole cache",
+                                        serve=False)   # serve: per pool (it sizes the placement group)
     enable_expert_parallel: bool = setting(False, "with tensor_parallel_size N > 1: each rank owns "
                                                   "n_routed_experts/N whole experts (else every expert's "
-                                                  "intermediate dim is split)")
+                                                  "intermediate dim is split)", serve=False)
     rank_timeout_s: float = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
                                           "died or stalled (RankFailed)")
 

@@ -1,0 +1,90 @@
+"""The ranks of a tensor-parallel replica as Ray actors in the replica's own placement group.
+
+    Serve replica = rank 0 (bundle 0): scheduler + engine; hosts the process group on its node IP
+      ├─ _Rank actor, bundle 1: run_rank(1, N, init_method, config)   (blocks until shutdown)
+      └─ ...           bundle N-1
+    placement group: N bundles (PoolConfig.rank_bundle), STRICT_PACK: one node
+
+`RayRankLauncher` is the engine's `RankLauncher` (workers/parallel.py). The rank actors are
+owned by the replica, so they die with it; a rank that dies on its own ends its `run` call,
+which `check()` turns into RankFailed (the engine also hears it as a failed collective).
+The replica then fails its requests, its health check fails and Serve replaces it —
+placement group, ranks and all.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.parallel import RankFailed, run_rank
+
+log = logging.getLogger(__name__)
+CHECK_PERIOD_S = 0.25    # `check` runs before every step; a dead rank also fails the step's collective at once
+
+
+class NoPlacementGroup(RuntimeError):
+    """A tensor-parallel replica was started outside a placement group with a bundle per rank."""
+
+
+@ray.remote(max_restarts=0)
+class _Rank:
+    """One rank r > 0 of a replica: `run` is the rank's whole life."""
+
+    def run(self, rank: int, world_size: int, init_method: str, config) -> None:
+        run_rank(rank, world_size, init_method, config)
+
+
+class RayRankLauncher:
+    """Starts ranks 1..N-1 of the calling Serve replica in bundles 1..N-1 of its placement group;
+    rank r's actor is named `{name}:{r}` (`ray list actors` shows whose rank it is)."""
+
+    def __init__(self, bundle: dict[str, float], name: str):
+        self.bundle, self.name = dict(bundle), name
+        self.host = ray.util.get_node_ip_address()
+        self.actors: list = []
+        self.runs: list = []
+        self._checked = 0.0
+
+    def start(self, world_size: int, init_method: str, config) -> None:
+        pg = get_current_placement_group()
+        if pg is None or len(pg.bundle_specs) < world_size:
+            have = 0 if pg is None else len(pg.bundle_specs)
+            raise NoPlacementGroup(
+                f"tensor_parallel_size {world_size} needs the replica in a placement group of {world_size} "
+                f"bundles (one per rank); it has {have}: deploy the pool through cluster.app "
+                "(PoolConfig.deployment_options sets placement_group_bundles)")
+        b = self.bundle
+        options = dict(num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
+                       resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")})
+        for rank in range(1, world_size):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            actor = _Rank.options(scheduling_strategy=strategy, name=f"{self.name}:{rank}", **options).remote()
+            self.actors.append(actor)
+            self.runs.append(actor.run.remote(rank, world_size, init_method, config))
+
+    def check(self) -> None:
+        """RankFailed if a rank's `run` ended: it died, raised, or returned before `stop`."""
+        if not self.runs or time.monotonic() - self._checked < CHECK_PERIOD_S:
+            return
+        self._checked = time.monotonic()
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        for ref in done:
+            rank = self.runs.index(ref) + 1
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:
+                raise RankFailed(f"rank {rank} of this replica failed: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}") from e
+            raise RankFailed(f"rank {rank} of this replica stopped on its own")
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:      # already gone
+                log.debug("rank actor kill: %s", e)
+        self.actors, self.runs = [], []

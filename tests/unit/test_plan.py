@@ -1,0 +1,142 @@
+"""`kvmesh plan` and workers/sizing.py: weights per rank, KV bytes per token, tokens that fit,
+the TP/EP sizes that divide the model; numbers checked by hand on the tiny config and against
+the released V4 shapes."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cluster.cli import main
+from tests.helpers import TINY_BASE, TINY_CONFIGS, write_tiny_checkpoint
+from tests.quant_checkpoint import quantize_checkpoint
+from workers.config import ModelArgs
+from workers.released import RELEASED_CONFIGS
+from workers.sizing import GiB, parallel_problems, plan, split_from_checkpoint, split_from_config
+
+NAME = "swa_csa_hca"
+TINY = {"model_type": "deepseek_v4", **TINY_BASE, **TINY_CONFIGS[NAME], "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), NAME)
+
+
+def test_tiny_weight_split_by_hand():
+    """float32; vocab 300, hidden 64, 4 heads x 32, q_lora 32, 2 output groups x o_lora 16,
+    4 routed experts x intermediate 32 (and one shared), 3 layers."""
+    split = split_from_config(ModelArgs.from_dict(TINY))
+    per_layer = 32 * 4 * 32 + 4 + (4 * 32 // 2) * (2 * 16) + (2 * 16) * 64 + 3 * 64 * 32   # wq_b sink wo_a wo_b shared
+    assert split.tensor == 4 * (3 * per_layer + 2 * 300 * 64)                                # + embed, head
+    assert split.experts == 4 * 3 * (3 * 4 * 32 * 64)                                     # w1 w2 w3 x 4 experts
+    assert split.per_rank(2) == split.replicated + split.tensor // 2 + split.experts // 2
+    assert split.per_rank(1) == split.total
+
+
+def test_weights_from_config_equal_the_checkpoints_headers(dense_dir):
+    """The meta-device count from config.json alone agrees with the safetensors headers
+    (transformers declares an MTP layer in config.json but saves none)."""
+    from_config = split_from_config(ModelArgs.from_file(dense_dir / "config.json"), mtp_layers=0)
+    from_files = split_from_checkpoint(dense_dir)
+    assert (from_config.replicated, from_config.tensor, from_config.experts, from_config.params) == \
+           (from_files.replicated, from_files.tensor, from_files.experts, from_files.params)
+
+
+@pytest.mark.parametrize("fmt", [dict(block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4"),
+                                 dict(block=(16, 32), scale_fmt="float", expert_dtype="fp8")],
+                         ids=["ue8m0_fp4", "fp32_fp8_experts"])
+def test_quantized_sizes_from_config_equal_the_released_format(dense_dir, tmp_path, fmt):
+    """FP8 linears with block scales, FP4 (or FP8) experts, BF16 embeddings / router /
+    compressors, FP32 norms, one MTP layer: counted as stored, from config.json alone."""
+    quant = quantize_checkpoint(dense_dir, tmp_path / "q", **fmt)
+    from_config = split_from_config(ModelArgs.from_file(quant / "config.json"))
+    from_files = split_from_checkpoint(quant)
+    assert from_files.mtp_params > 0 and from_config.mtp_params == from_files.mtp_params
+    assert (from_config.replicated, from_config.tensor, from_config.experts, from_config.params) == \
+           (from_files.replicated, from_files.tensor, from_files.experts, from_files.params)
+    dense = split_from_config(ModelArgs.from_file(dense_dir / "config.json"), mtp_layers=1)
+    assert from_config.experts < dense.experts * (0.3 if fmt["expert_dtype"] == "fp4" else 0.5)
+
+
+def test_tiny_plan_by_hand():
+    a = ModelArgs.from_dict(TINY)
+    split = split_from_config(a)
+    p = plan(a, split, 0.004, 4, block_tokens=16, swa_policy="zero", context=100, reserve=0.25)
+    # compressed KV per token, float32: CSA (16/4 entries x (32 + 16)) + HCA (16/16 x 32), per 16 tokens
+    block = (16 // 4) * (32 + 16) * 4 + (16 // 16) * 32 * 4
+    assert p.block_bytes == block and p.kv_bytes_per_token == block / 16 == 56
+    assert [(f.tp, f.expert_parallel) for f in p.fits] == [(1, False), (2, False), (2, True), (4, False), (4, True)]
+    for f in p.fits:
+        free = int(0.004 * GiB * 0.75) - split.per_rank(f.tp)
+        blocks = (free - p.layout.slot_bytes) // block
+        assert (f.free_per_rank, f.tokens, f.max_context) == (free, blocks * 16, min(4096, blocks * 16))
+        assert f.requests_at_context == free // (math.ceil(100 / 16) * block + p.layout.slot_bytes)
+        assert f.replicas_per_node == 4 // f.tp and f.fits == (f.tp <= 2)       # o_groups 2
+    full = plan(a, split, 0.004, 4, block_tokens=16, swa_policy="full")
+    assert full.block_bytes > p.block_bytes           # blocks also hold the SWA K=V under `full`
+
+
+def test_sizes_that_do_not_divide_the_model_are_named():
+    a = ModelArgs.from_dict(TINY)
+    assert parallel_problems(a, 2, True) == []
+    assert parallel_problems(a, 3, False) == [
+        "num_attention_heads 4 is not divisible by tensor_parallel_size 3",
+        "o_groups 2 is not divisible by tensor_parallel_size 3",
+        "moe_intermediate_size 32 is not divisible by tensor_parallel_size 3"]
+    assert parallel_problems(a, 8, True)[-1] == "n_routed_experts 4 is not divisible by tensor_parallel_size 8"
+
+
+def test_released_shapes_have_their_published_sizes():
+    """V4-Flash 284 B parameters, V4-Pro 1.6 T (the model cards), plus one MTP layer each;
+    V4-Pro's compressed KV is 9,848 B/token in bf16 (DESIGN §1)."""
+    flash, pro = ({n: split_from_config(ModelArgs.from_dict(RELEASED_CONFIGS[n])) for n in ("V4-Flash", "V4-Pro")}
+                  .values())
+    assert round((flash.params - flash.mtp_params) / 1e9) == 284
+    assert round(pro.params / 1e12, 1) == 1.6
+    a = ModelArgs.from_dict(RELEASED_CONFIGS["V4-Pro"])
+    p = plan(a, pro, 141, 8, swa_policy="zero")
+    assert p.kv_bytes_per_token == 9848
+    fits = {(f.tp, f.expert_parallel): f for f in p.fits}
+    assert fits[(8, True)].fits and not fits[(4, True)].fits and not fits[(1, False)].fits
+    assert fits[(6, True)].problems and "num_attention_heads 128" in fits[(6, True)].problems[0]
+
+
+def test_plan_cli_for_a_released_shape_and_a_checkpoint(dense_dir, capsys):
+    assert main(["plan", "--config", "V4-Pro", "--gpu-memory", "141", "--gpus", "8", "--swa-policy", "zero"]) == 0
+    out = capsys.readouterr().out
+    assert "9,848.0 B/token compressed" in out and "1,598.8 B parameters" in out
+    rows = {tuple(line.split()[:2]): line for line in out.splitlines() if line[:1].isdigit()}
+    assert rows[("8", "on")].endswith("yes") and rows[("1", "off")].endswith("weights exceed the device")
+    assert main(["plan", "--model", str(dense_dir), "--gpu-memory", "1", "--gpus", "2", "--json",
+                 "--kv-cache-dtype", "fp8", "--block-tokens", "16"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["weight_bytes"] == split_from_checkpoint(dense_dir).total
+    assert [s["tp"] for s in got["sizes"]] == [1, 2, 2] and all(s["fits"] for s in got["sizes"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "nowhere.json", "--gpu-memory", "80", "--gpus", "8"], "config.json not found"),
+    (["--config", "V4-Pro", "--gpu-memory", "0", "--gpus", "8"], "--gpu-memory > 0"),
+    (["--config", "V4-Pro", "--gpu-memory", "80", "--gpus", "8", "--block-tokens", "100"], "multiple of"),
+])
+def test_plan_with_bad_inputs_exits_2_with_a_message(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw", [TINY, RELEASED_CONFIGS["V4-Flash"], RELEASED_CONFIGS["V4-Pro"]],
+                         ids=["tiny", "V4-Flash", "V4-Pro"])
+def test_plan_and_the_engine_agree_on_which_sizes_divide_the_model(raw):
+    from workers.config import ConfigError
+    from workers.sharding import check_sizes
+    a = ModelArgs.from_dict(raw)
+    for tp in range(1, 17):
+        for ep in (False, True):
+            try:
+                check_sizes(a, tp, ep)
+                engine_ok = True
+            except ConfigError:
+                engine_ok = False
+            assert engine_ok == (parallel_problems(a, tp, ep) == []), (tp, ep)

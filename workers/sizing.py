@@ -1,0 +1,257 @@
+"""Sizing a replica before deploying it (`kvmesh plan`): weights per rank, KV bytes per
+token, the tokens that fit, the largest context, and the TP / EP sizes that divide the model.
+
+How a replica of `tp` ranks holds the weights (DeepSeek's reference sharding):
+
+    split by TP      query heads (attn.wq_b, attn_sink), the grouped output projection
+                     (attn.wo_a by group, attn.wo_b by its input), the shared expert (by its
+                     intermediate size; the loader replicates it instead where a cut would split
+                     an FP8 scale block, which V4's shapes never do up to 8 ranks; counted split
+                     here), the embedding and the head (by vocabulary)
+    routed experts   whole experts per rank with expert parallelism, every expert's
+                     intermediate size split without it: 1/tp of the bytes either way
+    replicated       wq_a, wkv, the norms, compressors and indexers, the router, mHC
+
+The compressed KV is shared by all heads, so every rank holds the same cache: a replica's
+token capacity is one rank's free memory over the KV bytes per token (not tp times it).
+
+    free per rank   = device memory x (1 - reserve) - weights per rank
+    tokens that fit = free // block bytes x block_tokens - the state slots of the requests
+    largest context = the most tokens one request fits (blocks + one state slot), capped at
+                      max_position_embeddings
+
+Weights come from the safetensors headers (`--model`: bytes as stored, quantized dtypes at
+their size, scales included) or from config.json alone (`--config`): the model built on
+the meta device, each tensor at the size the release stores it (`StoredSize`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.layout import CacheLayout, LayoutParams
+from kvstore.planner import SwaPolicy
+
+from .config import ModelArgs
+from .loader import FP32_PARAM, canonical_name, weight_files
+from .quant import QuantFormat
+
+GiB = 1 << 30
+DEFAULT_RESERVE = 0.10      # of device memory: activations, CUDA context, NCCL buffers, fragmentation
+TP_SPLIT = re.compile(r"(\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)|\.attn\.attn_sink"
+                      r"|\.shared_experts\.w[123]\.(weight|scale)|^(embed|head)\.weight)$")
+ROUTED = re.compile(r"\.ffn\.experts\.")
+# What the release keeps in BF16 although quantization_config is set (tests/quant_checkpoint.py
+# writes the same split); every other 2-D linear weight is FP8 with 128x128 block scales.
+BF16_LINEAR = re.compile(r"(compressor\.(wkv|wgate)|indexer\.weights_proj|ffn\.gate)\.weight$|^(head|embed)\.weight$")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class SizingError(ValueError):
+    """The device cannot hold the model at any size asked for, or the inputs make no sense."""
+
+
+@dataclass
+class WeightSplit:
+    """Weight bytes by how they shard across the ranks of a replica."""
+    replicated: int = 0
+    tensor: int = 0          # split by TP
+    experts: int = 0         # routed experts: split by EP or by TP
+    params: int = 0          # model parameters (FP4 counted unpacked), scales excluded
+    mtp_params: int = 0      # of which in the MTP layers
+    by_dtype: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, nbytes: int, params: int, dtype: str) -> None:
+        if ROUTED.search(name):
+            self.experts += nbytes
+        elif TP_SPLIT.search(name):
+            self.tensor += nbytes
+        else:
+            self.replicated += nbytes
+        self.params += params
+        self.mtp_params += params if name.startswith("mtp.") else 0
+        self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + nbytes
+
+    @property
+    def total(self) -> int:
+        return self.replicated + self.tensor + self.experts
+
+    def per_rank(self, tp: int) -> int:
+        return self.replicated + math.ceil(self.tensor / tp) + math.ceil(self.experts / tp)
+
+
+def split_from_checkpoint(model_dir: str | Path) -> WeightSplit:
+    """From the safetensors headers: every tensor at its stored size (FP32 params, which the
+    loader keeps in float32, at 4 B per element)."""
+    from .inspect import read_header
+    split = WeightSplit()
+    for f in weight_files(Path(model_dir)):
+        for raw, meta in read_header(f).items():
+            if raw == "__metadata__":
+                continue
+            name, elements = canonical_name(raw), math.prod(meta["shape"])
+            start, end = meta["data_offsets"]
+            nbytes = 4 * elements if FP32_PARAM.search(name) else end - start
+            dtype = meta["dtype"]       # I8: FP4 packed two per byte; other integers: hash-routing tables
+            table = dtype.startswith(("I", "U")) and dtype != "I8"
+            params = 0 if name.endswith(".scale") or table else 2 * elements if dtype == "I8" else elements
+            split.add(name, nbytes, params, dtype)
+    return split
+
+
+@dataclass(frozen=True)
+class StoredSize:
+    """Bytes a tensor takes as the release stores it, from its name and shape alone."""
+    quant: QuantFormat | None
+    dtype_bytes: int
+
+    def __call__(self, name: str, shape: tuple[int, ...], is_float: bool) -> tuple[int, str]:
+        n = math.prod(shape)
+        if not is_float:
+            return 8 * n, "I64"                          # hash-routing tables, as loaded
+        if FP32_PARAM.search(name):
+            return 4 * n, "F32"
+        if self.quant is None or len(shape) < 2 or BF16_LINEAR.search(name):
+            return self.dtype_bytes * n, "BF16" if self.dtype_bytes == 2 else f"{8 * self.dtype_bytes}-bit"
+        scale_b = 1 if self.quant.scale_fmt == "ue8m0" else 4
+        *lead, out, inn = shape
+        mats = math.prod(lead)
+        if ROUTED.search(name) and self.quant.expert_dtype == "fp4":      # e2m1 x2 per byte + 1/32 scales
+            return mats * (out * inn // 2 + out * math.ceil(inn / 32) * scale_b), "FP4"
+        bo, bi = self.quant.block
+        return mats * (out * inn + math.ceil(out / bo) * math.ceil(inn / bi) * scale_b), "FP8"
+
+
+def split_from_config(args: ModelArgs, mtp_layers: int | None = None) -> WeightSplit:
+    """From config.json alone: kvmesh's model on the meta device (no memory), with the MTP
+    layers config.json declares (`num_nextn_predict_layers`; the loader keeps them), each
+    tensor sized by `StoredSize`."""
+    import torch
+
+    from .model import Transformer
+    quant = QuantFormat.from_config(args.raw)
+    size = StoredSize(quant, DTYPE_BYTES.get(args.torch_dtype, 2))
+    mtp = int(args.raw.get("num_nextn_predict_layers") or 0) if mtp_layers is None else mtp_layers
+    with torch.device("meta"):
+        model = Transformer(args, mtp_layers=mtp)
+    split = WeightSplit()
+    for name, t in model.state_dict().items():
+        nbytes, dtype = size(name, tuple(t.shape), t.is_floating_point())
+        split.add(name, nbytes, t.numel() if t.is_floating_point() else 0, dtype)
+    return split
+
+
+def parallel_problems(args: ModelArgs, tp: int, expert_parallel: bool) -> list[str]:
+    """Why `tp` ranks cannot split this model (empty: they can)."""
+    checks = [("num_attention_heads", args.num_attention_heads), ("o_groups", args.o_groups),
+              ("vocab_size", args.vocab_size)]
+    checks.append(("n_routed_experts", args.n_routed_experts) if expert_parallel
+                  else ("moe_intermediate_size", args.moe_intermediate_size))
+    return [f"{key} {value} is not divisible by tensor_parallel_size {tp}" for key, value in checks if value % tp]
+
+
+def kv_layout(args: ModelArgs, kv_cache_dtype: str = "auto", block_tokens: int = 128,
+              dtype: str | None = None) -> CacheLayout:
+    dtype = dtype or (args.torch_dtype if args.torch_dtype in DTYPE_BYTES else "bfloat16")
+    return CacheLayout.build(LayoutParams(args.layer_types, args.head_dim, args.index_head_dim, args.csa_ratio,
+                                          args.hca_ratio, args.sliding_window, dtype,
+                                          kv_cache_dtype, args.rope_head_dim), block_tokens)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One replica size on one device type."""
+    tp: int
+    expert_parallel: bool
+    problems: tuple[str, ...]
+    weights_per_rank: int
+    free_per_rank: int               # for the KV cache, after weights and the reserve
+    tokens: int                      # cached tokens a replica holds (one state slot each `context`)
+    max_context: int
+    requests_at_context: int
+    replicas_per_node: int
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and self.max_context > 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    weights: WeightSplit
+    layout: CacheLayout
+    swa_blocks: bool                 # blocks carry SWA K=V (the `full` policy)
+    device_bytes: int
+    reserve: float
+    context: int
+    fits: tuple[Fit, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.resident_block_bytes(self.swa_blocks)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.block_bytes / self.layout.block_tokens
+
+
+def plan(args: ModelArgs, weights: WeightSplit, device_gib: float, gpus: int, *, kv_cache_dtype: str = "auto",
+         context: int | None = None, block_tokens: int = 128, swa_policy: str = "full",
+         reserve: float = DEFAULT_RESERVE) -> Plan:
+    if device_gib <= 0 or gpus < 1 or not 0 <= reserve < 1:
+        raise SizingError(f"need --gpu-memory > 0, --gpus >= 1 and 0 <= reserve < 1 "
+                          f"(got {device_gib}, {gpus}, {reserve})")
+    layout = kv_layout(args, kv_cache_dtype, block_tokens)
+    swa_blocks = SwaPolicy.parse(swa_policy, block_tokens).kind == "full"
+    block_b, slot_b = layout.resident_block_bytes(swa_blocks), layout.slot_bytes
+    device = int(device_gib * GiB)
+    context = context or args.max_position_embeddings
+    per_request = -(-context // block_tokens) * block_b + slot_b
+    fits = []
+    sizes = [d for d in range(1, gpus + 1) if not args.num_attention_heads % d or not args.n_routed_experts % d]
+    for tp in sizes:
+        for ep in (False, True) if tp > 1 else (False,):
+            problems = tuple(parallel_problems(args, tp, ep))
+            w = weights.per_rank(tp)
+            free = max(0, int(device * (1 - reserve)) - w)
+            blocks = max(0, (free - slot_b) // block_b)
+            fits.append(Fit(tp, ep, problems, w, free, blocks * block_tokens,
+                            min(args.max_position_embeddings, blocks * block_tokens),
+                            free // per_request, gpus // tp))
+    return Plan(weights, layout, swa_blocks, device, reserve, context, tuple(fits))
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
+
+
+def format_plan(p: Plan, label: str) -> str:
+    w, lay = p.weights, p.layout
+    kv = lay.params.entry_dtype
+    unit, scale = ("GiB", GiB) if p.device_bytes >= GiB else ("MiB", 1 << 20)
+    lines = [f"{label}: {_count(w.params)} parameters ({_count(w.mtp_params)} of them MTP; FP4 counted unpacked), "
+             f"weights {w.total / scale:,.1f} {unit}: " + ", ".join(
+                 f"{d} {b / scale:,.1f}" for d, b in sorted(w.by_dtype.items(), key=lambda kv: -kv[1])),
+             f"  split by TP {w.tensor / scale:,.2f} {unit}, routed experts {w.experts / scale:,.2f} {unit}, "
+             f"replicated on every rank {w.replicated / scale:,.2f} {unit}",
+             f"KV cache ({kv}, block_tokens {lay.block_tokens}): {lay.bytes_per_token():,.1f} B/token compressed"
+             + (f", {p.kv_bytes_per_token:,.1f} B/token resident with the `full` policy's SWA K=V"
+                if p.swa_blocks else "") + f"; {lay.slot_bytes:,} B state slot per request; "
+             "every rank holds the same cache",
+             f"device {p.device_bytes / scale:,.1f} {unit}, reserve {p.reserve:.0%} for activations / CUDA / NCCL; "
+             f"requests at {p.context:,} tokens each", ""]
+    rows = [("TP", "EP", f"weights/rank {unit}", f"KV free/rank {unit}", "tokens/replica", "max context",
+             "requests", "replicas/node", "fits")]
+    for f in p.fits:
+        why = ("no: TP does not divide " + ", ".join(p.split(" is not")[0] for p in f.problems) if f.problems
+               else "yes" if f.fits else "no: weights exceed the device")
+        rows.append((str(f.tp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / scale:,.1f}",
+                     f"{f.free_per_rank / scale:,.1f}", f"{f.tokens:,}", f"{f.max_context:,}",
+                     f"{f.requests_at_context:,}", str(f.replicas_per_node), why))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(c.rjust(width[i]) if 0 < i < len(r) - 1 else c.ljust(width[i])
+                               for i, c in enumerate(r)).rstrip())
+    return "\n".join(lines)
