@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group_table
 
 from cluster.app import build_app
 from cluster.config import ConfigFileError
-from cluster.testing import LocalServe, small_config
+from tests.local_serve import LocalServe, small_config
 from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
 from workers.engine import Engine
 from workers.sampling import SamplingParams
@@ -36,7 +36,7 @@ def checkpoint(tmp_path_factory):
 
 
 def config(checkpoint, mode: str, **pools):
-    engine = {"model": str(checkpoint), "block_tokens": BLOCK_TOKENS[NAME], "kv_cache_mb": 8}
+    engine = {"model": str(checkpoint), "block_tokens": BLOCK_TOKENS[NAME], "kv_cache_bytes": "8MiB"}
     return small_config(mode, engine=engine, ingress={"token_timeout_s": 20.0}, **pools)
 
 
