@@ -126,3 +126,39 @@ def sse_events(lines: Iterable[str]) -> Iterator:
         if line.startswith("data: "):
             data = line[len("data: "):]
             yield data if data == "[DONE]" else json.loads(data)
+
+
+def stream_and_kill(url: str, body: dict, kill, bound_s: float, after_tokens: int = 5):
+    """Stream a completion from `url` and call `kill()` once `after_tokens` tokens arrived.
+    Returns (tokens, errors, elapsed s); the stream must end within `bound_s`."""
+    import httpx
+    import time
+    tokens, errors, killed = [], [], False
+    start = time.monotonic()
+    with httpx.Client(timeout=httpx.Timeout(bound_s)) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for event in sse_events(r.iter_lines()):
+                if event == "[DONE]":
+                    continue
+                if "error" in event:
+                    errors.append(event["error"])
+                    continue
+                tokens += event["choices"][0]["token_ids"]
+                if len(tokens) >= after_tokens and not killed:
+                    kill()
+                    killed = True
+    elapsed = time.monotonic() - start
+    print(f"stream ended after {elapsed:.1f}s with {len(tokens)} tokens, errors={errors}")
+    assert killed and elapsed < bound_s
+    return tokens, errors, elapsed
+
+
+def assert_clean_end(tokens: list[int], errors: list[dict], want: list[int]) -> None:
+    """A stream whose worker died ends either in a clean OpenAI error after a greedy prefix
+    or, retried, in exactly the greedy stream."""
+    if errors:
+        assert set(errors[0]) == {"message", "type", "param", "code"}
+        assert tokens == want[:len(tokens)]
+    else:
+        assert tokens == want

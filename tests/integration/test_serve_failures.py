@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.helpers import sse_events
+from tests.helpers import assert_clean_end, stream_and_kill
 from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling import SamplingParams
@@ -45,29 +45,11 @@ def test_decode_replica_killed_mid_stream_ends_cleanly_and_the_pool_recovers(url
         [PROMPT], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))[0].token_ids
     body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
-    tokens, errors, killed = [], [], False
     start = time.monotonic()
-    with httpx.Client(timeout=httpx.Timeout(KILL_BOUND_S)) as client:
-        with client.stream("POST", f"{urls['disagg']}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for event in sse_events(r.iter_lines()):
-                if event == "[DONE]":
-                    continue
-                if "error" in event:
-                    errors.append(event["error"])
-                    continue
-                tokens += event["choices"][0]["token_ids"]
-                if len(tokens) >= 5 and not killed:
-                    ray.kill(replica_actor("disagg", "Decode"), no_restart=True)
-                    killed = True
-    elapsed = time.monotonic() - start
-    print(f"stream ended after {elapsed:.1f}s with {len(tokens)} tokens, errors={errors}")
-    assert killed and elapsed < KILL_BOUND_S
-    if errors:      # a clean error: OpenAI's body, after the tokens already sent
-        assert set(errors[0]) == {"message", "type", "param", "code"}
-        assert tokens == want[:len(tokens)]
-    else:           # a completed retry: the continuation is exactly the greedy stream
-        assert tokens == want
+    tokens, errors, _ = stream_and_kill(urls["disagg"], body,
+                                        lambda: ray.kill(replica_actor("disagg", "Decode"), no_restart=True),
+                                        KILL_BOUND_S)
+    assert_clean_end(tokens, errors, want)
     deadline = time.monotonic() + 60
     while running_replicas("disagg", "Decode") < 1 and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -7,7 +7,6 @@ parallelism (the pool whose rank actor is killed mid-stream).
 """
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -19,7 +18,8 @@ from ray.util.placement_group import placement_group_table
 from cluster.app import build_app
 from cluster.config import ConfigFileError
 from tests.local_serve import LocalServe, small_config
-from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
+from tests.helpers import (BLOCK_TOKENS, assert_clean_end, random_prompt, stream_and_kill,
+                           write_tiny_checkpoint)
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 
@@ -100,31 +100,12 @@ def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, 
     (rank,) = [a for a in rank_actors("decode") if a["name"] == f"kvmesh-rank:decode:{victim_replica}:1"]
     body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
-    tokens, errors, killed = [], [], False
     start = time.monotonic()
-    with httpx.Client(timeout=httpx.Timeout(KILL_BOUND_S)) as client:
-        with client.stream("POST", f"{urls['back']}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    errors.append(event["error"])
-                    continue
-                tokens += event["choices"][0]["token_ids"]
-                if len(tokens) >= 5 and not killed:
-                    ray.kill(ray.get_actor(rank["name"], namespace=rank["namespace"]), no_restart=True)
-                    killed = True
-    elapsed = time.monotonic() - start
-    print(f"stream ended after {elapsed:.1f}s with {len(tokens)} tokens, errors={errors}")
-    assert killed and elapsed < KILL_BOUND_S
+    tokens, errors, _ = stream_and_kill(
+        urls["back"], body, lambda: ray.kill(ray.get_actor(rank["name"], namespace=rank["namespace"]),
+                                             no_restart=True), KILL_BOUND_S)
     assert len(tokens) < len(want) or tokens == want
-    if errors:      # a clean error: OpenAI's body, after the tokens already sent
-        assert set(errors[0]) == {"message", "type", "param", "code"}
-        assert tokens == want[:len(tokens)]
-    else:           # a completed retry: the continuation is exactly the greedy stream
-        assert tokens == want
+    assert_clean_end(tokens, errors, want)
     deadline = time.monotonic() + RECOVER_BOUND_S
     while time.monotonic() < deadline:         # Serve replaces the replica: new placement group, new ranks
         fresh = replica_ids("back", "Decode") - {victim_replica}
