@@ -17,10 +17,15 @@ import torch
 import torch.nn.functional as F
 
 
-def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[NB, EPB, D] paged cache -> [B, Emax, D] dense (rows past lengths[b] are garbage)."""
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
+                 max_entries: int | None = None) -> torch.Tensor:
+    """[NB, EPB, D] paged cache -> [B, Emax, D] dense (rows past lengths[b] are garbage).
+    Emax = max(lengths), or the host-known bound `max_entries` (no read-back of lengths)."""
     epb = cache.shape[1]
-    emax = int(lengths.max().item()) if lengths.numel() else 0
+    if max_entries is not None:
+        emax = min(max_entries, block_table.shape[1] * epb)
+    else:
+        emax = int(lengths.max().item()) if lengths.numel() else 0
     nblk = (emax + epb - 1) // epb
     if nblk == 0:
         return cache.new_zeros(block_table.shape[0], 0, cache.shape[-1])
@@ -57,6 +62,7 @@ def sparse_attention(
     scale: float,
     window: int,
     ratio: int,
+    max_entries: int | None = None,    # host-known bound on comp_len (skips reading it back)
 ) -> torch.Tensor:
     """Softmax attention over the SWA window plus the visible compressed entries, with a
     per-head sink in the denominator. Returns [T, H, D] in q's dtype.
@@ -65,8 +71,10 @@ def sparse_attention(
     top-k picks (CSA) or its sequence's entries (HCA)."""
     rows, mask = window_rows(q_pos, q_seq, win_pos, window)
     keys = win_kv[q_seq.unsqueeze(1), rows]                                 # [T, W, D]
-    if comp_cache is not None and comp_len is not None and int(comp_len.max().item()) > 0:
-        comp = gather_paged(comp_cache, block_table, comp_len)              # [B, E, D]
+    n_entries = None if comp_len is None else (
+        max_entries if max_entries is not None else int(comp_len.max().item()))
+    if comp_cache is not None and n_entries:
+        comp = gather_paged(comp_cache, block_table, comp_len, n_entries)   # [B, E, D]
         visible = torch.minimum((q_pos + 1) // ratio, comp_len[q_seq]).unsqueeze(1)
         if topk_idx is not None:
             idx = topk_idx.clamp(min=0)
@@ -149,6 +157,7 @@ def indexer_topk(
     ratio: int,
     topk: int,
     scale: float,
+    max_entries: int | None = None,   # host-known bound on key_len (skips reading it back)
 ) -> torch.Tensor:
     """Lightning-indexer top-k: [T, topk] int64 entry indices, -1 where fewer are visible.
 
@@ -156,9 +165,10 @@ def indexer_topk(
     depend on batch composition or on how a prompt was chunked.
     """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    if q.shape[0] == 0 or int(key_len.max().item()) == 0:
+    n_entries = max_entries if max_entries is not None else (int(key_len.max().item()) if q.shape[0] else 0)
+    if q.shape[0] == 0 or n_entries == 0:
         return out
-    keys = gather_paged(key_cache, block_table, key_len)                   # [B, E, Di]
+    keys = gather_paged(key_cache, block_table, key_len, n_entries)        # [B, E, Di]
     if q.shape[0] == keys.shape[0]:       # one query per sequence (decode): one batched call
         groups = [(torch.arange(q.shape[0], device=q.device), q_seq)]
     else:      # every one-query sequence in one batched call; each prefill chunk against its own keys

@@ -76,6 +76,7 @@ class EngineConfig:
     store_key: str | None = field(default=None, repr=False)   # MAC key for store objects (kvstore.mac)
     require_store: bool = False         # True: a store / index that fails at start-up is fatal
     store_read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
+    cuda_graphs: bool = True            # CUDA only: decode steps replay graphs captured per batch-size bucket
 
     def __repr__(self) -> str:    # the index URL may carry a password; the store key is never shown
         fields = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self)
@@ -112,6 +113,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, config.device)
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
+        if config.cuda_graphs and torch.device(config.device).type == "cuda":
+            self.enable_decode_graphs()
         self.seqs: dict[str, Sequence] = {}
         self.groups: dict[str, list[Sequence]] = {}   # n > 1: every sequence of a request, index order
         self.held: dict[str, Sequence] = {}
@@ -128,6 +131,21 @@ class Engine:
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
                                   f"layer, and {model_dir} has none (no mtp.* weights)")
             self.set_drafter(MTPDrafter(self.model, num_slots))
+
+    def enable_decode_graphs(self, capture: bool = True) -> None:
+        """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
+        CUDA graphs (`capture`; False runs the same path eagerly, which works on any device).
+        Reserves one state slot and one block for the padding rows. A model or cache the path
+        cannot run (see cuda_graphs.graph_blockers) keeps the ordinary path, with a warning."""
+        from .cuda_graphs import DecodeGraphs, graph_blockers
+        blockers = graph_blockers(self.model, self.cache)
+        if blockers:
+            log.warning("decode CUDA graphs off: %s", "; ".join(blockers))
+            return
+        max_blocks = -(-self.max_model_len // self.config.block_tokens)
+        self.runner.graphs = DecodeGraphs(self.model, self.cache, self.config.block_tokens, max_blocks,
+                                          self.slots.allocate(), self.blocks.allocate(),
+                                          self.config.max_num_seqs, self.config.device, capture)
 
     def set_drafter(self, drafter: Drafter | None, k: int | None = None) -> None:
         """Speculative decoding with `drafter` proposing k tokens per step (default

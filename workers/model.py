@@ -106,8 +106,11 @@ class Compressor(nn.Module):
             cos, sin = rope(plan.index * m, x.dtype)
             entries = ops.compress_windows(win_kv, win_gate, self.ape, prev_kv, prev_gate,
                                            self.norm.weight, self.eps, cos, sin, self.overlap)
-            w, b = plan.index[plan.keep], plan.seq[plan.keep]
-            cache.write_entries(field, step.block_table[b, w // epb].long(), w % epb, entries[plan.keep])
+            if plan.padded:   # every row to its own window's entry, invisible until that window closes
+                w, b = plan.index, plan.seq
+            else:
+                w, b, entries = plan.index[plan.keep], plan.seq[plan.keep], entries[plan.keep]
+            cache.write_entries(field, step.block_table[b, w // epb].long(), w % epb, entries)
         plan.write_tail(kv, tail_kv)
         plan.write_tail(gate, tail_gate)
 
@@ -124,14 +127,25 @@ class Compressor(nn.Module):
         first = plan.first.view(-1, 1, 1)
         prev = (torch.where(first, ovl_kv[slots], ca_kv.roll(1, 0)),
                 torch.where(first, ovl_gate[slots], ca_gate.roll(1, 0)))
-        ovl_kv[slots[plan.last]], ovl_gate[slots[plan.last]] = ca_kv[plan.last], ca_gate[plan.last]
+        if plan.padded:      # fixed shapes: a row whose window does not close keeps the old state
+            closes = plan.last.view(-1, 1, 1)
+            ovl_kv[slots], ovl_gate[slots] = torch.where(closes, ca_kv, prev[0]), torch.where(closes, ca_gate, prev[1])
+        else:
+            ovl_kv[slots[plan.last]], ovl_gate[slots[plan.last]] = ca_kv[plan.last], ca_gate[plan.last]
         if f"b{prefix}ovl_kv" in cache.blocks:
             bt = cache.blocks["swa"].shape[1]
             ends = (plan.index + 1) * self.ratio
             at_end = (ends % bt == 0) & plan.keep
-            blocks = step.block_table[plan.seq[at_end], ends[at_end] // bt - 1].long()
-            cache.blocks[f"b{prefix}ovl_kv"][blocks] = ca_kv[at_end]
-            cache.blocks[f"b{prefix}ovl_gate"][blocks] = ca_gate[at_end]
+            names = (f"b{prefix}ovl_kv", f"b{prefix}ovl_gate")
+            if plan.padded:  # each row's own current block; rewritten unchanged unless its window ends it
+                blocks = step.block_table[plan.seq, plan.index * self.ratio // bt].long()
+                for name, ca in zip(names, (ca_kv, ca_gate)):
+                    store = cache.blocks[name]
+                    store[blocks] = torch.where(at_end.view(-1, 1, 1), ca, store[blocks])
+            else:
+                blocks = step.block_table[plan.seq[at_end], ends[at_end] // bt - 1].long()
+                for name, ca in zip(names, (ca_kv, ca_gate)):
+                    cache.blocks[name][blocks] = ca[at_end]
         return prev
 
 
@@ -155,7 +169,7 @@ class Indexer(nn.Module):
         key_len = (step.starts + step.lengths) // m
         keys, table = cache.paged("idx", step.block_table, x.dtype)
         return ops.indexer_topk(q, weights, step.positions, step.q_seq, keys, table,
-                                key_len, m, self.topk, self.head_dim ** -0.5)
+                                key_len, m, self.topk, self.head_dim ** -0.5, max_entries=step.entry_bound(m))
 
 
 class Attention(nn.Module):
@@ -186,13 +200,19 @@ class Attention(nn.Module):
         old_pos = starts.unsqueeze(1) - (w - 1) + back                       # [B, W-1]
         old = ring[slots.unsqueeze(1), old_pos % w]
         old_pos = torch.where(old_pos >= step.ring_from.unsqueeze(1), old_pos, -1)
-        n_max = int(step.lengths.max())
+        n_max = step.longest
         j = torch.arange(n_max)
         rows = (step.cu[:-1].unsqueeze(1) + j).clamp(max=kv.shape[0] - 1)
         new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
         return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
 
     def write_ring(self, kv: torch.Tensor, step: StepInput, cache: LayerCache) -> None:
+        if step.decode:                                      # one new row per sequence: no mask
+            cache.ring[step.slots, step.positions % self.window] = kv
+            if cache.swa is not None:
+                bt = cache.swa.shape[1]
+                cache.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
+            return
         ends = (step.starts + step.lengths)[step.q_seq]
         last = step.positions >= ends - self.window          # only the newest W rows per sequence
         cache.ring[step.slots[step.q_seq[last]], step.positions[last] % self.window] = kv[last]
@@ -221,7 +241,8 @@ class Attention(nn.Module):
         comp, table = cache.paged("comp", step.block_table, x.dtype) if self.compressor else (None, step.block_table)
         out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, comp,
                                    table, comp_len, topk, self.attn_sink,
-                                   self.head_dim ** -0.5, self.window, max(self.ratio, 1))
+                                   self.head_dim ** -0.5, self.window, max(self.ratio, 1),
+                                   max_entries=step.entry_bound(self.ratio) if self.compressor else None)
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.args.o_groups, -1)                      # [T, G, H*D/G]
         return self.wo_b(grouped_linear(self.wo_a, grouped))                  # wo_a: [G*R, H*D/G]
@@ -245,7 +266,8 @@ class Experts(nn.Module):
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
         tok = order // idx.shape[1]
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.w1.shape[0]), 0).to(torch.int32)
+        counts = flat.new_zeros(self.w1.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))   # no host sync
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[tok]
         h = swiglu(F.grouped_mm(xs, self.w1.transpose(1, 2), offs=offs),
                    F.grouped_mm(xs, self.w3.transpose(1, 2), offs=offs), self.limit)

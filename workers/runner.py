@@ -5,6 +5,7 @@ import torch
 
 from kvstore.cache_tensors import CacheTensors
 
+from .cuda_graphs import DecodeGraphs
 from .model import Transformer
 from .sequence import Sequence
 from .step import StepInput
@@ -13,6 +14,7 @@ from .step import StepInput
 class ModelRunner:
     def __init__(self, model: Transformer, cache: CacheTensors, device: str = "cpu"):
         self.model, self.cache, self.device = model, cache, device
+        self.graphs: DecodeGraphs | None = None     # fixed-shape decode steps (CUDA graphs)
 
     def build(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None
               ) -> tuple[StepInput, list[int], list[tuple[int, int]]]:
@@ -49,16 +51,24 @@ class ModelRunner:
         logits_at = torch.cat([(ends[sampled] - rows).repeat_interleave(rows) + _ranks(rows),
                                torch.tensor(extra_at, dtype=torch.long)])
         d = lambda x: x.to(self.device)  # noqa: E731
+        lens = [n + len(drafts.get(b, ())) for b, (_, n) in enumerate(batch)]
+        decode = max(lens) == 1 and all(s.num_computed >= s.keep_tokens for s, _ in batch)
         step = StepInput(tokens=d(torch.tensor(tokens, dtype=torch.long)), positions=d(positions),
                          q_seq=d(q_seq), starts=d(starts), lengths=d(lengths), slots=d(slots),
                          block_table=d(table), ring_from=d(ring_from), keep_tokens=d(keep),
-                         logits_at=d(logits_at))
+                         logits_at=d(logits_at), max_len=max(lens),
+                         max_end=max(s.num_computed + n for s, n in zip((s for s, _ in batch), lens)),
+                         decode=decode)
         return step, sampled.tolist(), extra
 
     def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None,
             keep_streams: bool = False) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
         """fp32 logits: 1 + drafts rows per sampled sequence, then one per `extra` (batch index,
-        position). With keep_streams the step and the last layer's streams stay in `self.last`."""
+        position). With keep_streams the step and the last layer's streams stay in `self.last`.
+        A pure decode batch goes through `self.graphs` when set."""
+        if self.graphs is not None and not drafts and not keep_streams and self.graphs.accepts(batch):
+            logits, sampled = self.graphs.run(batch)
+            return logits, sampled, []
         step, sampled, extra = self.build(batch, drafts)
         if keep_streams:
             logits, streams = self.model(step, self.cache, keep_streams=True)
