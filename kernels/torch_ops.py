@@ -63,25 +63,31 @@ def sparse_attention(
     window: int,
     ratio: int,
     max_entries: int | None = None,    # host-known bound on comp_len (skips reading it back)
+    decode: bool = False,       # one query per sequence (q_seq = arange(B)) at its last win_kv row
 ) -> torch.Tensor:
     """Softmax attention over the SWA window plus the visible compressed entries, with a
     per-head sink in the denominator. Returns [T, H, D] in q's dtype.
 
     Each query gathers only what it may see: its `window` window rows, and either its
-    top-k picks (CSA) or its sequence's entries (HCA)."""
-    rows, mask = window_rows(q_pos, q_seq, win_pos, window)
-    keys = win_kv[q_seq.unsqueeze(1), rows]                                 # [T, W, D]
+    top-k picks (CSA) or its sequence's entries (HCA). A decode query's window rows are
+    its sequence's last `window` rows, in order: no gather."""
+    if decode:
+        keys, mask = win_kv[:, -window:], win_pos[:, -window:] >= 0
+    else:
+        rows, mask = window_rows(q_pos, q_seq, win_pos, window)
+        keys = win_kv[q_seq.unsqueeze(1), rows]                             # [T, W, D]
     n_entries = None if comp_len is None else (
         max_entries if max_entries is not None else int(comp_len.max().item()))
     if comp_cache is not None and n_entries:
-        comp = gather_paged(comp_cache, block_table, comp_len, n_entries)   # [B, E, D]
         visible = torch.minimum((q_pos + 1) // ratio, comp_len[q_seq]).unsqueeze(1)
-        if topk_idx is not None:
+        if topk_idx is not None:       # the picks straight from their pages
             idx = topk_idx.clamp(min=0)
-            entries = comp[q_seq.unsqueeze(1), idx]                         # [T, K, D]
+            epb = comp_cache.shape[1]
+            entries = comp_cache[block_table[q_seq.unsqueeze(1), idx // epb].long(), idx % epb]   # [T, K, D]
             cmask = (topk_idx >= 0) & (topk_idx < visible)
         else:
-            entries = comp[q_seq]                                           # [T, E, D]
+            comp = gather_paged(comp_cache, block_table, comp_len, n_entries)   # [B, E, D]
+            entries = comp if decode else comp[q_seq]                       # [T, E, D]
             cmask = torch.arange(comp.shape[1], device=q.device) < visible
         keys = torch.cat([keys, entries], dim=1)
         mask = torch.cat([mask, cmask], dim=1)
@@ -158,6 +164,7 @@ def indexer_topk(
     topk: int,
     scale: float,
     max_entries: int | None = None,   # host-known bound on key_len (skips reading it back)
+    decode: bool = False,             # one query per sequence (q_seq = arange(B)): no gathers
 ) -> torch.Tensor:
     """Lightning-indexer top-k: [T, topk] int64 entry indices, -1 where fewer are visible.
 
@@ -169,20 +176,21 @@ def indexer_topk(
     if q.shape[0] == 0 or n_entries == 0:
         return out
     keys = gather_paged(key_cache, block_table, key_len, n_entries)        # [B, E, Di]
-    if q.shape[0] == keys.shape[0]:       # one query per sequence (decode): one batched call
-        groups = [(torch.arange(q.shape[0], device=q.device), q_seq)]
+    if decode:                            # rows: (query rows, their keys, their key counts)
+        groups = [(slice(None), keys, key_len)]
+    elif q.shape[0] == keys.shape[0]:     # one query per sequence: one batched call
+        groups = [(torch.arange(q.shape[0], device=q.device), keys[q_seq], key_len[q_seq])]
     else:      # every one-query sequence in one batched call; each prefill chunk against its own keys
         segments = _segments(q_seq)
         singles = [rows for rows in segments if rows.numel() == 1]
-        groups = [(torch.cat(singles), q_seq[torch.cat(singles)])] if singles else []
-        groups += [(rows, None) for rows in segments if rows.numel() > 1]
-    for rows, seqs in groups:
-        if seqs is None:
-            b = int(q_seq[rows[0]])
-            kk = keys[b, :int(key_len[b])].unsqueeze(0).expand(rows.numel(), -1, -1)
-            lim = key_len[b]
-        else:
-            kk, lim = keys[seqs], key_len[seqs]
+        groups = [(rows, keys[q_seq[rows]], key_len[q_seq[rows]]) for rows in
+                  ([torch.cat(singles)] if singles else [])]
+        for rows in segments:
+            if rows.numel() > 1:
+                b = int(q_seq[rows[0]])
+                groups.append((rows, keys[b, :int(key_len[b])].unsqueeze(0).expand(rows.numel(), -1, -1),
+                               key_len[b]))
+    for rows, kk, lim in groups:
         scores = indexer_scores(q[rows], weights[rows], kk, scale)          # [n, E]
         limit = torch.minimum((q_pos[rows] + 1) // ratio, lim)
         visible = torch.arange(scores.shape[1], device=q.device).unsqueeze(0) < limit.unsqueeze(1)

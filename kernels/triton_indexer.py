@@ -94,6 +94,7 @@ def indexer_topk(
     topk: int,
     scale: float,
     max_entries: int | None = None,   # host-known bound on key_len (skips reading it back)
+    decode: bool = False,             # unused: keys are read in place for every query
 ) -> torch.Tensor:
     """Lightning-indexer top-k: [T, topk] int64 entry indices, -1 where fewer are visible.
 

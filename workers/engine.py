@@ -118,6 +118,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.groups: dict[str, list[Sequence]] = {}   # n > 1: every sequence of a request, index order
         self.held: dict[str, Sequence] = {}
+        self._eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size,
                                     sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
@@ -444,9 +445,11 @@ class Engine:
             return "stop"
         return "length" if p.max_tokens == 1 else None
 
-    def _stops(self, p: SamplingParams) -> set[int]:
-        eos = set(self.args.eos_token_ids) | set(self.tokenizer.stop_token_ids)    # config + end-of-turn
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+    def _stops(self, p: SamplingParams) -> frozenset[int]:
+        eos = self._eos
+        if not p.stop_token_ids:     # runs for every token: no set building in the common case
+            return frozenset() if p.ignore_eos else eos
+        return frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
 
     # ---- n > 1: forks share the prompt's blocks -------------------------------------------------
     def _child(self, parent: Sequence, index: int) -> Sequence:

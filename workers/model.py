@@ -169,7 +169,8 @@ class Indexer(nn.Module):
         key_len = (step.starts + step.lengths) // m
         keys, table = cache.paged("idx", step.block_table, x.dtype)
         return ops.indexer_topk(q, weights, step.positions, step.q_seq, keys, table,
-                                key_len, m, self.topk, self.head_dim ** -0.5, max_entries=step.entry_bound(m))
+                                key_len, m, self.topk, self.head_dim ** -0.5, max_entries=step.entry_bound(m),
+                                decode=step.decode)
 
 
 class Attention(nn.Module):
@@ -194,14 +195,18 @@ class Attention(nn.Module):
             self.indexer = Indexer(args)
 
     def window_kv(self, kv: torch.Tensor, step: StepInput, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence: | ring rows for [start-W+1, start) | this step's rows | -> [B, W-1+n_max, D]."""
+        """Per sequence: | ring rows for [start-W+1, start) | this step's rows | -> [B, W-1+n_max, D].
+        A decode step reads all W rows from the ring, its token already written there."""
         w, starts, slots = self.window, step.starts, step.slots
-        back = torch.arange(w - 1)
+        if step.decode:
+            pos = starts.unsqueeze(1) - (w - 1) + torch.arange(w, device=starts.device)   # [B, W], token last
+            return ring[slots.unsqueeze(1), pos % w], torch.where(pos >= step.ring_from.unsqueeze(1), pos, -1)
+        back = torch.arange(w - 1, device=starts.device)
         old_pos = starts.unsqueeze(1) - (w - 1) + back                       # [B, W-1]
         old = ring[slots.unsqueeze(1), old_pos % w]
         old_pos = torch.where(old_pos >= step.ring_from.unsqueeze(1), old_pos, -1)
         n_max = step.longest
-        j = torch.arange(n_max)
+        j = torch.arange(n_max, device=starts.device)
         rows = (step.cu[:-1].unsqueeze(1) + j).clamp(max=kv.shape[0] - 1)
         new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
         return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
@@ -230,8 +235,12 @@ class Attention(nn.Module):
         q = rms_norm(self.wq_b(q_res).view(t, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
-        win_kv, win_pos = self.window_kv(kv, step, cache.ring)
-        self.write_ring(kv, step, cache)
+        if step.decode:
+            self.write_ring(kv, step, cache)
+            win_kv, win_pos = self.window_kv(kv, step, cache.ring)
+        else:
+            win_kv, win_pos = self.window_kv(kv, step, cache.ring)
+            self.write_ring(kv, step, cache)
         topk = comp_len = None
         if self.compressor is not None:
             self.compressor.update(x, step, cache, "", ropes["compress"], ops)
@@ -242,7 +251,8 @@ class Attention(nn.Module):
         out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, comp,
                                    table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1),
-                                   max_entries=step.entry_bound(self.ratio) if self.compressor else None)
+                                   max_entries=step.entry_bound(self.ratio) if self.compressor else None,
+                                   decode=step.decode)
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.args.o_groups, -1)                      # [T, G, H*D/G]
         return self.wo_b(grouped_linear(self.wo_a, grouped))                  # wo_a: [G*R, H*D/G]
