@@ -30,7 +30,8 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.
     if nblk == 0:
         return cache.new_zeros(block_table.shape[0], 0, cache.shape[-1])
     blocks = block_table[:, :nblk].clamp(min=0).long()
-    return cache[blocks].reshape(block_table.shape[0], nblk * epb, -1)[:, :emax]
+    pages = cache.index_select(0, blocks.reshape(-1))         # whole pages (faster than cache[blocks])
+    return pages.reshape(block_table.shape[0], nblk * epb, -1)[:, :emax]
 
 
 def window_rows(q_pos: torch.Tensor, q_seq: torch.Tensor, win_pos: torch.Tensor, window: int
@@ -83,7 +84,9 @@ def sparse_attention(
         if topk_idx is not None:       # the picks straight from their pages
             idx = topk_idx.clamp(min=0)
             epb = comp_cache.shape[1]
-            entries = comp_cache[block_table[q_seq.unsqueeze(1), idx // epb].long(), idx % epb]   # [T, K, D]
+            flat = block_table[q_seq.unsqueeze(1), idx // epb].clamp(min=0).long() * epb + idx % epb
+            entries = comp_cache.reshape(-1, comp_cache.shape[-1]).index_select(0, flat.reshape(-1)) \
+                .view(*flat.shape, -1)                                              # [T, K, D]
             cmask = (topk_idx >= 0) & (topk_idx < visible)
         else:
             comp = gather_paged(comp_cache, block_table, comp_len, n_entries)   # [B, E, D]

@@ -27,6 +27,14 @@ from .step import StepInput
 PositionRope = dict[str, tuple[torch.Tensor, torch.Tensor]]   # rope type -> (cos, sin) at step.positions
 
 
+def rows_of(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x viewed as rows [x.shape[0] * x.shape[1], ...] (contiguous), gathered at flat indices
+    idx [...] -> [..., *x.shape[2:]]; index_select copies rows at a time (2-3x faster on the CPU
+    than advanced indexing by (i, j) pairs)."""
+    flat = x.view(-1, *x.shape[2:])
+    return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[2:])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -200,10 +208,10 @@ class Attention(nn.Module):
         w, starts, slots = self.window, step.starts, step.slots
         if step.decode:
             pos = starts.unsqueeze(1) - (w - 1) + torch.arange(w, device=starts.device)   # [B, W], token last
-            return ring[slots.unsqueeze(1), pos % w], torch.where(pos >= step.ring_from.unsqueeze(1), pos, -1)
+            return rows_of(ring, slots.unsqueeze(1) * w + pos % w), torch.where(pos >= step.ring_from.unsqueeze(1), pos, -1)
         back = torch.arange(w - 1, device=starts.device)
         old_pos = starts.unsqueeze(1) - (w - 1) + back                       # [B, W-1]
-        old = ring[slots.unsqueeze(1), old_pos % w]
+        old = rows_of(ring, slots.unsqueeze(1) * w + old_pos % w)
         old_pos = torch.where(old_pos >= step.ring_from.unsqueeze(1), old_pos, -1)
         n_max = step.longest
         j = torch.arange(n_max, device=starts.device)
@@ -278,7 +286,7 @@ class Experts(nn.Module):
         tok = order // idx.shape[1]
         counts = flat.new_zeros(self.w1.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))   # no host sync
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = x[tok]
+        xs = x.index_select(0, tok)
         h = swiglu(F.grouped_mm(xs, self.w1.transpose(1, 2), offs=offs),
                    F.grouped_mm(xs, self.w3.transpose(1, 2), offs=offs), self.limit)
         y = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * weights.flatten()[order].unsqueeze(1)

@@ -88,8 +88,10 @@ class WindowPlan:
 
     def gather(self, x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """The closed windows' rows [N, m, W] from this step's rows x [T, W] and tail [S, m, W]."""
-        flat = tail.view(-1, tail.shape[-1])
-        return torch.where(self.from_step.unsqueeze(-1), x[self.step_src], flat[self.tail_src])
+        flat, w = tail.view(-1, tail.shape[-1]), tail.shape[-1]
+        steps = x.index_select(0, self.step_src.reshape(-1)).view(*self.step_src.shape, w)
+        tails = flat.index_select(0, self.tail_src.reshape(-1)).view(*self.tail_src.shape, w)
+        return torch.where(self.from_step.unsqueeze(-1), steps, tails)
 
     def write_tail(self, x: torch.Tensor, tail: torch.Tensor) -> None:
         """Keep the step rows after each sequence's last closed window in its tail."""
