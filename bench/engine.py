@@ -327,10 +327,10 @@ def speculative_rows(engine: Engine, levels: list[int], args, vocab: int) -> lis
         for wrong in (False, True):
             cont = {tuple(p): [(t + 1) % vocab if wrong else t for t in out] for p, out in zip(prompts, tokens)}
             engine.set_drafter(OracleDrafter(cont), args.speculative)
-            before = (engine.stats["draft_tokens"], engine.stats["accepted_draft_tokens"])
+            before = (engine.counters.draft_tokens, engine.counters.accepted_draft_tokens)
             r, spec_tokens = run_kvmesh(engine, prompts, args.max_tokens)
-            drafted = engine.stats["draft_tokens"] - before[0]
-            accepted = engine.stats["accepted_draft_tokens"] - before[1]
+            drafted = engine.counters.draft_tokens - before[0]
+            accepted = engine.counters.accepted_draft_tokens - before[1]
             equal += sum(a == b for a, b in zip(spec_tokens, tokens))
             cells += [f"{r.decode_tok_s:,.1f}", f"{r.decode_tok_s / plain.decode_tok_s:.2f}x",
                       f"{accepted / max(drafted, 1):.0%}"]

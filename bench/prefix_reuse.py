@@ -28,8 +28,8 @@ the compressed entries and indexer keys; the SWA state stays in the compute dtyp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -85,9 +85,9 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int], k
         cut = size - 5 * args.block_tokens - 7
         for scenario, prompt in (("doc-end", doc + question), ("mid-doc", doc[:cut] + question)):
             reader = engine(policy, str(root), args, kv)
-            before = dict(reader.stats)
+            before = dataclasses.replace(reader.counters)
             warm_s, warm_out = timed_first_token(reader, prompt)
-            forward_s = reader.stats["forward_s"] - before["forward_s"]
+            forward_s = reader.counters.forward_s - before.forward_s
             last = reader.prefix.stats.last
             loaded = reader.prefix.stats.bytes_loaded
             floor = loaded / bw + forward_s

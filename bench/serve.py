@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from cluster.testing import LocalServe, small_config  # noqa: E402
+from tests.local_serve import LocalServe, small_config  # noqa: E402
 
 FIRST_TOKEN_ID = 3                  # ids below are bos / eos / pad in the default model
 TOKEN_RANGE = 256                   # byte tokens of the default tokenizer: 3 .. 258
@@ -288,7 +288,7 @@ def main() -> int:
     p.add_argument("--fork-trials", type=int, default=3)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = {"kv_cache_mb": 128, "max_num_seqs": 16, "max_batched_tokens": 1024, "store": None}
+    engine = {"kv_cache_bytes": 128 << 20, "max_num_seqs": 16, "max_batched_tokens": 1024, "store": None}
     runs: list[Run] = []
     rng = random.Random(0)
     with LocalServe(num_cpus=4) as ls:

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from cluster.testing import LocalServe, free_port, small_config  # noqa: E402
+from tests.local_serve import LocalServe, free_port, small_config  # noqa: E402
 
 PASSWORD = "soak-" + os.urandom(8).hex()
 MAX_DURATION_S = 600
@@ -290,7 +290,7 @@ def main() -> int:
     proc, rclient, url_redis = start_redis(workdir)
     result: dict = {"args": vars(args)}
     try:
-        config = small_config("disaggregated", engine={"store": str(store), "index": url_redis, "host_cache_mb": 0,
+        config = small_config("disaggregated", engine={"store": str(store), "index": url_redis, "host_cache_bytes": 0,
                                                        "store_read_timeout_s": 2.0},
                               handoff={"release_timeout_s": RELEASE_TIMEOUT_S},
                               ingress={"num_cpus": 0.1, "token_timeout_s": 60.0})

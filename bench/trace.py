@@ -132,14 +132,14 @@ def serve_replay(model: Path, policies: list[str], reqs, args, cold) -> list[dic
     """The first requests through `kvmesh serve` (colocated app, one per policy)."""
     import httpx
 
-    from cluster.testing import LocalServe, small_config
+    from tests.local_serve import LocalServe, small_config
     rows = []
     with LocalServe(num_cpus=2) as ls:
         for policy in ["no reuse"] + policies:
             root = tempfile.mkdtemp(prefix="kvmesh-trace-serve-")
             cfg = small_config("colocated", engine={
                 "model": str(model), "block_tokens": args.block_tokens, "swa_policy": "full" if policy == "no reuse"
-                else policy, "store": root, "kv_cache_mb": args.kv_cache_mb, "host_cache_mb": args.host_cache_mb,
+                else policy, "store": root, "kv_cache_bytes": args.kv_cache_mb << 20, "host_cache_bytes": args.host_cache_mb << 20,
                 "max_batched_tokens": args.chunk})
             url = ls.deploy("trace", cfg)
             ttft, cached, mismatched = [], 0, 0

@@ -9,7 +9,6 @@ vLLM extensions accepted: `ignore_eos`, `min_tokens`, `top_k`, `min_p`, `repetit
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -107,10 +106,10 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise InvalidRequestError("only allowed when stream is true", "stream_options")
         if self.response_format is not None and self.response_format.type == "json_schema" \
                 and self.response_format.json_schema is None:
-            raise ValueError("response_format.json_schema: required when type is json_schema")
+            raise InvalidRequestError("required when type is json_schema", "response_format.json_schema")
         return self
 
     @field_validator("stop")
@@ -184,9 +183,9 @@ class CompletionRequest(_Request):
     def _best_of(self):
         if self.best_of is not None:
             if self.best_of < self.n:
-                raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+                raise InvalidRequestError(f"must be >= n ({self.n}), got {self.best_of}", "best_of")
             if self.stream and self.best_of > self.n:
-                raise ValueError("best_of: not supported with stream")
+                raise InvalidRequestError("not supported with stream", "best_of")
         return self
 
     @property
@@ -238,7 +237,7 @@ class ChatCompletionRequest(_Request):
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs to be true")
+            raise InvalidRequestError("requires logprobs to be true", "top_logprobs")
         return self
 
     @property
@@ -263,7 +262,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt or messages")
+            raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
         return self
 
 
@@ -298,16 +297,12 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         if err["type"] == "missing":
             raise bad_request(f"missing required field `{param}`", param) from None
         msg = err["msg"].removeprefix("Value error, ")
-        if not param and ":" in msg:     # a model-level check names its field first
-            param = msg.split(":")[0]
-            raise bad_request(msg, param) from None
+        cause = (err.get("ctx") or {}).get("error")
+        if not param and isinstance(cause, InvalidRequestError):    # a model-level check names its field
+            raise bad_request(msg, cause.field) from None
         raise bad_request(f"{param}: {msg}" if param else msg, param) from None
 
 
 def _is_union_tag(p) -> bool:
     # pydantic names union members in the error location ("str", "list[int]", "constrained-str")
     return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith(("constrained", "function")))
-
-
-def error_json(err: APIError) -> str:
-    return json.dumps(err.body())

@@ -8,45 +8,54 @@ from pathlib import Path
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny V4 model)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: checkpoint's)")
-    p.add_argument("--block-tokens", type=int, default=128, help="tokens per classical-cache block (default 128)")
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV memory budget in MiB (default 256)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=1024)
-    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
-    p.add_argument("--store", help="shared store URI for prefix reuse (local dir, file://, s3://...)")
-    p.add_argument("--store-capacity-mb", type=int, help="store capacity; LRU-evicted beyond it")
-    p.add_argument("--index", default="local", help="prefix index: local (embedded) or redis://host:port/db")
-    p.add_argument("--swa-policy", default="full", help="full | periodic:P | zero | auto | auto:P (default full)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
-                   help="compressed entries + indexer keys (default auto = the compute dtype)")
-    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
-                   help="speculative decoding: K drafts per step from the checkpoint's MTP layer (default 0 = off)")
-    p.add_argument("--require-store", action="store_true",
-                   help="fail at start-up when the store or index is unusable (default: run without reuse)")
-    p.add_argument("--store-read-timeout-s", type=float, default=10.0,
-                   help="a store read slower than this is a miss (default 10)")
+    """One flag per EngineConfig field (`--kv-cache-bytes`, ...): name, default, help and
+    choices come from the field, so a new engine setting is a new flag with no edit here."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from workers.engine_config import EngineConfig
+    hints = get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if not f.metadata.get("cli", True):
+            continue
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        text = meta.get("help", "")
+        help = text if "default" in text else f"{text} (default: {_shown(f.default)})"
+        kind = next(t for t in (bool, int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        elif meta.get("unit") == "bytes":
+            p.add_argument(flag, default=f.default, metavar="BYTES", help=help + "; bytes, or with a suffix: 512MiB")
+        else:
+            p.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"), help=help)
+
+
+def _shown(default) -> str:
+    if isinstance(default, int) and not isinstance(default, bool) and default >= 1 << 20 and not default % (1 << 20):
+        return f"{default >> 20}MiB"
+    return "none" if default is None else str(default)
 
 
 def engine_config(args: argparse.Namespace):
     """The engine config from the flags; the store key comes from KVMESH_STORE_KEY."""
+    import dataclasses
     import os
 
-    from workers.engine import EngineConfig
-    return EngineConfig(store_key=os.environ.get("KVMESH_STORE_KEY") or None,
-                        require_store=args.require_store, store_read_timeout_s=args.store_read_timeout_s,
-                        model=args.model, dtype=args.dtype, block_tokens=args.block_tokens,
-                        kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
-                        max_batched_tokens=args.max_batched_tokens, kernel_backend=args.kernels,
-                        store=args.store, index=args.index, swa_policy=args.swa_policy,
-                        kv_cache_dtype=args.kv_cache_dtype, speculative_tokens=args.speculative_tokens,
-                        store_capacity_bytes=(args.store_capacity_mb << 20) if args.store_capacity_mb else None)
+    from workers.engine_config import EngineConfig
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)}
+    return EngineConfig(store_key=os.environ.get("KVMESH_STORE_KEY") or None, **flags)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from workers.config import ConfigError
+
     from .batch import run_batch_file
-    return run_batch_file(engine_config(args), Path(args.input), Path(args.output) if args.output else None)
+    try:
+        config = engine_config(args)
+    except ConfigError as e:
+        print(f"kvmesh generate: {e}", file=sys.stderr)
+        return 2
+    return run_batch_file(config, Path(args.input), Path(args.output) if args.output else None)
 
 
 def cmd_layout(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """The serving config: one typed tree, validated once, loaded from YAML.
 
     mode: disaggregated | colocated
-    engine:    what every worker runs (model, cache budget, store, index)
-    prefill / decode / colocated:  one pool each (replicas or autoscaling, resources)
+    engine:    what every worker runs: workers.engine_config.EngineConfig's fields
+    prefill / decode / colocated:  one pool each (replicas or autoscaling, resources,
+               `engine` overrides for that pool)
     ingress:   the OpenAI front end
     handoff:   prefill -> decode transport (nixl, or ray objects)
 
@@ -12,13 +13,18 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 from urllib.parse import quote
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, create_model,
+                      field_validator, model_serializer, model_validator)
+
+from workers.config import ConfigError
+from workers.engine_config import EngineConfig, parse_bytes
 
 MiB = 1 << 20
 HEAD_IP = "{head_ip}"
@@ -32,50 +38,80 @@ class ConfigFileError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # errors name the key and the problem, never the input (it may hold the store key or a Redis password)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
-class EngineSettings(_Strict):
-    model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny model")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    device: str = "cpu"
-    block_tokens: int = Field(128, gt=0)
-    kv_cache_mb: int = Field(256, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    max_batched_tokens: int = Field(1024, gt=0)
-    max_model_len: int | None = Field(None, gt=0)
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
-    store: str | None = Field(str(Path("~/.cache/kvmesh/store").expanduser()),
-                              description="shared store: a folder / mount or a pyarrow.fs URI; null = memory only")
-    store_capacity_mb: int | None = Field(None, gt=0)
-    index: str = Field("local", description="'local' (embedded, per worker) or redis://host:port/db")
-    swa_policy: str = Field("full", description="full | periodic:P | zero | auto | auto:P")
-    host_cache_mb: int = Field(256, ge=0)
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = Field(
-        "auto", description="compressed entries + indexer keys: auto (= dtype), bfloat16, or fp8 (V4's FP8 records)")
-    store_key: SecretStr | None = Field(None, min_length=16, description=(
-        "MAC key for store objects; default: the KVMESH_STORE_KEY environment variable of each worker"))
-    require_store: bool = Field(False, description="a store / index unusable at start-up is fatal (default: "
-                                                   "serve without prefix reuse)")
-    store_read_timeout_s: float = Field(10.0, gt=0, description="a store read slower than this is a miss")
+SERVE_STORE = str(Path("~/.cache/kvmesh/store").expanduser())   # a server keeps its prefixes across restarts
+RENAMED = {"kv_cache_mb": "kv_cache_bytes", "store_capacity_mb": "store_capacity_bytes",
+           "host_cache_mb": "host_cache_bytes"}
+
+
+def _engine_fields(overrides: bool) -> dict[str, Any]:
+    """EngineConfig's fields as pydantic fields: the same names, types, defaults and help; the
+    checks stay in EngineConfig. `overrides`: no defaults (a pool's overrides of `engine`)."""
+    hints = get_type_hints(EngineConfig)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if not f.metadata.get("serve", True):
+            continue
+        kind = SecretStr | None if f.name == "store_key" else hints[f.name]
+        if f.metadata.get("unit") == "bytes":
+            kind = Annotated[kind, BeforeValidator(parse_bytes)]
+        default = SERVE_STORE if f.name == "store" else f.default
+        out[f.name] = (kind, Field(None if overrides else default, description=f.metadata.get("help")))
+    return out
+
+
+def _no_renamed_keys(data, where: str):
+    if isinstance(data, dict):
+        for old, new in RENAMED.items():
+            if old in data:
+                raise ValueError(f"{where}{old} is now {where}{new}: sizes are bytes, written as a number or "
+                                 f"with a suffix ({new}: {data[old]}MiB)")
+    return data
+
+
+class EngineSettings(create_model("_EngineFields", __base__=_Strict, **_engine_fields(False))):
+    """The `engine` key: EngineConfig's fields (workers/engine_config.py), checked by it.
+    Serve-only differences: `store` defaults to ~/.cache/kvmesh/store, `store_key` is a
+    secret (default: $KVMESH_STORE_KEY of each worker), `worker_id` is each replica's id."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return _no_renamed_keys(data, "")
 
     @field_validator("store")
     @classmethod
     def _expand_home(cls, v):
         return str(Path(v).expanduser()) if v and "://" not in v else v
 
-    def engine_config(self, worker_id: str | None = None):
-        from workers.engine import EngineConfig
+    @model_validator(mode="after")
+    def _valid_engine_config(self):
+        try:
+            self.engine_config()
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    def engine_config(self, worker_id: str | None = None) -> EngineConfig:
         key = self.store_key.get_secret_value() if self.store_key else os.environ.get(STORE_KEY_ENV) or None
-        return EngineConfig(
-            store_key=key, require_store=self.require_store, store_read_timeout_s=self.store_read_timeout_s,
-            model=self.model, dtype=self.dtype, device=self.device, block_tokens=self.block_tokens,
-            kv_cache_bytes=self.kv_cache_mb * MiB, max_num_seqs=self.max_num_seqs,
-            max_batched_tokens=self.max_batched_tokens, max_model_len=self.max_model_len,
-            kernel_backend=self.kernel_backend, store=self.store,
-            store_capacity_bytes=self.store_capacity_mb * MiB if self.store_capacity_mb else None,
-            index=self.index, swa_policy=self.swa_policy, host_cache_bytes=self.host_cache_mb * MiB,
-            kv_cache_dtype=self.kv_cache_dtype, worker_id=worker_id)
+        values = {name: getattr(self, name) for name in type(self).model_fields if name != "store_key"}
+        return EngineConfig(**values, store_key=key, worker_id=worker_id)
+
+
+class EngineOverrides(create_model("_EngineOverrideFields", __base__=_Strict, **_engine_fields(True))):
+    """A pool's `engine` key: the engine settings this pool changes (only those given count)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return _no_renamed_keys(data, "engine.")
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler):     # a dumped config reloads with the same overrides, no more
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
 class Autoscaling(_Strict):
@@ -105,7 +141,16 @@ class PoolConfig(_Strict):
                                         description="custom node resources that pin the pool to a node type")
     max_ongoing_requests: int = Field(32, ge=1)
     max_queued_requests: int = Field(128, ge=-1, description="beyond this the API answers 503; -1 = no limit")
-    kv_cache_mb: int | None = Field(None, gt=0, description="overrides engine.kv_cache_mb for this pool")
+    engine: EngineOverrides = Field(default_factory=EngineOverrides,
+                                    description="engine settings for this pool only (e.g. kv_cache_bytes)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "kv_cache_mb" in data:
+            raise ValueError(f"kv_cache_mb is now engine.kv_cache_bytes (engine: {{kv_cache_bytes: "
+                             f"{data['kv_cache_mb']}MiB}})")
+        return data
 
     def deployment_options(self, name: str) -> dict[str, Any]:
         opts: dict[str, Any] = dict(
@@ -130,7 +175,8 @@ class IngressConfig(_Strict):
     token_timeout_s: float = Field(60.0, gt=0, description="longest wait for the next token before the request fails")
     prefill_s_per_1k_tokens: float = Field(10.0, ge=0, description=(
         "the first token may take token_timeout_s plus this per 1,000 prompt tokens (prefill's own budget)"))
-    max_body_bytes: int = Field(8 * MiB, gt=0, description="larger request bodies are refused with 413")
+    max_body_bytes: Annotated[int, BeforeValidator(parse_bytes)] = Field(
+        8 * MiB, gt=0, description="larger request bodies are refused with 413 (bytes, or e.g. 8MiB)")
     max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     api_keys: list[SecretStr] = Field(default_factory=list,
@@ -163,10 +209,21 @@ class ServeConfig(_Strict):
             index = index.replace(REDIS_PASSWORD, quote(os.environ[REDIS_PASSWORD_ENV], safe=""))
         return self.model_copy(update={"engine": self.engine.model_copy(update={"index": index})})
 
-    def pool_engine(self, pool: PoolConfig, worker_id: str | None = None):
+    @model_validator(mode="after")
+    def _valid_pool_engines(self):
+        for name in ("prefill", "decode", "colocated"):
+            try:
+                self.pool_engine(getattr(self, name))
+            except ValidationError as e:
+                raise ValueError(f"{name}.engine: {e.errors()[0]['msg']}") from None
+        return self
+
+    def pool_engine(self, pool: PoolConfig, worker_id: str | None = None) -> EngineConfig:
+        """The engine config a worker of `pool` runs: `engine`, then the pool's own overrides."""
         engine = self.engine
-        if pool.kv_cache_mb is not None:
-            engine = engine.model_copy(update={"kv_cache_mb": pool.kv_cache_mb})
+        changed = pool.engine.model_dump(exclude_unset=True)
+        if changed:
+            engine = EngineSettings.model_validate({**engine.model_dump(), **changed})
         return engine.engine_config(worker_id)
 
 

@@ -69,7 +69,7 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(cause, InvalidRequestError):
-        return bad_request(str(cause).split("\n")[0], str(cause).split(":")[0] if ":" in str(cause) else None)
+        return bad_request(str(cause).split("\n")[0], cause.field)
     if isinstance(cause, BackPressureError):
         return overloaded(retry_after_s)
     if isinstance(cause, WorkerFailed):
@@ -348,5 +348,5 @@ class Ingress:
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             params.validate()
         except InvalidRequestError as e:
-            raise bad_request(str(e), str(e).split(":")[0]) from None
+            raise bad_request(str(e), e.field) from None
         return GenRequest(request_id, ids, params)

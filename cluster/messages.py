@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.kv_transport import Offer, TransferReport
 from workers.sampling import SamplingParams
+
+__all__ = ["GenRequest", "RouteHint", "WorkerStats", "TransferReport", "Chunk", "Handoff"]
 
 
 @dataclass(frozen=True)
@@ -28,19 +31,10 @@ class RouteHint:
 class WorkerStats:
     pool: str
     worker_id: str
-    engine: dict[str, Any]          # AsyncEngine.stats()
+    engine: dict[str, Any]          # EngineStats.as_dict(): the names /metrics exports
     nixl_bytes: int = 0             # bytes this worker read over NIXL
     ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
     fallbacks: int = 0
-
-
-@dataclass(frozen=True)
-class TransferReport:
-    """How one handoff moved the cache from prefill to decode."""
-    transport: str                  # "nixl" | "ray"
-    nbytes: int
-    seconds: float
-    fallback_reason: str | None = None   # set when NIXL was wanted but the Ray path was used
 
 
 @dataclass(frozen=True)
@@ -64,9 +58,9 @@ class Chunk:
 class Handoff:
     """Prefill -> decode: everything decode needs to continue a request.
 
-    `source` describes the held blocks + state slot in the prefill worker's NIXL-registered
-    memory (agent name, metadata, byte regions); `payload` is the Ray-object fallback
-    (a ref to CPU tensors) when NIXL is off or failed on the prefill side."""
+    `offer` says where the held blocks + state slot can be read (kvstore.kv_transport.Offer:
+    a NIXL description of the prefill worker's registered memory, or a Ray object) and
+    carries the prefill engine's fingerprint; None when the first token ended the request."""
     request_id: str
     prompt_len: int
     first_token: int
@@ -75,12 +69,7 @@ class Handoff:
     finish_reason: str | None
     cached_tokens: int
     worker_id: str                  # the prefill worker holding the cache
-    fingerprint: str                # cache layout identity; decode refuses a mismatch
-    block_hashes: tuple[int, ...] = ()
-    num_blocks: int = 0
-    source: Any = None              # kvstore.nixl_transfer.RemoteKV | None
-    payload: Any = None             # ray.ObjectRef of dict[str, Tensor] | None
-    fallback_reason: str | None = None
+    offer: Offer | None = None
     worker: WorkerStats | None = None       # the prefill worker's counters (for the ingress metrics)
     rng_state: Any = None                   # seeded sampler state after the first token (torch ByteTensor)
     first_top: tuple = ()                   # the first token's top logprobs

@@ -10,20 +10,21 @@ options. A worker's id is its Serve replica id (the router pins follow-ups by it
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import logging
 import time
 
 import ray
 from ray import serve
 
-from kvstore.nixl_transfer import make_agent
+from kvstore.kv_transport import KVTransport, Offer
+from kvstore.nixl_transfer import NixlTransport, make_agent
 from workers.async_engine import AsyncEngine
 from workers.handoff import Resume
 
 from .config import ServeConfig
 from .messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
-from .transfer import NIXL_UNAVAILABLE, HandoffError, Loader
+from .transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
 log = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.005
@@ -37,29 +38,25 @@ class _Worker:
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncEngine(config.pool_engine(getattr(config, self.POOL), self.worker_id))
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
-        e = self.engine.engine
-        self.layout_id = hashlib.sha256(repr((e.layout, str(e.cache.layers[0].ring.dtype))).encode()).hexdigest()[:16]
+        self.ray = RayTransport(self.engine.fingerprint, config.handoff.release_timeout_s)
 
-    def _make_agent(self):
-        """(NIXL agent or None, the fallback label handoffs carry when NIXL was wanted but is off)."""
+    def _nixl(self) -> tuple[NixlTransport | None, str | None]:
+        """(the NIXL transport or None, the fallback label handoffs carry when NIXL was wanted but is off)."""
         if self.config.handoff.transport != "nixl":
             return None, None
-        agent, why = make_agent(f"kvmesh-{self.POOL}-{self.worker_id}", self.engine.engine.cache.all_tensors(),
-                                ray.util.get_node_ip_address(), self.config.handoff.nixl_backend)
-        return agent, (NIXL_UNAVAILABLE if agent is None else None)
+        agent, _ = make_agent(f"kvmesh-{self.POOL}-{self.worker_id}", self.engine.kv_tensors(),
+                              ray.util.get_node_ip_address(), self.config.handoff.nixl_backend)
+        if agent is None:
+            return None, NIXL_UNAVAILABLE
+        return NixlTransport(agent, self.engine.fingerprint, self.config.handoff.release_timeout_s), None
 
     def info(self, hint: RouteHint | None = None) -> dict:
-        e = self.engine.engine
-        return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
-                "block_tokens": e.config.block_tokens, "fingerprint": getattr(e, "fingerprint", None),
-                "model_dir": str(e.model_dir), "pool": self.POOL, "worker_id": self.worker_id,
-                "held": len(e.held),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {**self.engine.info(), "pool": self.POOL, "worker_id": self.worker_id,
+                "held": self.engine.stats().held, "node_id": ray.get_runtime_context().get_node_id()}
 
     def record_routing_stats(self) -> dict:
         s = self.engine.stats()
-        free_kv = min(s["free_blocks"] / max(1, s["total_blocks"]), s["free_slots"] / max(1, s["total_slots"]))
-        return {"load": s["running"] + s["waiting"], "free_kv": free_kv}
+        return {"load": s.load, "free_kv": s.free_kv}
 
     def check_health(self) -> None:
         if self.engine.dead is not None:
@@ -67,7 +64,7 @@ class _Worker:
 
     def stats(self, hint: RouteHint | None = None) -> WorkerStats:
         """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`)."""
-        return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters)
+        return WorkerStats(self.POOL, self.worker_id, self.engine.stats().as_dict(), **self.counters)
 
     def _chunks(self, outs, transfer=None):
         """One Chunk, or a list of them when a step produced several (n > 1): one stream item."""
@@ -97,7 +94,7 @@ class Prefill(_Worker):
 
     def __init__(self, config: ServeConfig):
         super().__init__(config)
-        self.agent, self.fallback = self._make_agent()
+        self.nixl, self.fallback = self._nixl()
         self.held: dict[str, float] = {}        # request id -> release deadline
         self._reaper: asyncio.Task | None = None
         self._held_changed: asyncio.Event | None = None
@@ -112,28 +109,27 @@ class Prefill(_Worker):
             async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True):
                 last = out
             base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
-                        first_logprob=last.logprobs[0], finished=last.finish_reason != "held",
+                        first_logprob=last.logprobs[0], finished=not last.held,
                         finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
-                        worker_id=self.worker_id, fingerprint=self.layout_id, worker=self.stats(),
+                        worker_id=self.worker_id, worker=self.stats(),
                         first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
                         siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs,
                         first_finish=last.first_finish)
-            if last.finish_reason != "held":
+            if not last.held:
                 return Handoff(**base)
             held = await self.engine.held_handle(req.request_id)
             base["rng_state"] = held.rng_state
-            if self.agent is not None:
-                regions = self.engine.engine.cache.block_regions(held.block_ids, held.slot)
-                handoff = Handoff(**base, num_blocks=len(held.block_ids), source=self.agent.describe(regions))
+            if self.nixl is not None:
+                handoff = Handoff(**base, offer=await self.engine.offer_held(req.request_id, self.nixl))
                 self._hold(req.request_id)
                 handed_over = True
                 return handoff
-            payload = await self._export(req.request_id)
-            return Handoff(**base, num_blocks=len(held.block_ids), payload=payload, fallback_reason=self.fallback)
+            offer = await self._export(req.request_id)
+            return Handoff(**base, offer=dataclasses.replace(offer, fallback_reason=self.fallback))
         finally:
             if not handed_over:     # no await here: this also runs when the call was cancelled
                 self.held.pop(req.request_id, None)
-                self.engine.call(self.engine.engine.release_held, req.request_id)
+                self.engine.release_held_soon(req.request_id)
 
     def _hold(self, request_id: str) -> None:
         self.held[request_id] = time.monotonic() + self.config.handoff.release_timeout_s
@@ -144,9 +140,9 @@ class Prefill(_Worker):
             self._held_changed = asyncio.Event()
             self._reaper = asyncio.create_task(self._release_loop())
 
-    async def export(self, request_id: str, hint: RouteHint | None = None):
-        """The held cache as a Ray object (decode's fallback after a failed READ); releases it."""
-        if request_id not in self.engine.engine.held:
+    async def export(self, request_id: str, hint: RouteHint | None = None) -> Offer:
+        """The held cache as a Ray-object offer (decode's fallback after a failed READ); releases it."""
+        if not self.engine.is_held(request_id):
             raise HandoffError(f"prefill worker {self.worker_id} does not hold request {request_id}")
         self.held.pop(request_id, None)
         return await self._export(request_id)
@@ -155,11 +151,13 @@ class Prefill(_Worker):
         self.held.pop(request_id, None)
         await self.engine.release_held(request_id)
 
-    async def _export(self, request_id: str):
-        tensors = await self.engine.export_held(request_id)
-        await self.engine.release_held(request_id)
-        self.counters["ray_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-        return [ray.put(tensors)]       # in a list so the ref travels (is not resolved) in the reply
+    async def _export(self, request_id: str) -> Offer:
+        try:
+            offer = await self.engine.offer_held(request_id, self.ray)
+        finally:
+            await self.engine.release_held(request_id)
+        self.counters["ray_bytes"] += offer.nbytes
+        return offer
 
     async def _release_loop(self) -> None:
         while True:
@@ -168,8 +166,7 @@ class Prefill(_Worker):
                 await self._held_changed.wait()
             await asyncio.sleep(RELEASE_POLL_S)
             try:
-                for msg in self.agent.notifications() if self.agent else []:
-                    rid = msg.decode(errors="replace").removeprefix("release:")
+                for rid in self.nixl.released() if self.nixl else []:
                     if self.held.pop(rid, None) is not None:
                         await self.engine.release_held(rid)
                 now = time.monotonic()
@@ -186,15 +183,16 @@ class Decode(_Worker):
     def __init__(self, config: ServeConfig, prefill):
         super().__init__(config)
         self.prefill = prefill
-        self.agent, _ = self._make_agent()
+        self.nixl, _ = self._nixl()
+        self.transports: dict[str, KVTransport] = {t.name: t for t in (self.nixl, self.ray) if t is not None}
 
     async def decode(self, req: GenRequest, handoff: Handoff, hint: RouteHint | None = None):
-        if handoff.fingerprint != self.layout_id:
-            raise HandoffError(f"cache layout {handoff.fingerprint} from prefill does not match decode's "
-                               f"{self.layout_id}: deploy both pools with the same engine settings")
-        loader = Loader(handoff, self.agent, self._fetch_export, self.counters,
-                        self.config.handoff.release_timeout_s)
-        if handoff.source is not None and self.agent is None:
+        offer = handoff.offer
+        if offer is None:
+            raise HandoffError(f"request {req.request_id}: prefill finished it, there is no cache to continue")
+        self.ray.check(offer)       # another model / layout: refused before anything is allocated
+        loader = Loader(offer, self.transports, lambda _: self._fetch_export(handoff), self.counters)
+        if offer.transport not in self.transports:
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
                         handoff.rng_state, handoff.siblings, handoff.first_top, handoff.first_finish)
@@ -202,18 +200,19 @@ class Decode(_Worker):
         try:
             async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
                                                    batched=True):
-                if loader.error is not None:
-                    raise HandoffError(f"request {req.request_id}: the cache could not be moved: {loader.error}")
+                failed = next((o for o in outs if o.error), None)
+                if failed is not None:      # the load raised at admission: the engine failed this request
+                    raise HandoffError(f"request {req.request_id}: the cache could not be moved: {failed.error}")
                 yield self._chunks(outs, loader.report if first else None)
                 first = False
         finally:    # ended before the READ started: hand the held cache back now, not at the timeout
-            if handoff.source is not None and loader.give_back():
+            if offer.transport == "nixl" and loader.give_back():
                 self.prefill.release.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))
 
-    def _fetch_export(self, handoff: Handoff):
+    def _fetch_export(self, handoff: Handoff) -> Offer:
         """From the engine thread: ask the prefill worker holding `handoff` for a Ray copy."""
         return self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id)
                                           ).result(timeout_s=self.config.handoff.release_timeout_s)
 
-    async def _fetch_export_async(self, handoff: Handoff):
+    async def _fetch_export_async(self, handoff: Handoff) -> Offer:
         return await self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))

@@ -1,4 +1,4 @@
-"""``kvmesh simulate``: project every SWA policy to a model's real shape on a request trace.
+"""`kvmesh simulate`: project every SWA policy to a model's real shape on a request trace.
 
     kvmesh simulate --trace ../shared/traces/conversation_trace.jsonl --config V4-Pro \\
         --prefill-tokens-per-s 40000 --store-read-gbps 20 --store-write-gbps 10 [--capacity-tb 2] [--json]

@@ -1,13 +1,13 @@
-"""``kvmesh store stats|ls|gc``: inspect and trim a kvmesh object store.
+"""`kvmesh store stats|ls|gc`: inspect and trim a kvmesh object store.
 
-Wired into the main CLI with ``add_store_parser(subparsers)``; the parsed
-arguments go to ``run_store(args)``, which returns a process exit code. Also
-runnable alone: ``python -m cluster.store_cli store stats --store /path``.
+Wired into the main CLI with `add_store_parser(subparsers)`; the parsed
+arguments go to `run_store(args)`, which returns a process exit code. Also
+runnable alone: `python -m cluster.store_cli store stats --store /path`.
 
-Every command works per fingerprint namespace (``{root}/{fingerprint[:16]}``):
-all namespaces under the store root, or only the one named by ``--fingerprint``
-(the full fingerprint or its 16-char prefix). ``--capacity`` is per namespace,
-as it is for ``ObjectStore``.
+Every command works per fingerprint namespace (`{root}/{fingerprint[:16]}`):
+all namespaces under the store root, or only the one named by `--fingerprint`
+(the full fingerprint or its 16-char prefix). `--capacity` is per namespace,
+as it is for `ObjectStore`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class StoreCliError(Exception):
 
 
 def add_store_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``store`` command (with ``stats``, ``ls``, ``gc``) to a CLI."""
+    """Add the `store` command (with `stats`, `ls`, `gc`) to a CLI."""
     parser = subparsers.add_parser("store", help="inspect and trim the KV object store")
     commands = parser.add_subparsers(dest="store_command", required=True)
     for name, help_text in (
@@ -45,7 +45,7 @@ def add_store_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def run_store(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run a parsed ``store`` command; return 0 on success, 2 on a usage error."""
+    """Run a parsed `store` command; return 0 on success, 2 on a usage error."""
     out = out or sys.stdout
     try:
         stores = _open_stores(args)

@@ -1,24 +1,25 @@
-"""The decode side of one handoff: fill freshly allocated blocks + slot from prefill.
+"""The handoff's transports in the cluster: NIXL (kvstore.nixl_transfer) and Ray objects.
 
-Order of preference: a NIXL READ straight from the prefill worker's registered memory
-(which also notifies it to release); else the Ray-object copy of the same tensors
-(`Handoff.payload`, or one fetched from the prefill worker after a failed READ). The
-state slot always travels with the blocks: both paths move exactly
-`CacheTensors.block_regions(blocks, slot)` / `gather(blocks, slot)`.
+    prefill worker                                   decode worker
+    offer = await engine.offer_held(rid, transport)  ──▶ Loader(offer, ...).load(cache, block_ids, slot)
+
+Order of preference on the decode side: a NIXL READ straight from the prefill worker's
+registered memory (which also notifies it to release); else the Ray-object copy of the same
+tensors (the offer itself when prefill had no NIXL, or one fetched from the prefill worker
+after a failed READ). Every failure is a HandoffError (kvstore.kv_transport).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-import time
 from typing import Callable
 
 import ray
 
-from kvstore.nixl_transfer import KVTransferAgent, TransferError
+from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferReport
 
-from .messages import Handoff, TransferReport
-
+__all__ = ["HandoffError", "Loader", "RayTransport", "NIXL_UNAVAILABLE", "READ_FAILED"]
 log = logging.getLogger(__name__)
 
 # fallback reasons (metric label values, kept few)
@@ -26,22 +27,36 @@ NIXL_UNAVAILABLE = "nixl_unavailable"
 READ_FAILED = "read_failed"
 
 
-class HandoffError(RuntimeError):
-    """The cache could not be moved from prefill to decode; the request may be retried."""
+class RayTransport(KVTransport):
+    """The handoff as a Ray object: an offer is a CPU copy of the blocks + slot (`gather`)
+    in the object store; a load gets it and scatters it into the allocated blocks + slot."""
+    name = "ray"
+
+    def __init__(self, fingerprint: str, timeout_s: float = 30.0):
+        super().__init__(fingerprint)
+        self.timeout_s = timeout_s
+
+    def offer(self, held: HeldKV, cache) -> Offer:
+        tensors = cache.gather(held.block_ids, held.slot)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return Offer(held.request_id, self.fingerprint, len(held.block_ids), nbytes, self.name, [ray.put(tensors)])
+
+    def _read(self, offer: Offer, cache, block_ids: list[int], slot: int) -> int:
+        tensors = ray.get(offer.location[0], timeout=self.timeout_s)
+        cache.scatter(block_ids, slot, tensors)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class Loader:
-    """`load(cache, block_ids, slot)` is the engine's Resume hook. It runs on the engine
-    thread, which must survive any transfer problem, so it never raises: a failure is
-    left in `error` and the decode request is aborted by its caller."""
+    """The decode side of one handoff. `load(cache, block_ids, slot)` is the engine's Resume
+    hook, run on the engine thread: it loads `offer` with the transport of its kind, and when a
+    NIXL READ fails, a Ray copy that `fetch_ray(offer)` asks the prefill worker for. It raises
+    HandoffError only (the engine then fails this request alone); `report` says how it went."""
 
-    def __init__(self, handoff: Handoff, agent: KVTransferAgent | None, fetch_export: Callable,
-                 counters: dict, timeout_s: float):
-        self.handoff, self.agent, self.fetch_export = handoff, agent, fetch_export
-        self.counters, self.timeout_s = counters, timeout_s
-        self.prefetched = None           # a Ray ref fetched before the engine asked
+    def __init__(self, offer: Offer, transports: dict[str, KVTransport], fetch_ray: Callable[[Offer], Offer] | None,
+                 counters: dict):
+        self.offer, self.transports, self.fetch_ray, self.counters = offer, transports, fetch_ray, counters
         self.report: TransferReport | None = None
-        self.error: str | None = None
         self._lock = threading.Lock()
         self._state = "pending"          # -> "loading" (decode owns the transfer) | "given_back"
 
@@ -56,39 +71,35 @@ class Loader:
             return True
 
     async def prefetch(self, reply) -> None:
-        self.prefetched = (await reply)[0]
+        """This worker cannot read NIXL: load the Ray copy `reply` (awaitable Offer) brings instead."""
+        self.offer = dataclasses.replace(await reply, fallback_reason=NIXL_UNAVAILABLE)
 
-    def load(self, cache, block_ids: list[int], slot: int) -> None:
-        start = time.monotonic()
-        h = self.handoff
+    def load(self, cache, block_ids: list[int], slot: int) -> TransferReport:
         with self._lock:
             if self._state != "pending":
-                self.error = "the request ended before its cache was read"
-                return
+                raise HandoffError(f"request {self.offer.request_id}: it ended before its cache was read")
             self._state = "loading"
+        offer = self.offer
+        self.transports["ray"].check(offer)       # another engine's cache is refused before any copy
         try:
-            if len(block_ids) != h.num_blocks:
-                raise HandoffError(f"decode allocated {len(block_ids)} blocks for {h.num_blocks} held by prefill")
-            reason = h.fallback_reason
-            ref = self.prefetched or (h.payload[0] if h.payload else None)
-            if ref is None and self.agent is not None:
-                try:
-                    n = self.agent.read(h.source, cache.block_regions(block_ids, slot),
-                                        f"release:{h.request_id}".encode(), self.timeout_s)
-                    self.counters["nixl_bytes"] += n
-                    self.report = TransferReport("nixl", n, time.monotonic() - start)
-                    return
-                except TransferError as e:
-                    log.warning("request %s: NIXL READ failed, using a Ray copy: %s", h.request_id, e)
-                    reason, ref = READ_FAILED, self.fetch_export(h)[0]
-            elif self.prefetched is not None:
-                reason = NIXL_UNAVAILABLE
-            tensors = ray.get(ref, timeout=self.timeout_s)
-            cache.scatter(block_ids, slot, tensors)
-            n = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.counters["ray_bytes"] += n
-            self.counters["fallbacks"] += reason is not None
-            self.report = TransferReport("ray", n, time.monotonic() - start, reason)
-        except Exception as e:   # noqa: BLE001 - reported through `error`, see the class docstring
-            log.exception("request %s: handoff failed", h.request_id)
-            self.error = f"{type(e).__name__}: {e}"
+            report = self._transport(offer).load(offer, cache, block_ids, slot)
+        except HandoffError as e:
+            if offer.transport != "nixl" or self.fetch_ray is None:
+                raise
+            log.warning("request %s: NIXL READ failed, using a Ray copy: %s", offer.request_id, e)
+            try:
+                offer = dataclasses.replace(self.fetch_ray(offer), fallback_reason=READ_FAILED)
+            except Exception as fetch_error:
+                raise HandoffError(f"request {offer.request_id}: NIXL READ failed ({e}) and no Ray copy "
+                                   f"came from prefill: {type(fetch_error).__name__}: {fetch_error}") from fetch_error
+            report = self._transport(offer).load(offer, cache, block_ids, slot)
+        self.counters[f"{report.transport}_bytes"] += report.nbytes
+        self.counters["fallbacks"] += report.fallback_reason is not None
+        self.report = report
+        return report
+
+    def _transport(self, offer: Offer) -> KVTransport:
+        transport = self.transports.get(offer.transport)
+        if transport is None:
+            raise HandoffError(f"request {offer.request_id}: this worker has no {offer.transport} transport")
+        return transport

@@ -78,9 +78,12 @@ class BlockPool:
     def acquire(self, h: int) -> int | None:
         """Take a reference on the block holding `h`, reviving it if it was cached."""
         b = self.by_hash.get(h)
-        if b is None:
-            return None
+        return None if b is None else self.touch(b)
+
+    def touch(self, b: int) -> int:
+        """Take a reference on block `b`, reviving it if it was cached (refcount 0)."""
         if self.ref[b] == 0:
-            self.cached.pop(b, None)
+            assert b in self.cached, f"touch of free block {b}"
+            del self.cached[b]
         self.ref[b] += 1
         return b

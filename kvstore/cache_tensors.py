@@ -1,127 +1,202 @@
-"""The cache tensors: paged classical blocks and per-request state slots, per layer.
+"""The cache tensors, allocated from the layout's tensor specs (`kvstore/layout.py`): per
+layer, paged block tensors [NB, *shape] and state-slot tensors [S, *shape] (NB blocks, S
+slots), FP8 records as uint8 bytes [NB, EPB x record bytes] (`kvstore/fp8_kv.py`).
 
-Shapes (NB blocks, S slots, EPB = block_tokens / ratio entries per block):
-    ring[S, window, D]                          every layer (SWA K=V by position % window)
-    comp[NB, EPB, D]                            CSA and HCA layers (compressed entries)
-    idx[NB, EPB, Di]                            CSA layers (indexer keys)
-    tail_kv/tail_gate[S, m, W]                  CSA/HCA (W = 2D for CSA, D for HCA)
-    itail_kv/itail_gate[S, m, 2Di]              CSA indexer
-    ovl_kv/ovl_gate[S, m, D], iovl_*[S, m, Di]  CSA overlap state (gate -inf = no previous window)
-
-With `kv_dtype="fp8"` comp and idx are uint8 pages of FP8 records [NB, EPB x record bytes]
-(`kvstore/fp8_kv.py`); the model writes and reads them through `write_entries` / `paged`.
-
-With `swa_blocks` (the `full` SWA policy) blocks also carry what rebuilding the state at
-any block boundary needs:
-    swa[NB, block_tokens, D]                    every layer (K=V of the block's tokens)
-    bovl_kv/bovl_gate[NB, m, D], biovl_*[NB, m, Di]  CSA overlap state at the block's end
+The model reaches a layer's cache through typed views: `ring` [S, window, D], `swa`
+[NB, block_tokens, D] (swa_blocks only), and per compressor (`compressor`, and `indexer`
+on CSA layers) its entries, tails and overlap state. Whatever the SWA policy adds is done
+here: `append_kv` also pages every token's K=V when blocks carry it, `save_overlap` also
+snapshots the overlap state at each block's end. Generic code (copies, objects, transfers)
+goes by name: `blocks` and `tails` map each tensor's spec name to the tensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .fp8_kv import Fp8EntryFormat
-from .layout import CSA, HCA, CacheLayout
+from .layout import CacheLayout, CompressorSpec, LayerSpec, LayoutError, TensorSpec
+
+
+class StepRows(Protocol):
+    """What the cache reads of a forward step (`workers.step.StepInput`)."""
+    positions: torch.Tensor     # [T] absolute position of each row
+    q_seq: torch.Tensor         # [T] sequence of each row
+    starts: torch.Tensor        # [B] first position of each sequence's chunk
+    lengths: torch.Tensor       # [B] rows of each sequence
+    slots: torch.Tensor         # [B] state slot of each sequence
+    block_table: torch.Tensor   # [B, MB] block ids
+    keep_tokens: torch.Tensor   # [B] tokens restored from stored blocks (not rewritten)
+    decode: bool                # one row per sequence, past its restored tokens: no masks needed
+
+
+class ClosedWindows(Protocol):
+    """What the cache reads of a step's closed compressor windows (`workers.step.WindowPlan`)."""
+    seq: torch.Tensor           # [N] sequence of each window
+    index: torch.Tensor         # [N] window index (covers positions [index*m, (index+1)*m))
+    last: torch.Tensor          # [N] bool: its sequence's last window in the step
+    keep: torch.Tensor          # [N] bool: not restored from a stored block
+    padded: bool                # one row per sequence, closing or not (`last` = it closes): fixed shapes
+
+
+def allocate(spec: TensorSpec, n: int, device: torch.device | str) -> torch.Tensor:
+    return torch.full((n, *spec.stored_shape), spec.fill, dtype=spec.torch_dtype, device=device)
 
 
 @dataclass
-class LayerCache:
-    ring: torch.Tensor
-    blocks: dict[str, torch.Tensor] = field(default_factory=dict)   # paged, indexed by block id
-    tails: dict[str, torch.Tensor] = field(default_factory=dict)    # per slot
-    formats: dict[str, Fp8EntryFormat] = field(default_factory=dict)  # FP8 record fields ("comp", "idx")
+class CompressorCache:
+    """One compressor's cache in one layer (views into the layer's tensors)."""
+    spec: CompressorSpec
+    entries: torch.Tensor                       # [NB, EPB, D], or FP8 records [NB, EPB x record bytes]
+    tail_kv: torch.Tensor                       # [S, m, W]
+    tail_gate: torch.Tensor
+    ovl_kv: torch.Tensor | None = None          # [S, m, D] (overlapping windows only)
+    ovl_gate: torch.Tensor | None = None
+    block_ovl_kv: torch.Tensor | None = None    # [NB, m, D] (swa_blocks only)
+    block_ovl_gate: torch.Tensor | None = None
 
-    def write_entries(self, name: str, blocks: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Store entries x [N, D] at (blocks[i], slots[i]) of paged field `name`."""
-        store = self.blocks[name]
+    @property
+    def entries_per_block(self) -> int:
+        return self.spec.entries.shape[0]
+
+    @property
+    def ratio(self) -> int:
+        return self.tail_kv.shape[1]
+
+    def write_entries(self, blocks: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Store entries x [N, D] at (blocks[i], slots[i]), in the entries' dtype."""
         if x.shape[0] == 0:
             return
-        if name in self.formats:
-            self.formats[name].write(store, blocks, slots, x)
+        if record := self.spec.entries.record:
+            record.write(self.entries, blocks, slots, x)
         else:
-            store[blocks, slots] = x.to(store.dtype)
+            self.entries[blocks, slots] = x.to(self.entries.dtype)
 
-    def entries_per_block(self, name: str) -> int:
-        store = self.blocks[name]
-        return store.shape[1] // self.formats[name].entry_bytes if name in self.formats else store.shape[1]
-
-    def paged(self, name: str, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def paged(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(paged [NB', EPB, D] in `dtype`, block table into it) for the attention kernels. A float
         cache of that dtype is returned as is; FP8 records (or another float dtype) are decoded
         for the blocks `block_table` references only."""
-        store = self.blocks[name]
-        if name not in self.formats and store.dtype == dtype:
+        record, store = self.spec.entries.record, self.entries
+        if record is None and store.dtype == dtype:
             return store, block_table
         used = torch.unique(block_table[block_table >= 0]).long()
-        if name in self.formats:
-            dense = self.formats[name].read(store, used, dtype)
-        else:
-            dense = store[used].to(dtype)
+        dense = record.read(store, used, dtype) if record else store[used].to(dtype)
         local = torch.searchsorted(used, block_table.long().clamp(min=0)).to(block_table.dtype)
         return dense, torch.where(block_table >= 0, local, block_table)
 
-    @property
-    def comp(self) -> torch.Tensor | None:
-        return self.blocks.get("comp")
+    def save_overlap(self, step: StepRows, windows: ClosedWindows, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """The closed windows' Ca halves kv, gate [N, m, D]: each sequence's last one becomes
+        its slot's overlap state; with swa_blocks each kept window that ends a block is also
+        stored in that block (what a restore at the boundary resumes from)."""
+        if windows.padded:
+            return self._save_overlap_padded(step, windows, kv, gate)
+        last = windows.last
+        slots = step.slots[windows.seq[last]]
+        self.ovl_kv[slots], self.ovl_gate[slots] = kv[last], gate[last]
+        if self.block_ovl_kv is None:
+            return
+        bt = self.entries_per_block * self.ratio
+        ends = (windows.index + 1) * self.ratio
+        at_end = (ends % bt == 0) & windows.keep
+        blocks = step.block_table[windows.seq[at_end], ends[at_end] // bt - 1].long()
+        self.block_ovl_kv[blocks], self.block_ovl_gate[blocks] = kv[at_end], gate[at_end]
+
+    def _save_overlap_padded(self, step: StepRows, windows: ClosedWindows, kv: torch.Tensor, gate: torch.Tensor
+                             ) -> None:
+        """save_overlap with fixed shapes (no boolean masks): every row writes its own slot and
+        its current block, the new value where its window closes (ends a block), else the old."""
+        closes = windows.last.view(-1, 1, 1)
+        slots = step.slots[windows.seq]
+        for state, new in ((self.ovl_kv, kv), (self.ovl_gate, gate)):
+            state[slots] = torch.where(closes, new, state[slots])
+        if self.block_ovl_kv is None:
+            return
+        bt = self.entries_per_block * self.ratio
+        at_end = ((windows.index + 1) * self.ratio % bt == 0) & windows.keep
+        blocks = step.block_table[windows.seq, windows.index * self.ratio // bt].long()
+        for store, new in ((self.block_ovl_kv, kv), (self.block_ovl_gate, gate)):
+            store[blocks] = torch.where(at_end.view(-1, 1, 1), new, store[blocks])
+
+    def restore_overlap(self, slot: int, block: int | None) -> None:
+        """The slot's overlap state from `block`'s end-of-block copy, or none (block None)."""
+        for state, copy, spec in ((self.ovl_kv, self.block_ovl_kv, self.spec.ovl_kv),
+                                  (self.ovl_gate, self.block_ovl_gate, self.spec.ovl_gate)):
+            if block is None:
+                state[slot].fill_(spec.fill)
+            else:
+                state[slot].copy_(copy[block])
+
+
+class LayerCache:
+    """One layer's cache tensors, allocated from its spec. Typed views for the model:
+    `ring`, `swa` (None unless swa_blocks), `compressor` and `indexer` (None where the layer
+    has none)."""
+
+    def __init__(self, spec: LayerSpec, num_blocks: int, num_slots: int, device: torch.device | str = "cpu",
+                 swa_blocks: bool = False):
+        self.spec = spec
+        self.block_specs, self.slot_specs = spec.block_tensors(swa_blocks), spec.state_tensors()
+        self.blocks = {t.name: allocate(t, num_blocks, device) for t in self.block_specs}   # by block id
+        state = {t.name: allocate(t, num_slots, device) for t in self.slot_specs}           # by slot
+        self.ring = state.pop(spec.ring.name)
+        self.tails = state
+        self.swa = self.blocks.get(spec.swa.name)
+        self.compressor = self._view(spec.compressor(swa_blocks))
+        self.indexer = self._view(spec.indexer(swa_blocks))
+
+    def _view(self, c: CompressorSpec | None) -> CompressorCache | None:
+        if c is None:
+            return None
+        named = {**self.blocks, **self.tails}
+        return CompressorCache(c, *(t and named[t.name] for t in (c.entries, c.tail_kv, c.tail_gate, c.ovl_kv,
+                                                                   c.ovl_gate, c.block_ovl_kv, c.block_ovl_gate)))
 
     @property
-    def idx(self) -> torch.Tensor | None:
-        return self.blocks.get("idx")
+    def compressors(self) -> list[CompressorCache]:
+        return [c for c in (self.compressor, self.indexer) if c is not None]
 
-    @property
-    def swa(self) -> torch.Tensor | None:
-        return self.blocks.get("swa")
-
-
-OVERLAP_FIELDS = ("ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate")
-SLOT_FIELDS = ("tail_kv", "tail_gate", "itail_kv", "itail_gate", "ovl_kv", "ovl_gate", "iovl_kv", "iovl_gate")
+    def append_kv(self, step: StepRows, kv: torch.Tensor) -> None:
+        """This step's K=V rows kv [T, D]: each sequence's newest `window` rows into its ring
+        and, with swa_blocks (the `full` policy), every row not restored into its block (a
+        prefill chunk may be longer than the window: the blocks get all of it)."""
+        w = self.ring.shape[1]
+        if step.decode:          # one row per sequence: every row goes to the ring and its block
+            self.ring[step.slots, step.positions % w] = kv
+            if self.swa is not None:
+                bt = self.swa.shape[1]
+                self.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
+            return
+        ends = (step.starts + step.lengths)[step.q_seq]
+        last = step.positions >= ends - w
+        self.ring[step.slots[step.q_seq[last]], step.positions[last] % w] = kv[last]
+        if self.swa is not None:
+            bt = self.swa.shape[1]
+            new = step.positions >= step.keep_tokens[step.q_seq]
+            blocks = step.block_table[step.q_seq[new], step.positions[new] // bt].long()
+            self.swa[blocks, step.positions[new] % bt] = kv[new]
 
 
 class CacheTensors:
+    """Every layer's cache: `num_blocks` blocks and `num_slots` state slots, as the layout's
+    specs say (with swa_blocks, blocks also carry SWA K=V and end-of-block overlap state).
+    `dtype`, when given, must be the layout's compute dtype: the specs set every tensor's dtype."""
+
     def __init__(self, layout: CacheLayout, num_blocks: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", swa_blocks: bool = False):
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu", swa_blocks: bool = False):
+        if dtype is not None and dtype != getattr(torch, layout.params.dtype):
+            raise LayoutError(f"cache tensors in {dtype} for a layout in {layout.params.dtype}: "
+                              f"build the layout with the model's dtype")
         self.layout, self.num_blocks, self.num_slots = layout, num_blocks, num_slots
         self.swa_blocks = swa_blocks
-        p, bt = layout.params, layout.block_tokens
-        z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
-        ninf = lambda *s: torch.full(s, float("-inf"), dtype=dtype, device=device)  # noqa: E731
-        fmts = p.entry_formats()
-        entry_dtype = torch.bfloat16 if p.kv_dtype == "bfloat16" else dtype
-
-        def entries(name: str, n: int, dim: int) -> torch.Tensor:
-            if name in fmts:
-                return torch.zeros(num_blocks, fmts[name].block_bytes(n), dtype=torch.uint8, device=device)
-            return torch.zeros(num_blocks, n, dim, dtype=entry_dtype, device=device)
-
-        self.layers: list[LayerCache] = []
-        for t, spec in zip(p.layer_types, layout.specs):
-            lc = LayerCache(ring=z(num_slots, p.window, p.head_dim))
-            m, d, di = spec.ratio, p.head_dim, p.index_head_dim
-            if swa_blocks:
-                lc.blocks["swa"] = z(num_blocks, bt, d)
-            if t in (CSA, HCA):
-                lc.blocks["comp"] = entries("comp", bt // m, d)
-                lc.formats = {k: f for k, f in fmts.items() if k == "comp" or t == CSA}
-                w = 2 * d if t == CSA else d
-                lc.tails.update(tail_kv=z(num_slots, m, w), tail_gate=z(num_slots, m, w))
-            if t == CSA:
-                lc.blocks["idx"] = entries("idx", bt // m, di)
-                if swa_blocks:
-                    lc.blocks.update(bovl_kv=z(num_blocks, m, d), bovl_gate=z(num_blocks, m, d),
-                                     biovl_kv=z(num_blocks, m, di), biovl_gate=z(num_blocks, m, di))
-                lc.tails.update(itail_kv=z(num_slots, m, 2 * di), itail_gate=z(num_slots, m, 2 * di),
-                                ovl_kv=z(num_slots, m, d), ovl_gate=ninf(num_slots, m, d),
-                                iovl_kv=z(num_slots, m, di), iovl_gate=ninf(num_slots, m, di))
-            self.layers.append(lc)
+        self.layers = [LayerCache(spec, num_blocks, num_slots, device, swa_blocks) for spec in layout.specs]
 
     def reset_slot(self, slot: int) -> None:
         """Forget any previous window: the next first window pools only its own half."""
         for lc in self.layers:
-            for name in ("ovl_gate", "iovl_gate"):
-                if name in lc.tails:
-                    lc.tails[name][slot].fill_(float("-inf"))
+            for spec in lc.slot_specs:
+                if spec.fill:
+                    lc.tails[spec.name][slot].fill_(spec.fill)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-fork of a partly written block (every block tensor, every layer)."""
@@ -141,14 +216,10 @@ class CacheTensors:
         return {f"{i}.{name}": t[block].to("cpu", copy=True)
                 for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
 
-    def load_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Fill one block from a stored object; KeyError/RuntimeError if it does not fit."""
-        self.load_blocks([block], [tensors])
-
     def block_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """What one block object must hold: name -> (shape, dtype)."""
-        return {f"{i}.{name}": (tuple(t.shape[1:]), t.dtype)
-                for i, lc in enumerate(self.layers) for name, t in lc.blocks.items()}
+        """What one block object must hold: name -> (shape, dtype), from the specs."""
+        return {f"{i}.{t.name}": (t.stored_shape, t.torch_dtype)
+                for i, lc in enumerate(self.layers) for t in lc.block_specs}
 
     def load_blocks(self, blocks: list[int], objects: list[dict[str, torch.Tensor]]) -> None:
         """Fill many blocks at once (one copy per cache tensor); objects must fit block_shapes()."""
@@ -186,46 +257,39 @@ class CacheTensors:
             pos = torch.arange(max(0, position - w), position)
             blocks = torch.tensor(block_table, dtype=torch.long)[pos // bt]
             lc.ring[slot, pos % w] = lc.swa[blocks, pos % bt]
-            for name in OVERLAP_FIELDS:
-                if name in lc.tails:
-                    src = lc.blocks["b" + name][block_table[position // bt - 1]] if position else None
-                    if src is None:
-                        lc.tails[name][slot].fill_(float("-inf") if name.endswith("gate") else 0.0)
-                    else:
-                        lc.tails[name][slot].copy_(src)
+            for c in lc.compressors:
+                if c.ovl_kv is not None:
+                    c.restore_overlap(slot, block_table[position // bt - 1] if position else None)
 
     def slot_state(self, slot: int, position: int) -> dict[str, torch.Tensor]:
-        """Copies of the state a snapshot at a block boundary needs: rings (ordered oldest
-        first, ending at `position`) and the overlap state. Tails are empty there."""
+        """Copies of the state a snapshot at a block boundary needs (the checkpoint tensors):
+        rings (ordered oldest first, ending at `position`) and the overlap state. Tails are
+        empty there."""
         out = {}
         for i, lc in enumerate(self.layers):
             w = lc.ring.shape[1]
             order = torch.arange(position - w, position) % w
             out[f"{i}.ring"] = lc.ring[slot, order].to("cpu", copy=True)
-            for name in OVERLAP_FIELDS:
-                if name in lc.tails:
-                    out[f"{i}.{name}"] = lc.tails[name][slot].to("cpu", copy=True)
+            for name in self._overlap_names(lc):
+                out[f"{i}.{name}"] = lc.tails[name][slot].to("cpu", copy=True)
         return out
+
+    @staticmethod
+    def _overlap_names(lc: LayerCache) -> list[str]:
+        return [t.name for c in lc.compressors for t in c.spec.overlap]
 
     def slot_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What one checkpoint object must hold (what slot_state returns): name -> (shape, dtype)."""
-        out = {}
-        for i, lc in enumerate(self.layers):
-            out[f"{i}.ring"] = (tuple(lc.ring.shape[1:]), lc.ring.dtype)
-            for name in OVERLAP_FIELDS:
-                if name in lc.tails:
-                    out[f"{i}.{name}"] = (tuple(lc.tails[name].shape[1:]), lc.tails[name].dtype)
-        return out
+        return {f"{i}.{t.name}": (t.stored_shape, t.torch_dtype)
+                for i, lc in enumerate(self.layers) for t in lc.slot_specs if t.checkpoint}
 
     def load_slot(self, slot: int, position: int, tensors: dict[str, torch.Tensor]) -> None:
         for i, lc in enumerate(self.layers):
             w = lc.ring.shape[1]
             order = torch.arange(position - w, position) % w
             lc.ring[slot, order] = tensors[f"{i}.ring"].to(lc.ring.device, lc.ring.dtype)
-            for name in OVERLAP_FIELDS:
-                if name in lc.tails:
-                    lc.tails[name][slot].copy_(tensors[f"{i}.{name}"])
-
+            for name in self._overlap_names(lc):
+                lc.tails[name][slot].copy_(tensors[f"{i}.{name}"])
 
     # ---- what moves when a request changes worker (NIXL or the Ray fallback) ----------------
     def named_tensors(self) -> list[tuple[str, str, torch.Tensor]]:

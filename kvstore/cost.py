@@ -64,13 +64,7 @@ class ObjectSizes(NamedTuple):
 def object_sizes(layout: CacheLayout, policy: SwaPolicy) -> ObjectSizes:
     """What one stored object carries: a block's compressed entries (+ its SWA K=V and
     end-of-block overlap state under `full`); a checkpoint's SWA rings + CSA overlap state."""
-    block = layout.resident_block_bytes(policy.kind == "full")
-    ckpt = 0
-    for t, s in zip(layout.params.layer_types, layout.specs):
-        ckpt += s.window * s.head_dim * s.dtype_bytes
-        if t == CSA:
-            ckpt += 2 * s.ratio * (s.head_dim + s.index_head_dim) * s.dtype_bytes
-    return ObjectSizes(block, ckpt)
+    return ObjectSizes(layout.resident_block_bytes(policy.kind == "full"), layout.checkpoint_bytes)
 
 
 def layout_span(layout: CacheLayout) -> int:

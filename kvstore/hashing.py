@@ -12,10 +12,10 @@ Block hash chain (the Dynamo / Mooncake convention)::
     local   | xxh3_64(b0, s)   | xxh3_64(b1, s)   |     | (not hashed) |
     seq     | local[0]         | xxh3_64(seq[0] ‖ local[1], s) ...     |
 
-where ``b_i`` is block i's token ids as u32 little-endian, ``s`` is the seed
-derived from the fingerprint, and ``‖`` concatenates two u64 little-endian.
-``seq[i]`` identifies the whole prefix ``tokens[: (i + 1) * block_tokens]``.
-Python's ``hash()`` is never used: it is salted per process.
+where `b_i` is block i's token ids as u32 little-endian, `s` is the seed
+derived from the fingerprint, and `‖` concatenates two u64 little-endian.
+`seq[i]` identifies the whole prefix `tokens[: (i + 1) * block_tokens]`.
+Python's `hash()` is never used: it is salted per process.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def model_fingerprint(
 
     The digest is taken over canonical JSON (sorted keys, no whitespace) of all
     five fields, so a change to any of them gives a different fingerprint, while
-    the key order of ``config`` does not matter. ``config`` must be JSON
-    serialisable (TypeError otherwise); ``block_tokens`` must be positive and
-    ``layout_version`` non-negative (ValueError otherwise).
+    the key order of `config` does not matter. `config` must be JSON
+    serialisable (TypeError otherwise); `block_tokens` must be positive and
+    `layout_version` non-negative (ValueError otherwise).
     """
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -69,7 +69,7 @@ def model_fingerprint(
 
 
 def check_fingerprint(fingerprint: str) -> str:
-    """Return ``fingerprint`` if it is lowercase hex of >= 16 chars, else raise ValueError."""
+    """Return `fingerprint` if it is lowercase hex of >= 16 chars, else raise ValueError."""
     if (
         not isinstance(fingerprint, str)
         or len(fingerprint) < FINGERPRINT_MIN_CHARS
@@ -117,9 +117,9 @@ def chain_hash(parent: int | None, local: int, seed: int) -> int:
 
 
 def block_hashes(tokens: Sequence[int], block_tokens: int, seed: int) -> list[int]:
-    """Return the seq hashes (u64 ints) of every *full* block of ``tokens``.
+    """Return the seq hashes (u64 ints) of every *full* block of `tokens`.
 
-    ``len(result) == len(tokens) // block_tokens``; a partial tail block is never
+    `len(result) == len(tokens) // block_tokens`; a partial tail block is never
     hashed. Raises ValueError for token ids outside u32 or block_tokens <= 0.
     """
     if block_tokens <= 0:
@@ -146,7 +146,7 @@ def hash_hex(h: int) -> str:
 
 
 def parse_hash_hex(text: str) -> int:
-    """Inverse of :func:`hash_hex`; ValueError unless ``text`` is 16 lowercase hex chars."""
+    """Inverse of `hash_hex`; ValueError unless `text` is 16 lowercase hex chars."""
     if len(text) != HASH_HEX_CHARS or not _HEX_RE.match(text):
         raise ValueError(f"not a {HASH_HEX_CHARS}-char hex hash: {text!r}")
     return int(text, 16)
@@ -178,11 +178,11 @@ class PrefixHasher:
         return self._seed
 
     def hashes(self, tokens: Sequence[int]) -> list[int]:
-        """Seq hashes of the full blocks of ``tokens`` (see :func:`block_hashes`)."""
+        """Seq hashes of the full blocks of `tokens` (see `block_hashes`)."""
         return block_hashes(tokens, self._block_tokens, self._seed)
 
     def next_hash(self, parent: int | None, block: Sequence[int]) -> int:
-        """Seq hash of one more full block after ``parent`` (None: the first block).
+        """Seq hash of one more full block after `parent` (None: the first block).
 
         Lets a decoder extend a chain as blocks fill without rehashing the prefix.
         """

@@ -7,34 +7,45 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
+
+from kvstore.tiers import CacheTier, Shapes, nbytes, shapes_of
 
 Key = tuple[str, int]   # (kind, hash)
 
 
-def nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-class HostCache:
+class HostCache(CacheTier):
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self.used = 0
         self._items: OrderedDict[Key, dict[str, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, kind: str, h: int) -> dict[str, torch.Tensor] | None:
+    def contains(self, kind: str, h: int) -> bool:
+        return (kind, h) in self._items
+
+    def get_many(self, kind: str, hashes: Sequence[int], expect: Shapes | None = None
+                 ) -> list[dict[str, torch.Tensor] | None]:
+        return [self._get(kind, h, expect) for h in hashes]
+
+    def _get(self, kind: str, h: int, expect: Shapes | None) -> dict[str, torch.Tensor] | None:
         with self._lock:
             item = self._items.get((kind, h))
-            if item is not None:
-                self._items.move_to_end((kind, h))
+            if item is None:
+                return None
+            if expect is not None and shapes_of(item) != expect:
+                self.used -= nbytes(self._items.pop((kind, h)))
+                return None
+            self._items.move_to_end((kind, h))
             return item
 
-    def put(self, kind: str, h: int, tensors: dict[str, torch.Tensor]) -> None:
+    def put(self, kind: str, h: int, parent: int | None, token_count: int,
+            tensors: dict[str, torch.Tensor]) -> int:
         size = nbytes(tensors)
         if size > self.capacity:
-            return
+            return 0
         with self._lock:
             old = self._items.pop((kind, h), None)
             if old is not None:
@@ -44,9 +55,10 @@ class HostCache:
             while self.used > self.capacity:
                 _, evicted = self._items.popitem(last=False)
                 self.used -= nbytes(evicted)
+        return size
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._items
+        return self.contains(*key)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -4,7 +4,7 @@ The index is a *hint* (DESIGN §4). The object store is the truth: entries are
 published only after an object is durable and removed when it is evicted, but
 after a crash the two may disagree, so every hit is re-verified on read.
 
-Three tiers of entries, all keyed by block chain hash (:mod:`kvstore.hashing`):
+Three tiers of entries, all keyed by block chain hash (`kvstore.hashing`):
 
 * **block** — the block object for the prefix ending at that hash is in the store;
 * **checkpoint** — a state checkpoint at the end of that prefix is in the store
@@ -13,163 +13,27 @@ Three tiers of entries, all keyed by block chain hash (:mod:`kvstore.hashing`):
   that expires unless re-published.
 
 Every index instance is bound to one model fingerprint; different models never
-see each other's entries. ``make_index`` builds one from a deployment spec.
+see each other's entries. `make_index` builds one from a deployment spec.
 """
 
 from __future__ import annotations
 
-import abc
 import threading
 import time
-from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
+from typing import Callable, Sequence
 
-from kvstore.hashing import check_fingerprint
+from kvstore.index_base import (BLOCK, CHECKPOINT, LookupResult, ObjectListing, PrefixIndex, check_ttl,
+                                empty_lookup, walk_memory)
 
-BLOCK = "block"
-CHECKPOINT = "checkpoint"
+__all__ = ["BLOCK", "CHECKPOINT", "EmbeddedIndex", "LookupResult", "ObjectListing", "PrefixIndex", "check_ttl",
+           "empty_lookup", "make_index", "walk_memory"]
 _SWEEP_MIN_LEASES = 1024  # below this many leases an expiry sweep is not worth its cost
-
-
-class LookupResult(NamedTuple):
-    """What the index knows about a chain of block hashes.
-
-    stored:      number of leading hashes whose block object is in the store
-                 (the walk stops at the first miss).
-    checkpoints: ascending indices ``i < stored`` with a stored checkpoint for the
-                 prefix ending at block ``i``.
-    memory:      worker_id -> number of leading hashes that worker holds in memory
-                 under an unexpired lease (workers holding none are omitted).
-    """
-
-    stored: int
-    checkpoints: tuple[int, ...]
-    memory: dict[str, int]
-
-
-def walk_memory(holders: Iterable[set[str]]) -> dict[str, int]:
-    """Per worker, the length of the leading run of blocks it holds.
-
-    ``holders`` yields, block by block, the workers with a live lease on that
-    block; the walk stops as soon as no worker holds every block so far.
-    """
-    counts: dict[str, int] = {}
-    alive: set[str] | None = None
-    for here in holders:
-        alive = here if alive is None else alive & here
-        if not alive:
-            break
-        for w in alive:
-            counts[w] = counts.get(w, 0) + 1
-    return counts
-
-
-def empty_lookup() -> LookupResult:
-    """A lookup that found nothing (a fresh dict each call)."""
-    return LookupResult(0, (), {})
-
-
-class ObjectListing(Protocol):
-    """The part of an object store that an index can be rebuilt from."""
-
-    @property
-    def fingerprint(self) -> str: ...
-
-    def list(self, kind: str) -> list[int]: ...
-
-
-class PrefixIndex(abc.ABC):
-    """Interface of every prefix index (embedded and Redis share one conformance suite).
-
-    Contract:
-    * An instance is bound to ``fingerprint`` at construction; all reads and
-      writes touch only that namespace.
-    * Methods are thread-safe.
-    * Publishing is idempotent; removing something absent is a no-op.
-    * Store-tier entries (blocks, checkpoints) never expire; callers publish
-      them only after the object is durable and remove them when it is evicted.
-    * Memory-tier entries are leases of ``ttl_s`` seconds; publishing again renews.
-    """
-
-    def __init__(self, fingerprint: str) -> None:
-        self._fingerprint = check_fingerprint(fingerprint)
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    @abc.abstractmethod
-    def lookup(self, hashes: Sequence[int]) -> LookupResult:
-        """Walk ``hashes`` (a block hash chain, first block first); see LookupResult."""
-
-    @abc.abstractmethod
-    def publish_blocks(self, hashes: Sequence[int]) -> None:
-        """Record that the block objects for ``hashes`` are durable in the store."""
-
-    @abc.abstractmethod
-    def remove_blocks(self, hashes: Sequence[int]) -> None:
-        """Forget store-tier block entries (the objects were evicted or are corrupt)."""
-
-    @abc.abstractmethod
-    def publish_checkpoint(self, h: int) -> None:
-        """Record that a checkpoint for the prefix ending at ``h`` is durable."""
-
-    @abc.abstractmethod
-    def remove_checkpoint(self, h: int) -> None:
-        """Forget the checkpoint entry for ``h``."""
-
-    @abc.abstractmethod
-    def publish_memory(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
-        """Lease: ``worker_id`` holds ``hashes`` in memory for the next ``ttl_s`` seconds."""
-
-    @abc.abstractmethod
-    def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """End ``worker_id``'s leases on ``hashes`` (it evicted them)."""
-
-    @abc.abstractmethod
-    def clear(self) -> None:
-        """Remove every entry of this fingerprint's namespace (and nothing else)."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release connections; the instance must not be used afterwards."""
-
-    def rebuild_from(self, store: ObjectListing) -> int:
-        """Publish every object listed by ``store``; return how many were published.
-
-        Additive: entries for objects missing from the store are left alone (they
-        are misses on read). EmbeddedIndex overrides this to replace its store tier.
-        """
-        blocks, checkpoints = self._listing(store)
-        self.publish_blocks(blocks)
-        for h in checkpoints:
-            self.publish_checkpoint(h)
-        return len(blocks) + len(checkpoints)
-
-    def _listing(self, store: ObjectListing) -> tuple[list[int], list[int]]:
-        if store.fingerprint != self._fingerprint:
-            raise ValueError(
-                f"store fingerprint {store.fingerprint[:16]} does not match "
-                f"index fingerprint {self._fingerprint[:16]}"
-            )
-        return store.list(BLOCK), store.list(CHECKPOINT)
-
-    def __enter__(self) -> "PrefixIndex":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def check_ttl(ttl_s: float) -> None:
-    """Raise ValueError unless a lease length is positive."""
-    if not ttl_s > 0:
-        raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
 
 
 class EmbeddedIndex(PrefixIndex):
     """In-process index for a single node (a laptop, a test): dicts behind one lock.
 
-    Leases are judged by ``clock`` (injectable for tests). Expired leases are
+    Leases are judged by `clock` (injectable for tests). Expired leases are
     dropped lazily on lookup and by an amortised sweep whenever the number of
     leases doubles since the last sweep, so dead workers cannot grow it forever.
     """
@@ -259,7 +123,7 @@ class EmbeddedIndex(PrefixIndex):
         self.clear()
 
     def rebuild_from(self, store: ObjectListing) -> int:
-        """Replace the store tier with exactly what ``store`` lists; leases are kept."""
+        """Replace the store tier with exactly what `store` lists; leases are kept."""
         blocks, checkpoints = self._listing(store)
         with self._lock:
             self._blocks = set(blocks)
@@ -274,10 +138,10 @@ class EmbeddedIndex(PrefixIndex):
 def make_index(spec: str, fingerprint: str, store: ObjectListing | None = None) -> PrefixIndex:
     """Build the index a deployment asks for.
 
-    ``"local"``: an EmbeddedIndex, rebuilt from ``store`` when one is given.
-    ``"redis://host:port/db"`` (or ``rediss://``, ``unix://``): a RedisIndex.
+    `"local"`: an EmbeddedIndex, rebuilt from `store` when one is given.
+    `"redis://host:port/db"` (or `rediss://`, `unix://`): a RedisIndex.
     Anything else raises ValueError naming the spec. The caller still attaches
-    the index to the store (``store.attach_index``) so puts publish to it.
+    the index to the store (`store.attach_index`) so puts publish to it.
     """
     if spec == "local":
         index = EmbeddedIndex(fingerprint)

@@ -9,8 +9,9 @@
 A region is `(tensor index, byte offset, nbytes)` into the list of tensors the agent
 registered (CacheTensors.block_regions speaks this). `RemoteKV` is plain data (agent
 name, agent metadata, absolute descriptors), so it travels in any message; the
-destination adds the remote agent from its metadata on first use. Everything here
-works without Ray; when NIXL is missing or fails, callers get `TransferError` and
+destination adds the remote agent from its metadata on first use. `NixlTransport` is
+the handoff's KVTransport over one agent. Everything here works without Ray; when NIXL
+is missing or fails, callers get `HandoffError` (`TransferError` is the same class) and
 fall back to another transport.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer
+
 log = logging.getLogger(__name__)
 
 Region = tuple[int, int, int]          # (tensor index, byte offset, nbytes)
@@ -29,11 +32,10 @@ Desc = tuple[int, int, int]            # (address, nbytes, device id)
 POLL_INTERVAL_S = 0.0005
 
 
-class TransferError(RuntimeError):
-    """A NIXL transfer could not be set up or did not complete; use the fallback transport."""
+TransferError = HandoffError    # a NIXL transfer could not be set up or did not complete
 
 
-class NixlUnavailable(TransferError):
+class NixlUnavailable(HandoffError):
     """NIXL (or its backend) cannot be loaded in this process."""
 
 
@@ -57,7 +59,7 @@ def coalesce(local: list[Desc], remote: list[Desc]) -> tuple[list[Desc], list[De
     out_r: list[Desc] = []
     for (la, n, ld), (ra, m, rd) in zip(local, remote):
         if n != m:
-            raise TransferError(f"region sizes differ: local {n} B, remote {m} B")
+            raise HandoffError(f"region sizes differ: local {n} B, remote {m} B")
         if out_l and out_l[-1][0] + out_l[-1][1] == la and out_r[-1][0] + out_r[-1][1] == ra \
                 and out_l[-1][2] == ld and out_r[-1][2] == rd:
             out_l[-1] = (out_l[-1][0], out_l[-1][1] + n, ld)
@@ -133,7 +135,7 @@ class KVTransferAgent:
         The source receives `notif` when the transfer completes. Returns bytes moved."""
         local = self._descs(regions)
         if len(local) != len(remote.descs):
-            raise TransferError(f"{len(local)} local regions for {len(remote.descs)} remote ones")
+            raise HandoffError(f"{len(local)} local regions for {len(remote.descs)} remote ones")
         local, far = coalesce(local, list(remote.descs))
         with self._lock:
             try:
@@ -144,7 +146,7 @@ class KVTransferAgent:
                     "READ", self._agent.get_xfer_descs(local, self.mem_type),
                     self._agent.get_xfer_descs(far, remote.mem_type), remote.agent_name, notif)
             except Exception as e:
-                raise TransferError(f"cannot set up a READ from {remote.agent_name} ({remote.node_ip}): {e}") from e
+                raise HandoffError(f"cannot set up a READ from {remote.agent_name} ({remote.node_ip}): {e}") from e
         try:
             self._wait(handle, remote, timeout_s)
         finally:
@@ -158,12 +160,12 @@ class KVTransferAgent:
             state = self._agent.transfer(handle)
         while state == "PROC":
             if time.monotonic() > deadline:
-                raise TransferError(f"READ from {remote.agent_name} ({remote.node_ip}) timed out after {timeout_s}s")
+                raise HandoffError(f"READ from {remote.agent_name} ({remote.node_ip}) timed out after {timeout_s}s")
             time.sleep(POLL_INTERVAL_S)
             with self._lock:
                 state = self._agent.check_xfer_state(handle)
         if state != "DONE":
-            raise TransferError(f"READ from {remote.agent_name} ({remote.node_ip}) failed: {state}")
+            raise HandoffError(f"READ from {remote.agent_name} ({remote.node_ip}) failed: {state}")
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call, from any peer."""
@@ -171,18 +173,41 @@ class KVTransferAgent:
             notifs = self._agent.get_new_notifs()
         return [m for msgs in notifs.values() for m in msgs]
 
-    def forget_peer(self, agent_name: str) -> None:
-        with self._lock:
-            if agent_name in self._peers:
-                self._agent.remove_remote_agent(agent_name)
-                self._peers.discard(agent_name)
-
     def close(self) -> None:
         with self._lock:
             for peer in list(self._peers):
                 self._agent.remove_remote_agent(peer)
             self._peers.clear()
             self._agent.deregister_memory(self._reg)
+
+
+RELEASE_PREFIX = b"release:"     # the notification a completed READ sends: release:<request id>
+
+
+class NixlTransport(KVTransport):
+    """The handoff over NIXL: an offer describes the held regions of the source's
+    registered cache; a load READs them into the destination's (one-sided, the source
+    is told by the READ's notification, see `released`)."""
+    name = "nixl"
+
+    def __init__(self, agent: KVTransferAgent, fingerprint: str, timeout_s: float = 30.0):
+        super().__init__(fingerprint)
+        self.agent, self.timeout_s = agent, timeout_s
+
+    def offer(self, held: HeldKV, cache) -> Offer:
+        remote = self.agent.describe(cache.block_regions(held.block_ids, held.slot))
+        return Offer(held.request_id, self.fingerprint, len(held.block_ids), remote.nbytes, self.name, remote)
+
+    def _read(self, offer: Offer, cache, block_ids: list[int], slot: int) -> int:
+        return self.agent.read(offer.location, cache.block_regions(block_ids, slot),
+                               RELEASE_PREFIX + offer.request_id.encode(), self.timeout_s)
+
+    def released(self) -> list[str]:
+        """Request ids whose caches destinations have finished reading since the last call."""
+        return [m.removeprefix(RELEASE_PREFIX).decode(errors="replace") for m in self.agent.notifications()]
+
+    def close(self) -> None:
+        self.agent.close()
 
 
 def make_agent(name: str, tensors: list[torch.Tensor], node_ip: str, backend: str = "UCX"

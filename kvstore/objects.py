@@ -26,8 +26,8 @@ JSON header::
 
 The checksum covers every byte except itself and the MAC, so truncation, a flipped
 bit anywhere, or a spliced header is detected; the MAC makes a forgery detectable
-too. ``decode_object`` verifies all of it before returning anything; every failure
-is a ``CorruptObjectError`` (``UnauthenticatedObjectError`` for a MAC failure).
+too. `decode_object` verifies all of it before returning anything; every failure
+is a `CorruptObjectError` (`UnauthenticatedObjectError` for a MAC failure).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class UnauthenticatedObjectError(CorruptObjectError):
 
 
 class CacheObject(NamedTuple):
-    """A verified store object. ``tensors`` may be views into the decoded buffer."""
+    """A verified store object. `tensors` may be views into the decoded buffer."""
 
     fingerprint: str
     kind: str
@@ -98,7 +98,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of ``t`` (host byte order), without a copy when already contiguous."""
+    """The raw bytes of `t` (host byte order), without a copy when already contiguous."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
@@ -114,7 +114,7 @@ def encode_object_parts(
 ) -> list[bytes | memoryview]:
     """Encode an object as a list of buffers whose concatenation is the object.
 
-    Lets a writer stream it without building one big buffer. With ``key`` the object
+    Lets a writer stream it without building one big buffer. With `key` the object
     carries a MAC. Raises ValueError for a bad kind / token_count and TypeError for an
     unsupported dtype.
     """
@@ -185,16 +185,16 @@ def decode_object(
 ) -> CacheObject:
     """Verify and decode one store object; raise CorruptObjectError on any mismatch.
 
-    ``lazy`` skips building per-tensor views: the result carries the verified ``data``
-    bytes and the checked ``table`` instead, for callers that unpack many objects of one
+    `lazy` skips building per-tensor views: the result carries the verified `data`
+    bytes and the checked `table` instead, for callers that unpack many objects of one
     layout at once.
 
-    With ``key``, an object without a MAC that this key verifies is rejected
-    (``UnauthenticatedObjectError``); without one, a MAC present is not checked.
+    With `key`, an object without a MAC that this key verifies is rejected
+    (`UnauthenticatedObjectError`); without one, a MAC present is not checked.
 
-    Tensors are zero-copy views (``torch.frombuffer``) when ``buf`` is writable
+    Tensors are zero-copy views (`torch.frombuffer`) when `buf` is writable
     (a bytearray, a copy-on-write mmap); a read-only buffer is copied once so no
-    tensor ever aliases read-only memory. Views keep ``buf`` alive.
+    tensor ever aliases read-only memory. Views keep `buf` alive.
     """
     view = memoryview(buf).cast("B")
     if view.readonly:
@@ -286,7 +286,7 @@ def _checked_entry(data_length: int, entry: dict) -> tuple[str, torch.dtype, tup
 
 
 def _tensor_view(view: memoryview, data_start: int, entry: tuple) -> torch.Tensor:
-    """A tensor viewing its (checked) bytes in ``view``."""
+    """A tensor viewing its (checked) bytes in `view`."""
     _, dtype, shape, offset, nbytes = entry
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)

@@ -1,6 +1,6 @@
 """The cluster prefix index in Redis (same contract as EmbeddedIndex, see kvstore.index).
 
-Key layout, ``ns = fingerprint[:16]``, ``hex = hash_hex(h)``::
+Key layout, `ns = fingerprint[:16]`, `hex = hash_hex(h)`::
 
     kvmesh:{ns}:b:{hex}   string "1"         block object is in the store
     kvmesh:{ns}:c:{hex}   string "1"         checkpoint object is in the store
@@ -8,21 +8,21 @@ Key layout, ``ns = fingerprint[:16]``, ``hex = hash_hex(h)``::
                                              (Redis server clock, ms since epoch)
 
 Memory leases are judged by the *Redis server's* clock, so nodes with skewed
-clocks still agree: ``publish_memory`` runs a small Lua script that reads
-``TIME``, adds ``now + ttl`` as the score, drops expired members, and keeps the
-key's own PEXPIRE at least ``ttl`` so abandoned sets vanish. ``lookup`` is one
-pipeline: ``TIME``, one ``MGET`` for blocks, one for checkpoints, and one
-``ZRANGE .. WITHSCORES`` per hash; members whose score is <= the server time
+clocks still agree: `publish_memory` runs a small Lua script that reads
+`TIME`, adds `now + ttl` as the score, drops expired members, and keeps the
+key's own PEXPIRE at least `ttl` so abandoned sets vanish. `lookup` is one
+pipeline: `TIME`, one `MGET` for blocks, one for checkpoints, and one
+`ZRANGE .. WITHSCORES` per hash; members whose score is <= the server time
 are ignored. Lease granularity is therefore 1 ms.
 
 Faults: when Redis is unreachable (connection refused/reset, timeout) or answers
-with an error reply (READONLY after a failover, OOM under ``noeviction``, LOADING,
-BUSY, ...) no method raises. ``lookup`` returns an empty result and writes are dropped; one warning
+with an error reply (READONLY after a failover, OOM under `noeviction`, LOADING,
+BUSY, ...) no method raises. `lookup` returns an empty result and writes are dropped; one warning
 is logged per outage; further calls are skipped (not attempted) until an
 exponentially growing backoff deadline passes, then one call probes Redis and,
 if it answers, everything resumes. Dropped publishes are not replayed: the
-store is the truth and a miss only costs recompute (``rebuild_from`` re-publishes).
-The URL's password never reaches a log line (``kvstore.redact``).
+store is the truth and a miss only costs recompute (`rebuild_from` re-publishes).
+The URL's password never reaches a log line (`kvstore.redact`).
 """
 
 from __future__ import annotations
@@ -38,16 +38,9 @@ from redis.retry import Retry
 
 from kvstore.hashing import hash_hex
 from kvstore.redact import redact_url
-from kvstore.index import (
-    LookupResult,
-    PrefixIndex,
-    check_ttl,
-    empty_lookup,
-    make_index,
-    walk_memory,
-)
+from kvstore.index_base import LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
 
-__all__ = ["RedisIndex", "make_index"]
+__all__ = ["RedisIndex"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,7 +71,7 @@ return now
 class RedisIndex(PrefixIndex):
     """PrefixIndex over a Redis server; never raises into the caller when Redis is down.
 
-    ``clock`` (monotonic seconds) only paces the reconnect backoff; leases use
+    `clock` (monotonic seconds) only paces the reconnect backoff; leases use
     the server clock. Thread-safe: redis-py's pool is, and counters are locked.
     """
 
@@ -122,7 +115,7 @@ class RedisIndex(PrefixIndex):
     # -- fault handling ----------------------------------------------------------
 
     def _call(self, op: str, fn: Callable[[], T], default: T) -> T:
-        """Run ``fn`` unless in backoff; on a connection fault return ``default``."""
+        """Run `fn` unless in backoff; on a connection fault return `default`."""
         with self._lock:
             if not self._healthy and self._clock() < self._retry_at:
                 self._stats["skipped"] += 1
@@ -173,7 +166,7 @@ class RedisIndex(PrefixIndex):
             self._stats[name] += n
 
     def stats(self) -> dict[str, int]:
-        """Counters since construction, plus ``healthy`` (1 while Redis answers)."""
+        """Counters since construction, plus `healthy` (1 while Redis answers)."""
         with self._lock:
             return {**self._stats, "healthy": int(self._healthy)}
 

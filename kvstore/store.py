@@ -48,6 +48,7 @@ from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
 from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
                               read_whole, resolve_uri, write_atomic)
+from kvstore.tiers import CacheTier, RowTensors, Shapes, shapes_of
 from kvstore.timed_io import IoTimeoutError, TimedRunner
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"object kind must be one of {KINDS}, got {kind!r}")
 
 
-class ObjectStore:
+class ObjectStore(CacheTier):
     """Block and checkpoint objects of one model fingerprint. Thread-safe.
 
     Wiring with an index that is rebuilt from the store it serves::
@@ -127,6 +128,7 @@ class ObjectStore:
         evict_unread_first: bool = False,
         key: StoreKey | None = None,
         read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S,
+        staging_bytes: int = 0,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
@@ -147,6 +149,9 @@ class ObjectStore:
         self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
         self._quarantine: set[tuple[str, int]] = set()
         self._logged: set[str] = set()   # causes already logged
+        # get_many reads blocks into this reused buffer; touched once now so a restore never
+        # page-faults its way through fresh memory.
+        self._staging = torch.zeros(staging_bytes, dtype=torch.uint8)
         try:
             for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
                 self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
@@ -308,6 +313,39 @@ class ObjectStore:
                 self._track(kind, h, size, reads=1, bytes_read=size)
             objs.append(obj)
         return rows, objs
+
+    def get_many(self, kind: str, hashes: Sequence[int], expect: Shapes | None = None
+                 ) -> list[RowTensors | dict[str, torch.Tensor] | None]:
+        """The tier interface's read (kvstore.tiers). Blocks are read in one pass into the
+        rows of one tensor (`RowTensors`, valid until the next get_many: they view a reused
+        staging buffer); checkpoints are read whole. An object that does not fit `expect` is
+        rejected (counted corrupt, removed). Raises IoTimeoutError when a read hangs (the
+        staging buffer it may still write into is dropped first)."""
+        if kind != "block":
+            return [self._fitting(kind, h, self.get(kind, h), expect) for h in hashes]
+        if not hashes:
+            return []
+        try:
+            rows, objs = self.get_rows(kind, hashes, self._staging)
+        except IoTimeoutError:
+            self._staging = torch.zeros_like(self._staging)
+            raise
+        out = []
+        for i, (h, obj) in enumerate(zip(hashes, objs)):
+            if obj is not None:
+                data = rows if rows is not None else torch.frombuffer(obj.data, dtype=torch.uint8)[None]
+                start = obj.data_start if rows is not None else 0
+                obj = RowTensors(data, i if rows is not None else 0, start, obj.table, len(obj.data))
+            out.append(self._fitting(kind, h, obj, expect))
+        return out
+
+    def _fitting(self, kind: str, h: int, tensors, expect: Shapes | None):
+        if isinstance(tensors, CacheObject):
+            tensors = tensors.tensors
+        if tensors is None or expect is None or shapes_of(tensors) == expect:
+            return tensors
+        self.reject(kind, h, CorruptObjectError("its tensors do not fit this cache layout (missing, extra or reshaped)"))
+        return None
 
     def reject(self, kind: str, h: int, error: BaseException) -> None:
         """An object that cannot be used (corrupt, forged, unreadable, of another layout):

@@ -1,9 +1,9 @@
 """Filesystem primitives of the object store: URIs, atomic writes, mapped reads, listings.
 
-Everything goes through ``pyarrow.fs`` so a store can live on a local or shared
-mount (NVMe, NFS, 3FS, ...) or an object store (``s3://``, ...), except two
+Everything goes through `pyarrow.fs` so a store can live on a local or shared
+mount (NVMe, NFS, 3FS, ...) or an object store (`s3://`, ...), except two
 things only a local filesystem can do and that the store relies on there:
-``fsync`` + ``rename`` for durable atomic writes, and ``mmap`` for zero-copy reads.
+`fsync` + `rename` for durable atomic writes, and `mmap` for zero-copy reads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 def resolve_uri(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A filesystem and root path for ``uri``; a bare (even relative) path is local."""
+    """A filesystem and root path for `uri`; a bare (even relative) path is local."""
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
     filesystem, root = pafs.FileSystem.from_uri(uri)
@@ -81,7 +81,7 @@ def read_into(f, view: memoryview) -> int:
 
 
 def list_namespace_dirs(uri: str, marker: str) -> dict[str, str | None]:
-    """Namespace directory (16 hex chars) under the root -> contents of its ``marker`` file."""
+    """Namespace directory (16 hex chars) under the root -> contents of its `marker` file."""
     filesystem, root = resolve_uri(uri)
     found: dict[str, str | None] = {}
     for info in filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
@@ -94,7 +94,7 @@ def list_namespace_dirs(uri: str, marker: str) -> dict[str, str | None]:
 
 
 def write_atomic(filesystem: pafs.FileSystem, path: str, parts: Sequence[bytes | memoryview]) -> None:
-    """Write ``parts`` so readers see either no file (or the old one) or all of it.
+    """Write `parts` so readers see either no file (or the old one) or all of it.
 
     Local: a hidden temp file in the same directory, fsync, then rename(2).
     Elsewhere: one output stream; object stores publish it only on close.
@@ -122,7 +122,7 @@ def write_atomic(filesystem: pafs.FileSystem, path: str, parts: Sequence[bytes |
 def read_whole(filesystem: pafs.FileSystem, path: str) -> mmap.mmap | bytearray:
     """The bytes of one file in a *writable* buffer; FileNotFoundError if absent.
 
-    Local: a copy-on-write ``mmap`` (no copy; writes through tensors viewing it
+    Local: a copy-on-write `mmap` (no copy; writes through tensors viewing it
     never reach the file) with readahead of the whole file. Elsewhere: one read
     into a bytearray.
     """
@@ -144,7 +144,7 @@ def read_whole(filesystem: pafs.FileSystem, path: str) -> mmap.mmap | bytearray:
 def list_files(
     filesystem: pafs.FileSystem, directory: str, pattern: re.Pattern[str]
 ) -> list[tuple[re.Match[str], pafs.FileInfo]]:
-    """Files in ``directory`` whose name matches ``pattern``; removes stale temp files."""
+    """Files in `directory` whose name matches `pattern`; removes stale temp files."""
     found = []
     for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
         if info.type != pafs.FileType.File:

@@ -1,12 +1,12 @@
 """Request traces with prefix structure (Mooncake's format) and their deterministic tokens.
 
-One JSON object per line: ``{"timestamp": ms, "input_length": tokens, "output_length":
-tokens, "hash_ids": [...]}``; ``hash_ids`` name the prompt's blocks of ``trace_block``
+One JSON object per line: `{"timestamp": ms, "input_length": tokens, "output_length":
+tokens, "hash_ids": [...]}`; `hash_ids` name the prompt's blocks of `trace_block`
 (512) tokens, the last one possibly partial. Two requests share a prefix exactly where
-their ``hash_ids`` do.
+their `hash_ids` do.
 
-A replay scales each trace block to ``block_tokens`` tokens (a 512-token block becomes
-one 16-token block of a tiny model; at V4 scale ``block_tokens = 512`` keeps lengths as
+A replay scales each trace block to `block_tokens` tokens (a 512-token block becomes
+one 16-token block of a tiny model; at V4 scale `block_tokens = 512` keeps lengths as
 they are) and makes each hash id a deterministic block of token ids, so equal ids give
 equal tokens in every process:
 

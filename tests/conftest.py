@@ -85,7 +85,7 @@ class PrivateRedis:
         self._proc = None
 
     def restart(self) -> None:
-        """Start again on the same port (after ``stop``)."""
+        """Start again on the same port (after `stop`)."""
         self.stop()
         self.start()
 
@@ -107,7 +107,7 @@ def redis_process() -> Iterator[PrivateRedis]:
 
 @pytest.fixture(scope="session")
 def redis_server(redis_process: PrivateRedis) -> str:
-    """URL of the session's private Redis: ``redis://127.0.0.1:PORT/0``."""
+    """URL of the session's private Redis: `redis://127.0.0.1:PORT/0`."""
     return redis_process.url
 
 

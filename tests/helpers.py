@@ -1,9 +1,12 @@
-"""Shared test helpers: tiny V4 checkpoints written by transformers itself, and the
-transformers reference run every engine path is compared against."""
+"""Shared test helpers: tiny V4 checkpoints written by transformers itself, engines on
+them, the transformers reference run every engine path is compared against, the
+comparisons (`assert_same_run`, `assert_close`) and SSE parsing for the HTTP tests."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -96,3 +99,30 @@ def random_cache(layout, num_blocks: int, num_slots: int, seed: int):
     for t in cache.all_tensors():
         t.copy_(torch.randn(t.shape, generator=g))
     return cache
+
+
+LOGPROB_TOL = 2e-4      # chosen-token logprobs of two fp32 runs that must agree
+
+
+def assert_same_run(out, ref, ref_logprobs: list[float] | None = None, tol: float = LOGPROB_TOL) -> None:
+    """`out` equals a reference run: the same tokens, chosen-token logprobs within `tol`.
+    `ref` is an output with token_ids / logprobs, or the tokens with `ref_logprobs` beside."""
+    tokens, logprobs = (ref.token_ids, ref.logprobs) if ref_logprobs is None else (ref, ref_logprobs)
+    assert out.token_ids == tokens
+    assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < tol
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> None:
+    """A kernel's output against its torch reference: same dtype and shape, values within
+    tol[dtype] (atol / rtol), compared in float32."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), **tol[ref.dtype])
+
+
+def sse_events(lines: Iterable[str]) -> Iterator:
+    """The payloads of an SSE stream's `data:` lines as they arrive: JSON decoded, the final
+    "[DONE]" kept as is."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)

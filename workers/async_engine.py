@@ -15,7 +15,10 @@ import logging
 import threading
 from typing import AsyncIterator
 
+from kvstore.kv_transport import KVTransport, Offer
+
 from .engine import Engine, EngineConfig
+from .engine_stats import EngineStats
 from .handoff import HeldKV, Resume
 from .sampling import InvalidRequestError, SamplingParams
 from .sequence import RequestOutput
@@ -107,6 +110,29 @@ class AsyncEngine:
     async def export_held(self, request_id: str) -> dict:
         return await asyncio.wrap_future(self.call(self.engine.export_held, request_id))
 
+    async def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
+        return await asyncio.wrap_future(self.call(self.engine.offer_held, request_id, transport))
+
+    def kv_tensors(self) -> list:
+        return self.engine.kv_tensors()
+
+    def is_held(self, request_id: str) -> bool:
+        return self.engine.is_held(request_id)
+
+    def release_held_soon(self, request_id: str) -> None:
+        """Free a held cache from any thread without waiting (safe where no await may run)."""
+        self.call(self.engine.release_held, request_id)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.engine.fingerprint
+
+    def info(self) -> dict:
+        """What the ingress needs to know about this engine's model and limits."""
+        e = self.engine
+        return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
+                "block_tokens": e.config.block_tokens, "fingerprint": e.fingerprint, "model_dir": str(e.model_dir)}
+
     async def release_held(self, request_id: str) -> None:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
 
@@ -155,28 +181,9 @@ class AsyncEngine:
         """Why the engine loop stopped, or None while it runs."""
         return self._dead
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Engine, memory, reuse and store counters (read without stopping the loop)."""
-        e = self.engine
-        r = e.prefix.stats
-        out = {**e.stats, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-               "free_blocks": e.blocks.num_free, "total_blocks": e.blocks.num_blocks,
-               "free_slots": e.slots.num_free, "total_slots": e.slots.num_slots,
-               "preemptions": e.scheduler.preemptions, "held": len(e.held)}
-        r = e.prefix.stats
-        out["kv_cache_usage"] = e.blocks.num_used / max(1, e.blocks.num_blocks)
-        out["queue_time"] = e.queue_time.snapshot()
-        out["prefix_query_tokens"] = r.query_tokens
-        out["prefix_hit_tokens"] = dict(r.tier_hit_tokens)
-        out.update(reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
-                   reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
-                   reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
-        if e.prefix.store is not None:
-            s = e.prefix.store.stats()
-            out.update(store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
-                       store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
-                       store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
-        return out
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         """Stop the loop, then flush the engine's write-behind persistence and close its index."""

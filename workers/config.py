@@ -8,7 +8,6 @@ keys real checkpoints ship (`compress_ratios`, `compress_rate_csa/hca`,
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +19,7 @@ SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
-    """A model config that kvmesh cannot serve; the message names the offending key."""
+    """A model or engine config that kvmesh cannot serve; the message names the offending key."""
 
 
 @dataclass(frozen=True)
@@ -245,9 +244,3 @@ def _parse(raw: dict, source: str) -> ModelArgs:
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         raw=raw,
     )
-
-
-def lcm_ratio(args: ModelArgs) -> int:
-    """Block sizes must be a multiple of this so blocks never split a compressor window."""
-    ratios = [args.ratio(t) for t in set(args.layer_types) if t != SWA]
-    return math.lcm(*ratios) if ratios else 1

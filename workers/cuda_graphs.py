@@ -42,10 +42,10 @@ def graph_blockers(model: Transformer, cache: CacheTensors) -> list[str]:
     out = []
     dtype = model.head.weight.dtype
     for i, lc in enumerate(cache.layers):
-        if lc.formats:
+        if any(c.spec.entries.record for c in lc.compressors):
             out.append(f"layer {i}: FP8 KV records are decoded per used block (a data-dependent set)")
             break
-        if any(name in ("comp", "idx") and t.dtype != dtype for name, t in lc.blocks.items()):
+        if any(c.entries.dtype != dtype for c in lc.compressors):
             out.append(f"layer {i}: entries stored as another dtype than the model's are converted per used block")
             break
     if model.args.n_routed_experts and not grouped_mm_runs(model.head.weight):

@@ -12,25 +12,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 import os
 import socket
+
+import torch
 
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors, size_pools
 from kvstore.hashing import PrefixHasher, model_fingerprint
 from kvstore.host_cache import HostCache
 from kvstore.index import make_index
+from kvstore.kv_transport import HandoffError, KVTransport, Offer
 from kvstore.mac import StoreKey
 from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
-from kvstore.planner import SwaPolicy, recompute_span
+from kvstore.planner import recompute_span
 from kvstore.redact import redact_url
 from kvstore.state_slots import SlotPool
-from kvstore.store import DEFAULT_READ_TIMEOUT_S, ObjectStore
+from kvstore.store import ObjectStore
 
 from .default_model import ensure_default_model
 from .loader import load_model
@@ -42,46 +42,19 @@ from .grammar import GuideCompiler
 from .histogram import Histogram
 from .sampler import SampleRow, sample_batch
 from .sampling import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
+from .kv_manager import KVCacheManager
 from .scheduler import Scheduler
 from .handoff import HeldKV, Resume
 from .sequence import RequestOutput, Sequence, Status
 from .config import ConfigError
+from .engine_config import EngineConfig
+from .engine_stats import EngineCounters, EngineStats
 from .mtp_draft import MTPDrafter
 from .speculative import DraftLimits, Drafter, Speculator
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None            # checkpoint directory; None = the built-in default model
-    dtype: str | None = None            # None = the checkpoint's dtype
-    device: str = "cpu"
-    block_tokens: int = 128
-    kv_cache_bytes: int = 256 << 20     # classical blocks + state slots
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 1024
-    max_model_len: int | None = None    # None = the model's max_position_embeddings
-    kernel_backend: str = "auto"
-    store: str | None = None            # shared store URI (local dir, file://, s3://...); None = memory only
-    store_capacity_bytes: int | None = None
-    index: str = "local"                # "local" (embedded) or "redis://host:port/db"
-    swa_policy: str = "full"            # full | periodic:P | zero | auto | auto:P
-    kv_cache_dtype: str = "auto"        # compressed entries + indexer keys: auto (= dtype) | bfloat16 | fp8
-    host_cache_bytes: int = 256 << 20   # host-memory tier for restored/persisted objects
-    worker_id: str | None = None        # name in the index's memory tier (default: host:pid)
-    prefix_reuse: bool = True           # False: never restore or persist prefixes (baselines)
-    speculative_tokens: int = 0         # drafts per decode step from the checkpoint's MTP layer (0 = off)
-    store_key: str | None = field(default=None, repr=False)   # MAC key for store objects (kvstore.mac)
-    require_store: bool = False         # True: a store / index that fails at start-up is fatal
-    store_read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
-    cuda_graphs: bool = True            # CUDA only: decode steps replay graphs captured per batch-size bucket
-
-    def __repr__(self) -> str:    # the index URL may carry a password; the store key is never shown
-        fields = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self)
-                  if f.repr)
-        return f"EngineConfig({', '.join(fields)})"
+STORE_STAGING_BYTES = 32 << 20     # the store reads restored blocks into this reused buffer
 
 
 class StoreUnavailable(RuntimeError):
@@ -101,15 +74,15 @@ class Engine:
         self.layout = CacheLayout.build(
             LayoutParams(a.layer_types, a.head_dim, a.index_head_dim, a.csa_ratio, a.hca_ratio,
                          a.sliding_window, dtype_name, config.kv_cache_dtype, a.rope_head_dim), config.block_tokens)
-        self.policy = SwaPolicy.parse(config.swa_policy, config.block_tokens)
+        self.policy = config.policy
         swa_blocks = self.policy.kind == "full"
         num_blocks, num_slots = size_pools(self.layout, config.kv_cache_bytes, config.max_num_seqs, swa_blocks)
         self.cache = CacheTensors(self.layout, num_blocks, num_slots, dtype, config.device, swa_blocks)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(num_slots)
         kv = config.kv_cache_dtype    # part of the fingerprint: a bf16 object is never read as fp8
         self.prefix = self._prefix_cache(model_dir, dtype_name if kv == "auto" else f"{dtype_name}/kv:{kv}", swa_blocks)
-        self.scheduler = Scheduler(self.blocks, self.slots, config.block_tokens, num_slots,
-                                   config.max_batched_tokens, on_admit=self._admit, cut=self.prefix.cut)
+        self.kv = KVCacheManager(self.cache, self.blocks, self.slots, self.prefix)
+        self.scheduler = Scheduler(self.kv, num_slots, config.max_batched_tokens, on_admit=self._admit)
         self.runner = ModelRunner(self.model, self.cache, config.device)
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
@@ -121,12 +94,9 @@ class Engine:
         self._eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size,
                                     sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "steps": 0,
-                      "forward_s": 0.0, "restore_s": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+        self.counters = EngineCounters()
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.speculator: Speculator | None = None
-        if config.speculative_tokens < 0:
-            raise ConfigError(f"speculative_tokens must be >= 0, got {config.speculative_tokens}")
         if config.speculative_tokens > 0:
             if not len(self.model.mtp):
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
@@ -184,7 +154,8 @@ class Engine:
     def _open_tiers(self, key: StoreKey | None):
         c = self.config
         store = (ObjectStore(c.store, self.fingerprint, c.store_capacity_bytes, key=key,
-                             read_timeout_s=c.store_read_timeout_s) if c.store else None)
+                             read_timeout_s=c.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES)
+                 if c.store else None)
         index = None
         if store is not None or c.index != "local":
             index = make_index(c.index, self.fingerprint, store)
@@ -208,12 +179,13 @@ class Engine:
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
-            raise InvalidRequestError("prompt: must be a string or a list of integer token ids")
+            raise InvalidRequestError("must be a string or a list of integer token ids", "prompt")
         if not ids:
-            raise InvalidRequestError("prompt: must not be empty")
+            raise InvalidRequestError("must not be empty", "prompt")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})",
+                                      "prompt")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -238,7 +210,7 @@ class Engine:
         if params.n > 1 and not hold_kv:     # a held request forks on the decode worker
             self.groups[request_id] = [seq]
         self.scheduler.add(seq)
-        self.stats["prompt_tokens"] += len(ids)
+        self.counters.prompt_tokens += len(ids)
         return seq
 
     def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
@@ -272,15 +244,12 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- the step -------------------------------------------------------------------------
-    def _admit(self, seq: Sequence) -> bool:
-        """Hook run when a request gets a state slot; False = not enough memory, retry later."""
-        self.cache.reset_slot(seq.slot)
-        seq.ring_from = seq.keep_tokens = 0
-        if seq.resume is not None and seq.num_computed == 0:
-            if not self.scheduler.ensure_blocks(seq, len(seq.prompt)):
-                return False
-            seq.resume.load(self.cache, list(seq.blocks), seq.slot)
-            seq.num_computed = len(seq.prompt)
+    def _admit(self, seq: Sequence) -> None:
+        """Run when a request holds its cache (restored, loaded from a handoff, or empty):
+        a handed-off request with n > 1 forks its siblings here."""
+        if seq.params.prompt_logprobs is not None:   # every prompt position is computed (again)
+            seq.prompt_lps = []
+        if seq.resume is not None and seq.siblings:
             for i, (token, logprob, top, finish) in seq.siblings:
                 child = self._child(seq, i)
                 child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
@@ -292,32 +261,60 @@ class Engine:
                     child.guide.accept(token)
                 self._attach(seq, child)
             seq.siblings = []
-            return True
-        if seq.params.prompt_logprobs is not None:   # every prompt position must be computed
-            seq.prompt_lps = []
-            return True
-        return self.prefix.restore(seq)
 
     # ---- handoff (prefill role) --------------------------------------------------------------
     def held_handle(self, request_id: str) -> HeldKV:
         seq = self.held[request_id]
         rng = seq.generator.get_state() if seq.generator is not None else None
-        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng)
+        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng,
+                      self.fingerprint)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self.held
 
     def export_held(self, request_id: str) -> dict[str, torch.Tensor]:
         seq = self.held[request_id]
         return self.cache.gather(seq.blocks, seq.slot)
 
+    def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
+        """Make a held request's blocks + slot readable through `transport` (HandoffError if not held)."""
+        if request_id not in self.held:
+            raise HandoffError(f"this engine does not hold request {request_id}")
+        return transport.offer(self.held_handle(request_id), self.cache)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor (blocks and slots), for a transport to register once."""
+        return self.cache.all_tensors()
+
     def release_held(self, request_id: str) -> None:
         seq = self.held.pop(request_id, None)
         if seq is not None:
-            self.scheduler.free(seq)
+            self.kv.free(seq)
+
+    def stats(self) -> EngineStats:
+        """Load, memory and counters now (cheap: read between steps, or racily from another thread)."""
+        r, store = self.prefix.stats, self.prefix.store
+        reuse = dict(prefix_query_tokens=r.query_tokens, prefix_hit_tokens=dict(r.tier_hit_tokens),
+                     reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
+                     reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
+                     reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
+        s = store.stats() if store is not None else None
+        stored = {} if s is None else dict(
+            store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
+            store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
+            store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), held=len(self.held),
+            free_blocks=self.blocks.num_free, total_blocks=self.blocks.num_blocks, free_slots=self.slots.num_free,
+            total_slots=self.slots.num_slots, preemptions=self.scheduler.preemptions,
+            kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
+            counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
+            reuse=reuse, store=stored)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()            # admission restores prefixes here
-        failed = [self._failure(seq, e) for seq, e in self.scheduler.failed]
-        self.scheduler.failed.clear()
+        batch, failed = self.scheduler.schedule()    # admission restores prefixes here
+        failed = [self._failure(seq, e.__cause__ or e) for seq, e in failed]
         if not batch:
             return failed
         now = time.monotonic()
@@ -332,12 +329,12 @@ class Engine:
         starts = [seq.num_computed for seq, _ in batch]
         observe = spec is not None and spec.drafter.wants_streams
         logits, sampled, extra = self.runner.run(batch, drafts, keep_streams=observe)
-        self.stats["restore_s"] += t1 - t0
+        self.counters.restore_s += t1 - t0
         forward_s = time.perf_counter() - t1
-        self.stats["forward_s"] += forward_s
+        self.counters.forward_s += forward_s
         if self.prefix.auto is not None:
             self.prefix.auto.observe_prefill(sum(n for _, n in batch), forward_s)
-        self.stats["steps"] += 1
+        self.counters.steps += 1
         sample_rows = len(sampled) + sum(len(d) for d in drafts.values())
         if extra:
             self._prompt_logprobs(batch, logits[sample_rows:], extra)
@@ -369,8 +366,8 @@ class Engine:
         # restore rejected rows before forks of the plain sequences can take a slot freed above
         self.speculator.settle(batch, drafts, accepted, saved)
         outputs += self._sample(batch, logits, plain, plain_rows)
-        self.stats["draft_tokens"] += sum(len(d) for d in drafts.values())
-        self.stats["accepted_draft_tokens"] += sum(accepted.values())
+        self.counters.draft_tokens += sum(len(d) for d in drafts.values())
+        self.counters.accepted_draft_tokens += sum(accepted.values())
         for b, n_ok in accepted.items():
             seq = batch[b][0]
             if n_ok and not seq.finish_reason:
@@ -467,16 +464,10 @@ class Engine:
         child waits and recomputes its tokens like a preempted request."""
         group = self.groups.setdefault(parent.request_id, [parent])
         group.append(child)
-        full, partial = divmod(parent.num_computed, self.config.block_tokens)
-        if not self.slots.num_free or (partial and not self.blocks.can_allocate(1)):
+        if not self.kv.fork(parent, child):
             self.scheduler.add(child)
             return
-        child.slot = self.slots.allocate()
-        self.cache.copy_slot(parent.slot, child.slot)
-        child.blocks = [self.blocks.fork(b) for b in parent.blocks[:full]]
-        if partial:
-            child.blocks.append(self.blocks.allocate())
-            self.cache.copy_block(parent.blocks[full], child.blocks[-1])
+        full = parent.num_computed // self.config.block_tokens
         child.num_computed, child.hashed_blocks = parent.num_computed, min(parent.hashed_blocks, full)
         child.ring_from, child.keep_tokens = parent.ring_from, parent.keep_tokens
         child.status = Status.RUNNING
@@ -494,7 +485,7 @@ class Engine:
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.top_logprobs.append(top)
-        self.stats["generated_tokens"] += 1
+        self.counters.generated_tokens += 1
         if seq.guide is not None:
             seq.guide.accept(token)
         if token in stops and len(seq.output) >= p.min_tokens:
@@ -505,14 +496,15 @@ class Engine:
             seq.finish_reason = "length"
         if seq.hold_kv and (not seq.finish_reason or any(sib[3] is None for sib in seq.siblings)):
             seq.first_finish, seq.finish_reason = seq.finish_reason, "held"
-            self.stats["cached_tokens"] += seq.cached_tokens
+            self.counters.cached_tokens += seq.cached_tokens
             self.scheduler.detach(seq)
+            seq.status = Status.HELD
             self.held[seq.request_id] = seq
             self.seqs.pop(seq.request_id, None)
             self.groups.pop(seq.request_id, None)
         elif seq.finish_reason:
             self.prefix.on_finish(seq)
-            self.stats["cached_tokens"] += seq.cached_tokens if seq.index == 0 else 0
+            self.counters.cached_tokens += seq.cached_tokens if seq.index == 0 else 0
             self.scheduler.finish(seq)
             if self._group_finished(seq.request_id):
                 self.seqs.pop(seq.request_id, None)
@@ -527,7 +519,7 @@ class Engine:
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output[seq.emitted:]
         seq.emitted = len(seq.output)
-        finished = seq.status == Status.FINISHED
+        finished = seq.status in (Status.FINISHED, Status.HELD)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt, token_ids=list(seq.output),
             new_token_ids=new, logprobs=list(seq.logprobs),
@@ -538,7 +530,8 @@ class Engine:
             all_finished=finished and self._group_finished(seq.request_id),
             prompt_logprobs=[None] + seq.prompt_lps if seq.params.prompt_logprobs is not None and
             seq.resume is None and seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
-            siblings=list(seq.siblings) if seq.hold_kv else [], first_finish=seq.first_finish)
+            siblings=list(seq.siblings) if seq.hold_kv else [], first_finish=seq.first_finish,
+            held=seq.status == Status.HELD)
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

@@ -70,12 +70,12 @@ class GuideCompiler:
                 self._compiler = xgr.GrammarCompiler(self._tokenizer_info())
             kind, schema = spec
             if kind not in GUIDE_KINDS:
-                raise InvalidRequestError(f"response_format: unknown type {kind!r}")
+                raise InvalidRequestError(f"unknown type {kind!r}", "response_format")
             try:
                 self._compiled[spec] = (self._compiler.compile_builtin_json_grammar() if kind == "json_object"
                                         else self._compiler.compile_json_schema(schema, any_whitespace=False))
             except Exception as e:  # xgrammar raises RuntimeError / ValueError on an unusable schema
-                raise InvalidRequestError(f"response_format: the JSON schema cannot be compiled: {e}") from None
+                raise InvalidRequestError(f"the JSON schema cannot be compiled: {e}", "response_format") from None
         return self._compiled[spec]
 
     def guide(self, spec: tuple[str, str]) -> Guide:
@@ -86,5 +86,5 @@ class GuideCompiler:
 def check_schema(schema: object) -> str:
     """A JSON schema (dict) -> its canonical JSON text; the API layer calls this."""
     if not isinstance(schema, dict):
-        raise InvalidRequestError("response_format.json_schema.schema: must be a JSON object")
+        raise InvalidRequestError("must be a JSON object", "response_format.json_schema.schema")
     return json.dumps(schema, sort_keys=True)

@@ -1,26 +1,25 @@
-"""Messages for moving a prefilled request from one engine to another."""
+"""Messages for moving a prefilled request from one engine to another.
+
+The source engine holds the request (`HeldKV`, kvstore.kv_transport) and a KVTransport
+offers it; the destination engine continues it from a `Resume`, whose `load` fills the
+blocks and slot it allocated (usually `KVTransport.load` of the offer)."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
 import torch
 
+from kvstore.kv_transport import HeldKV
 
-class HeldKV(NamedTuple):
-    """A prefilled request whose blocks and state slot stay allocated until released."""
-    request_id: str
-    block_ids: list[int]
-    slot: int
-    num_tokens: int          # prompt tokens in the cache (the first output token is not)
-    tokens: list[int]        # prompt + first token
-    rng_state: torch.Tensor | None = None   # the request's sampler state after the first token
+__all__ = ["HeldKV", "Resume"]
 
 
 class Resume(NamedTuple):
     """Decode side: continue a request another engine prefilled.
 
     `load(cache, block_ids, slot)` runs on the engine thread and fills the freshly
-    allocated blocks and slot (a NIXL READ, or CacheTensors.scatter of a Ray payload)."""
+    allocated blocks and slot (a KVTransport.load, or CacheTensors.scatter of a payload);
+    whatever it raises fails this request only."""
     first_token: int
     first_logprob: float
     load: Callable

@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import KernelOps, get_ops
 from kernels.rope import apply_rope
-from kvstore.cache_tensors import CacheTensors, LayerCache
+from kvstore.cache_tensors import CacheTensors, CompressorCache, LayerCache
 
 from .config import CSA, HCA, SWA, ModelArgs, RopeArgs
 from .quant import grouped_linear
@@ -97,21 +97,19 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, eps)
 
-    def update(self, x: torch.Tensor, step: StepInput, cache: LayerCache, prefix: str, rope: Rope,
-               ops: KernelOps) -> None:
+    def update(self, x: torch.Tensor, step: StepInput, cache: CompressorCache, rope: Rope, ops: KernelOps) -> None:
         """Append this step's tokens to each sequence's tail, pool every window that closes,
         write the entries into the paged cache and update tails and overlap state: the whole
         batch at once, along the step's `WindowPlan`."""
         kv, gate = self.wkv(x), self.wgate(x)
-        field = "idx" if prefix else "comp"
-        m, epb = self.ratio, cache.entries_per_block(field)
-        tail_kv, tail_gate = cache.tails[f"{prefix}tail_kv"], cache.tails[f"{prefix}tail_gate"]
+        m, epb = self.ratio, cache.entries_per_block
+        tail_kv, tail_gate = cache.tail_kv, cache.tail_gate
         plan = step.windows(m)
         if plan.count:
             win_kv, win_gate = plan.gather(kv, tail_kv), plan.gather(gate, tail_gate)   # [N, m, W]
             prev_kv = prev_gate = None
             if self.overlap:
-                prev_kv, prev_gate = self.carry_overlap(win_kv, win_gate, plan, step, cache, prefix)
+                prev_kv, prev_gate = self.carry_overlap(win_kv, win_gate, plan, step, cache)
             cos, sin = rope(plan.index * m, x.dtype)
             entries = ops.compress_windows(win_kv, win_gate, self.ape, prev_kv, prev_gate,
                                            self.norm.weight, self.eps, cos, sin, self.overlap)
@@ -119,42 +117,23 @@ class Compressor(nn.Module):
                 w, b = plan.index, plan.seq
             else:
                 w, b, entries = plan.index[plan.keep], plan.seq[plan.keep], entries[plan.keep]
-            cache.write_entries(field, step.block_table[b, w // epb].long(), w % epb, entries)
+            cache.write_entries(step.block_table[b, w // epb].long(), w % epb, entries)
         plan.write_tail(kv, tail_kv)
         plan.write_tail(gate, tail_gate)
 
-    def carry_overlap(self, win_kv, win_gate, plan, step: StepInput, cache: LayerCache, prefix: str
+    def carry_overlap(self, win_kv, win_gate, plan, step: StepInput, cache: CompressorCache
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the Ca half before each window [N, m, d] (the slot's overlap state for a
-        sequence's first window, the previous window's otherwise); store each sequence's last
-        window's Ca half as its new state, and (full policy) each block-ending window's Ca half
-        in its block."""
+        sequence's first window, the previous window's otherwise); the cache keeps the windows'
+        Ca halves as the new state."""
         d = self.head_dim
-        ovl_kv, ovl_gate = cache.tails[f"{prefix}ovl_kv"], cache.tails[f"{prefix}ovl_gate"]
+        ovl_kv, ovl_gate = cache.ovl_kv, cache.ovl_gate
         slots = step.slots[plan.seq]
         ca_kv, ca_gate = win_kv[:, :, :d], win_gate[:, :, :d] + self.ape[:, :d].to(win_gate.dtype)
         first = plan.first.view(-1, 1, 1)
         prev = (torch.where(first, ovl_kv[slots], ca_kv.roll(1, 0)),
                 torch.where(first, ovl_gate[slots], ca_gate.roll(1, 0)))
-        if plan.padded:      # fixed shapes: a row whose window does not close keeps the old state
-            closes = plan.last.view(-1, 1, 1)
-            ovl_kv[slots], ovl_gate[slots] = torch.where(closes, ca_kv, prev[0]), torch.where(closes, ca_gate, prev[1])
-        else:
-            ovl_kv[slots[plan.last]], ovl_gate[slots[plan.last]] = ca_kv[plan.last], ca_gate[plan.last]
-        if f"b{prefix}ovl_kv" in cache.blocks:
-            bt = cache.blocks["swa"].shape[1]
-            ends = (plan.index + 1) * self.ratio
-            at_end = (ends % bt == 0) & plan.keep
-            names = (f"b{prefix}ovl_kv", f"b{prefix}ovl_gate")
-            if plan.padded:  # each row's own current block; rewritten unchanged unless its window ends it
-                blocks = step.block_table[plan.seq, plan.index * self.ratio // bt].long()
-                for name, ca in zip(names, (ca_kv, ca_gate)):
-                    store = cache.blocks[name]
-                    store[blocks] = torch.where(at_end.view(-1, 1, 1), ca, store[blocks])
-            else:
-                blocks = step.block_table[plan.seq[at_end], ends[at_end] // bt - 1].long()
-                for name, ca in zip(names, (ca_kv, ca_gate)):
-                    cache.blocks[name][blocks] = ca[at_end]
+        cache.save_overlap(step, plan, ca_kv, ca_gate)
         return prev
 
 
@@ -170,13 +149,13 @@ class Indexer(nn.Module):
 
     def forward(self, x, q_res, step: StepInput, cache: LayerCache, rope: Rope, cos_sin, ops: KernelOps
                 ) -> torch.Tensor:
-        self.compressor.update(x, step, cache, "i", rope, ops)
+        self.compressor.update(x, step, cache.indexer, rope, ops)
         m = self.compressor.ratio
         cos, sin = cos_sin
         q = apply_rope(self.wq_b(q_res).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5
         key_len = (step.starts + step.lengths) // m
-        keys, table = cache.paged("idx", step.block_table, x.dtype)
+        keys, table = cache.indexer.paged(step.block_table, x.dtype)
         return ops.indexer_topk(q, weights, step.positions, step.q_seq, keys, table,
                                 key_len, m, self.topk, self.head_dim ** -0.5, max_entries=step.entry_bound(m),
                                 decode=step.decode)
@@ -220,22 +199,6 @@ class Attention(nn.Module):
         new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
         return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
 
-    def write_ring(self, kv: torch.Tensor, step: StepInput, cache: LayerCache) -> None:
-        if step.decode:                                      # one new row per sequence: no mask
-            cache.ring[step.slots, step.positions % self.window] = kv
-            if cache.swa is not None:
-                bt = cache.swa.shape[1]
-                cache.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
-            return
-        ends = (step.starts + step.lengths)[step.q_seq]
-        last = step.positions >= ends - self.window          # only the newest W rows per sequence
-        cache.ring[step.slots[step.q_seq[last]], step.positions[last] % self.window] = kv[last]
-        if cache.swa is not None:                            # full policy: K=V of every token, paged
-            bt = cache.swa.shape[1]
-            new = step.positions >= step.keep_tokens[step.q_seq]
-            blocks = step.block_table[step.q_seq[new], step.positions[new] // bt].long()
-            cache.swa[blocks, step.positions[new] % bt] = kv[new]
-
     def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes: dict[str, Rope],
                 pos_rope: PositionRope, ops: KernelOps) -> torch.Tensor:
         t = x.shape[0]
@@ -244,19 +207,19 @@ class Attention(nn.Module):
         q = rms_norm(self.wq_b(q_res).view(t, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
-        if step.decode:
-            self.write_ring(kv, step, cache)
+        if step.decode:     # the token goes to the ring first: the window is then read from there alone
+            cache.append_kv(step, kv)
             win_kv, win_pos = self.window_kv(kv, step, cache.ring)
         else:
             win_kv, win_pos = self.window_kv(kv, step, cache.ring)
-            self.write_ring(kv, step, cache)
+            cache.append_kv(step, kv)
         topk = comp_len = None
         if self.compressor is not None:
-            self.compressor.update(x, step, cache, "", ropes["compress"], ops)
+            self.compressor.update(x, step, cache.compressor, ropes["compress"], ops)
             comp_len = (step.starts + step.lengths) // self.ratio
         if self.indexer is not None:
             topk = self.indexer(x, q_res, step, cache, ropes["compress"], pos_rope["compress"], ops)
-        comp, table = cache.paged("comp", step.block_table, x.dtype) if self.compressor else (None, step.block_table)
+        comp, table = cache.compressor.paged(step.block_table, x.dtype) if self.compressor else (None, step.block_table)
         out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, comp,
                                    table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.cache_tensors import LayerCache
+from kvstore.layout import SWASpec
 
 from .model import Transformer
 from .sequence import Sequence, Status
@@ -25,7 +26,9 @@ class MTPDrafter(Drafter):
     def __init__(self, model: Transformer, num_slots: int):
         self.model, self.layer = model, model.mtp[0]
         a, w = model.args, model.embed.weight
-        self.cache = LayerCache(ring=torch.zeros(num_slots, a.sliding_window, a.head_dim, dtype=w.dtype, device=w.device))
+        ring_only = SWASpec(block_tokens=0, head_dim=a.head_dim, window=a.sliding_window,
+                            dtype=str(w.dtype).removeprefix("torch."))
+        self.cache = LayerCache(ring_only, num_blocks=0, num_slots=num_slots, device=w.device)
         self.drafts: dict[int, list[int]] = {}   # id(seq) -> its drafts for the next step
         self.first: dict[int, int] = {}          # id(seq) -> first position the layer ran on
 

@@ -1,28 +1,30 @@
-"""Prefix reuse inside one engine: restore at admission, name + persist after each step.
+"""Prefix reuse inside one engine: find a hit at admission, fill it in, name + persist
+after each step.
 
 Tiers, fastest first: the device block pool (blocks still resident, shared by refcount),
-the host cache (recent objects), the shared store (through the prefix index). What is
-restored and what is recomputed is `kvstore.planner.plan_restore`'s decision.
+then the `kvstore.tiers.CacheTier`s: the host cache (recent objects) and the shared store
+(through the prefix index). What is restored and what is recomputed is
+`kvstore.planner.plan_restore`'s decision. The prefix cache never allocates: it *finds*
+a hit (`find`, all reads and checks) and *fills* the blocks and slot the KV-cache manager
+(`workers.kv_manager`) gives the request (`fill`, memory copies only).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-import torch
-
-from kvstore.block_pool import BlockPool, OutOfBlocks
+from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors
 from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
-from kvstore.objects import CorruptObjectError
 from kvstore.persist import PutJob, WriteBehind
 from kvstore.planner import (Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due,
                              plan_restore)
 from kvstore.store import ObjectStore
-from kvstore.timed_io import IoTimeoutError
+from kvstore.tiers import CacheTier, Tensors, nbytes, packed_batch
 
 from .auto_policy import AutoPeriod
 from .sequence import Sequence
@@ -50,11 +52,26 @@ class ReuseStats:
     last: dict = field(default_factory=dict)   # the latest restore's breakdown
 
 
+class Restore(NamedTuple):
+    """A hit found across the tiers: read and verified, not yet in the cache."""
+    plan: RestorePlan
+    hashes: list[int]                    # prefix hash of each hit block
+    resident: tuple[int | None, ...]     # per hit block: the device block holding it, or None (in `loaded`)
+    loaded: dict[int, Tensors]           # hit block index -> its object from the host cache or the store
+    tiers: tuple[str, ...]               # per hit block: "device" | "host" | "store"
+    state: Tensors | None                # the checkpoint's state; None: rebuilt (full) or none
+    read_s: float = 0.0                  # finding and reading it (fill adds the copy: stats.load_s)
+
+
 class PrefixCache:
+    """Finds prefix hits, fills them in, names and persists what requests compute.
+
+    `pool` is only read (the device tier: which block holds which hash) and named
+    (`set_hash`); blocks are allocated and released by the KV-cache manager alone."""
+
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
-                 worker_id: str, staging_bytes: int = 32 << 20, enabled: bool = True,
-                 auto: AutoPeriod | None = None):
+                 worker_id: str, enabled: bool = True, auto: AutoPeriod | None = None):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.enabled = enabled              # False: no restore, no persistence (baselines)
@@ -68,12 +85,8 @@ class PrefixCache:
         self._reconnects = 0
         self._block_shapes = cache.block_shapes()
         self._slot_shapes = cache.slot_shapes()
-        self._table_ok: tuple = ()
-        self._tiers: list[str] = []             # the tier of each block of the restore in progress
+        self.tiers: list[tuple[str, CacheTier]] = [("host", host)] + ([("store", store)] if store else [])
         self._logged: set[str] = set()
-        # Reads from the store land here first; touched once now so a restore never
-        # page-faults its way through fresh memory.
-        self._staging = torch.zeros(staging_bytes if store is not None else 0, dtype=torch.uint8)
 
     def _failed(self, what: str, error: BaseException) -> None:
         """A tier failed: count it, log each cause once (a broken store must not flood the log)."""
@@ -101,7 +114,7 @@ class PrefixCache:
             hashes.append(self.hasher.next_hash(hashes[-1] if hashes else None, block))
         return hashes[:blocks]
 
-    # ---- admission: restore -------------------------------------------------------------------
+    # ---- admission: find a hit, fill it in -------------------------------------------------------------------
     def _reseed_after_outage(self) -> None:
         """A Redis that came back may have lost its entries: republish the store's objects."""
         stats = getattr(self.index, "stats", None)
@@ -119,32 +132,28 @@ class PrefixCache:
         ckpts = set(looked.checkpoints) if looked else set()
         n = 0
         for i, h in enumerate(hashes):
-            if i < stored or self.pool.lookup(h) is not None or ("block", h) in self.host:
+            if i < stored or self.pool.lookup(h) is not None or self.host.contains("block", h):
                 n += 1
             else:
                 break
         if self.policy.checkpoints:
-            ckpts |= {i for i, h in enumerate(hashes[:n]) if ("checkpoint", h) in self.host}
+            ckpts |= {i for i, h in enumerate(hashes[:n]) if self.host.contains("checkpoint", h)}
         return Availability(n, frozenset(c for c in ckpts if c < n))
 
-    def restore(self, seq: Sequence) -> bool:
-        """Restore the longest usable prefix into seq (blocks + slot). False = out of memory.
-        Any failure of a tier (I/O, index, an object that does not fit) leaves seq cold."""
-        if not self.enabled:
-            return True
+    def find(self, seq: Sequence) -> Restore | None:
+        """The longest usable prefix of seq's prompt across the tiers, read and verified
+        (None: a miss). Allocates nothing and changes no cache memory; sets seq.branch_at
+        (auto: where to checkpoint). Any failure of a tier (I/O, index, an object that does
+        not fit) is a miss; a missing or corrupt object makes the hit shorter."""
+        if not self.enabled or seq.params.prompt_logprobs is not None:   # every position computed
+            return None
         try:
-            return self._restore(seq)
+            return self._find(seq)
         except Exception as e:
-            if isinstance(e, IoTimeoutError):   # a hung read may still write into the old buffer
-                self._staging = torch.zeros_like(self._staging)
             self._failed("restore", e)
-            self._release(seq)
-            self.cache.reset_slot(seq.slot)
-            seq.num_computed = seq.cached_tokens = seq.hashed_blocks = 0
-            seq.ring_from = seq.keep_tokens = 0
-            return True
+            return None
 
-    def _restore(self, seq: Sequence) -> bool:
+    def _find(self, seq: Sequence) -> Restore | None:
         self.stats.lookups += 1
         self.stats.query_tokens += len(seq.prompt)
         if self.auto is not None and seq.request_id != self._last_observed:
@@ -152,26 +161,19 @@ class PrefixCache:
             self._feed_auto(seq)
         hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
         if not hashes:
-            return True
+            return None
         avail = self.availability(hashes)
         t0 = time.perf_counter()
         while True:
             plan = plan_restore(len(seq.prompt), self.bt, avail, self.policy, self.span)
             seq.branch_at = branch_point(plan, avail, self.bt, self.policy) or 0
             if plan.is_miss:
-                return True
-            try:
-                failed = self._load(seq, hashes, plan, avail)
-            except OutOfBlocks:
-                self._release(seq)
-                return False
-            if failed is None:
-                break
-            self._release(seq)
+                return None
+            found = self._read(hashes, plan, avail)
+            if isinstance(found, Restore):
+                return found._replace(read_s=time.perf_counter() - t0)
             self.stats.truncated_hits += 1
-            avail = failed
-        self._apply(seq, plan, time.perf_counter() - t0)
-        return True
+            avail = found
 
     def _feed_auto(self, seq: Sequence) -> None:
         """Measured store bandwidth and this request's chain, for auto's period choice."""
@@ -179,79 +181,38 @@ class PrefixCache:
         self.auto.observe_store((self.stats.bytes_loaded, self.stats.load_s), (w["bytes"], w["write_s"]))
         self.auto.observe_request(self.chain(seq, len(seq.prompt) // self.bt), len(seq.prompt))
 
-    def _load(self, seq: Sequence, hashes: list[int], plan: RestorePlan, avail: Availability
-              ) -> Availability | None:
-        """Acquire/load plan's blocks and state. Returns a reduced Availability on a miss."""
+    def _read(self, chain: list[int], plan: RestorePlan, avail: Availability) -> Restore | Availability:
+        """Find plan's blocks (device pool, then each tier) and its checkpoint state. Returns
+        the Restore, or a reduced Availability when something is missing."""
         def shorter(blocks: int, drop: int | None = None) -> Availability:
             return Availability(blocks, frozenset(c for c in avail.checkpoints if c < blocks and c != drop))
 
-        from_host: list[tuple[int, dict]] = []
-        from_store: list[int] = []
-        self._tiers = []
-        for i in range(plan.load_blocks):
-            b = self.pool.acquire(hashes[i])
-            self._tiers.append("device" if b is not None else "host" if ("block", hashes[i]) in self.host
-                               else "store")
-            if b is not None:
-                seq.blocks.append(b)
-                continue
-            tensors = self.host.get("block", hashes[i])
-            if tensors is not None:
-                from_host.append((i, tensors))
-            elif self.store is not None:
-                from_store.append(i)
-            else:
-                return shorter(i)
-            seq.blocks.append(-1)                      # allocated below, once everything is fetched
-        rows, data_start, table, missing = self._fetch_blocks([hashes[i] for i in from_store])
-        if missing is not None:
-            seq.blocks = [b for b in seq.blocks if b >= 0]
-            return shorter(from_store[missing])
-        for i in range(plan.load_blocks):
-            if seq.blocks[i] < 0:
-                seq.blocks[i] = self.pool.allocate()
-        self.cache.load_blocks([seq.blocks[i] for i, _ in from_host], [t for _, t in from_host])
-        if from_store:
-            self.cache.load_packed([seq.blocks[i] for i in from_store], rows, data_start, table)
-        for i in [i for i, _ in from_host] + from_store:
-            self.pool.set_hash(seq.blocks[i], hashes[i])
-        self.stats.blocks_from_store += len(from_store)
-        self.stats.blocks_from_memory += plan.load_blocks - len(from_store)
-        self.stats.blocks_from_host += len(from_host)
+        hashes = chain[:plan.load_blocks]
+        resident = tuple(self.pool.lookup(h) for h in hashes)
+        tiers = ["device" if b is not None else "" for b in resident]
+        loaded: dict[int, Tensors] = {}
+        missing = [i for i, b in enumerate(resident) if b is None]
+        for name, tier in self.tiers:
+            if not missing:
+                break
+            got = tier.get_many("block", [hashes[i] for i in missing], self._block_shapes)
+            for i, obj in zip(missing, got):
+                if obj is not None:
+                    loaded[i], tiers[i] = obj, name
+            missing = [i for i, obj in zip(missing, got) if obj is None]
+        if missing:
+            if self.store is not None:
+                self._forget("block", hashes[missing[0]])
+            return shorter(missing[0])
+        from_store = [("block", hashes[i]) for i, t in enumerate(tiers) if t == "store"]
+        self.stats.bytes_loaded += sum(nbytes(loaded[i]) for i, t in enumerate(tiers) if t == "store")
+        self.stored.update(from_store)
+        state = None
         if plan.checkpoint is not None:
-            state = self._fetch("checkpoint", hashes[plan.checkpoint])
+            state = self._fetch("checkpoint", chain[plan.checkpoint])
             if state is None:
                 return shorter(avail.blocks, drop=plan.checkpoint)
-            self.cache.load_slot(seq.slot, plan.keep_tokens, state)
-        elif self.policy.kind == "full":
-            self.cache.rebuild_slot(seq.slot, plan.keep_tokens, seq.blocks)
-        return None
-
-    def _fetch_blocks(self, hashes: list[int]):
-        """Read block objects from the store in one pass. Returns (rows, data_start, table,
-        missing): rows[i, data_start:] is block i's tensor data laid out by `table`, or
-        `missing` = the index of the first block that is absent, corrupt or of another layout."""
-        if not hashes:
-            return None, 0, (), None
-        rows, objs = self.store.get_rows("block", hashes, self._staging)
-        for i, (h, obj) in enumerate(zip(hashes, objs)):
-            if obj is None:
-                self._forget("block", h)
-                return None, 0, (), i
-            if obj.table != self._table_ok:
-                have = {name: (shape, dtype) for name, dtype, shape, _, _ in obj.table}
-                if have != self._block_shapes or (i and obj.table != objs[0].table):
-                    self.store.reject("block", h, CorruptObjectError(
-                        "its tensors do not fit this cache layout (missing, extra or reshaped)"))
-                    return None, 0, (), i
-                self._table_ok = obj.table
-        starts = {o.data_start for o in objs}
-        if rows is None or len(starts) != 1:   # objects of different sizes: pack their data rows
-            rows = torch.stack([torch.frombuffer(o.data, dtype=torch.uint8) for o in objs])
-            starts = {0}
-        self.stats.bytes_loaded += sum(len(o.data) for o in objs)
-        self.stored.update(("block", h) for h in hashes)
-        return rows, starts.pop(), objs[0].table, None
+        return Restore(plan, hashes, resident, loaded, tuple(tiers), state)
 
     def _forget(self, kind: str, h: int) -> None:
         """The index pointed at an object the store does not have (or had corrupt): drop it."""
@@ -261,30 +222,58 @@ class PrefixCache:
             else:
                 self._index_call("remove", self.index.remove_checkpoint, h)
 
-    def _fetch(self, kind: str, h: int):
-        tensors = self.host.get(kind, h)
-        if tensors is not None or self.store is None:
-            return tensors
-        obj = self.store.get(kind, h)
-        if obj is None:
+    def _fetch(self, kind: str, h: int) -> Tensors | None:
+        """One object from the first tier that has it whole (checkpoints: checked against the slot)."""
+        expect = self._slot_shapes if kind == "checkpoint" else self._block_shapes
+        for name, tier in self.tiers:
+            tensors = tier.get_many(kind, [h], expect)[0]
+            if tensors is not None:
+                if name == "store":
+                    self.stats.bytes_loaded += nbytes(tensors)
+                    self.stored.add((kind, h))
+                return tensors
+        if self.store is not None:
             self._forget(kind, h)
-            return None
-        have = {name: (tuple(t.shape), t.dtype) for name, t in obj.tensors.items()}
-        if kind == "checkpoint" and have != self._slot_shapes:
-            self.store.reject(kind, h, CorruptObjectError(
-                "its tensors do not fit this cache layout (missing, extra or reshaped)"))
-            return None
-        self.stats.bytes_loaded += sum(t.numel() * t.element_size() for t in obj.tensors.values())
-        self.stored.add((kind, h))
-        return obj.tensors
+        return None
 
-    def _release(self, seq: Sequence) -> None:
-        for b in seq.blocks:
-            if b >= 0:                                 # -1: a placeholder never allocated
-                self.pool.release(b)
-        seq.blocks = []
+    def fill(self, seq: Sequence, found: Restore) -> bool:
+        """Write a found hit into the blocks and slot the KV-cache manager gave seq
+        (seq.blocks[i] is hit block i; resident ones already hold their data) and set where
+        seq's computation resumes. Mutates those blocks, their names in the pool, seq's
+        slot and restore fields, and the stats. False: it could not be written (logged,
+        counted); the caller serves seq cold."""
+        t0 = time.perf_counter()
+        try:
+            self._write(seq, found)
+        except Exception as e:
+            self._failed("restore", e)
+            return False
+        self._apply(seq, found, found.read_s + time.perf_counter() - t0)
+        return True
 
-    def _apply(self, seq: Sequence, plan: RestorePlan, load_s: float) -> None:
+    def _write(self, seq: Sequence, found: Restore) -> None:
+        host = [i for i, t in enumerate(found.tiers) if t == "host"]
+        store = [i for i, t in enumerate(found.tiers) if t == "store"]
+        self.cache.load_blocks([seq.blocks[i] for i in host], [found.loaded[i] for i in host])
+        if store:
+            ids, objs = [seq.blocks[i] for i in store], [found.loaded[i] for i in store]
+            packed = packed_batch(objs)
+            if packed is not None:
+                self.cache.load_packed(ids, *packed)
+            else:
+                self.cache.load_blocks(ids, objs)
+        for i in host + store:
+            self.pool.set_hash(seq.blocks[i], found.hashes[i])
+        self.stats.blocks_from_store += len(store)
+        self.stats.blocks_from_memory += len(found.hashes) - len(store)
+        self.stats.blocks_from_host += len(host)
+        if found.state is not None:
+            self.cache.load_slot(seq.slot, found.plan.keep_tokens, found.state)
+        elif self.policy.kind == "full":
+            self.cache.rebuild_slot(seq.slot, found.plan.keep_tokens, seq.blocks)
+
+    def _apply(self, seq: Sequence, found: Restore, load_s: float) -> None:
+        plan = found.plan
         seq.num_computed = plan.recompute_from
         seq.ring_from = plan.recompute_from if self.policy.kind == "zero" else 0
         seq.keep_tokens = plan.keep_tokens
@@ -294,10 +283,10 @@ class PrefixCache:
         s.hits += 1
         s.hit_tokens += plan.hit_tokens
         left = plan.hit_tokens                # hit tokens by the tier their block came from, in order
-        for tier in self._tiers:
+        for tier in found.tiers:
             s.tier_hit_tokens[tier] += min(left, self.bt)
             left -= min(left, self.bt)
-        s.tier_hit_tokens[self._tiers[-1] if self._tiers else "store"] += left
+        s.tier_hit_tokens[found.tiers[-1] if found.tiers else "store"] += left
         s.recomputed_tokens += plan.recompute_tokens
         s.load_s += load_s
         s.last = {"hit_tokens": plan.hit_tokens, "blocks": plan.load_blocks, "recompute": plan.recompute_tokens,
@@ -362,7 +351,7 @@ class PrefixCache:
         self._put("block", h, (i + 1) * self.bt, self.cache.block_state(block), parent=hashes[i - 1] if i else None)
 
     def _put(self, kind: str, h: int, tokens: int, tensors, parent: int | None = None) -> None:
-        self.host.put(kind, h, tensors)
+        self.host.put(kind, h, parent, tokens, tensors)
         if self.writer is not None:
             self.writer.submit(PutJob(kind, h, parent, tokens, tensors))
             self.stored.add((kind, h))

@@ -11,7 +11,15 @@ MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message names the offending field (HTTP 400)."""
+    """A request the engine refuses (HTTP 400). `field` is the offending request field (the
+    OpenAI error's `param`), and the message starts with it: "max_tokens: must be >= 1"."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.message, self.field = message, field
+
+    def __reduce__(self):     # keeps `field` across processes (Ray pickles the worker's error)
+        return type(self), (self.message, self.field)
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -41,7 +49,7 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         def bad(field: str, why: str):
-            raise InvalidRequestError(f"{field}: {why}")
+            raise InvalidRequestError(why, field)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:

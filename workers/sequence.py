@@ -13,6 +13,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    HELD = "held"           # prefilled, out of the batch; its blocks + slot wait for a handoff
 
 
 @dataclass
@@ -24,7 +25,7 @@ class RequestOutput:
     logprobs: list[float]
     text: str                       # the decoded output; set on the final output only ("" before)
     finished: bool
-    finish_reason: str | None       # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None       # "stop" | "length" | "abort" | "error" | "held" (see `held`)
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
@@ -34,6 +35,8 @@ class RequestOutput:
     siblings: list[tuple[int, float, list]] = field(default_factory=list)   # held: the other n-1 first tokens
     prompt_logprobs: list | None = None    # on the first output, when asked: [None, (logprob, top), ...]
     first_finish: str | None = None        # held with n > 1: sequence 0 ended on its first token
+    held: bool = False                     # prefill role: the request stopped after its first token and
+                                           # its cache is held for a handoff (finish_reason "held")
 
 
 @dataclass(eq=False)   # identity: the scheduler's `seq in running` must not compare fields

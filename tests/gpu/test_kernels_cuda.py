@@ -17,6 +17,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kernels import torch_ops, triton_ops  # noqa: E402
 from kernels.triton_attention import _sparse_attn_kernel  # noqa: E402
+from tests.helpers import assert_close  # noqa: E402
 from tests.kernel_cases import attention_case, compressor_case, indexer_case  # noqa: E402
 
 if isinstance(_sparse_attn_kernel, InterpretedFunction):
@@ -28,10 +29,6 @@ DEV = "cuda"
 F32, BF16 = torch.float32, torch.bfloat16
 TOL = {F32: dict(atol=5e-5, rtol=5e-5), BF16: dict(atol=3e-2, rtol=3e-2)}
 
-
-def assert_close(out, ref):
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype])
 
 
 # (seq_lens, n_queries, heads, head_dim, mode, window, ratio, entries per block, topk)
@@ -51,7 +48,7 @@ def test_sparse_attention_matches_torch_on_cuda(case, dtype):
     seq_lens, n_q, heads, dim, mode, window, ratio, epb, topk = case
     args = attention_case(seq_lens, n_q, heads, dim, mode=mode, window=window, ratio=ratio,
                           epb=epb, topk=topk, dtype=dtype, device=DEV)
-    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args))
+    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args), TOL)
 
 
 # (windows, m, d, overlap, with prev, rope dim)
@@ -69,7 +66,7 @@ def test_compress_windows_matches_torch_on_cuda(case, dtype):
     n, m, d, overlap, prev, rope_dim = case
     args = compressor_case(n, m, d, overlap=overlap, with_prev=prev, rope_dim=rope_dim,
                            dtype=dtype, device=DEV)
-    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args))
+    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args), TOL)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
@@ -81,7 +78,7 @@ def test_compress_windows_with_a_previous_half_per_window_matches_torch_on_cuda(
     prev_gate = torch.randn(512, 4, 512, generator=gen).to(dtype).to(DEV)
     prev_gate[::7] = float("-inf")
     args = dict(args, prev_kv=prev_kv, prev_gate=prev_gate)
-    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args))
+    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args), TOL)
 
 
 # (seq_lens, n_queries, heads, head_dim, ratio, entries per block, topk)

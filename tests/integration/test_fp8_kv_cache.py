@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import random_prompt, write_tiny_checkpoint
+from tests.helpers import assert_same_run, random_prompt, write_tiny_checkpoint
 from workers.engine import Engine, EngineConfig
 from workers.handoff import Resume
 from workers.sampling import SamplingParams
@@ -36,10 +36,6 @@ def cold(model_dir):
     return {name: e.generate([p], GREEDY)[0] for name, p in PROMPTS.items()}
 
 
-def assert_same(out, ref):
-    assert out.token_ids == ref.token_ids
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < TOL
-
 
 @pytest.mark.parametrize("policy", ["full", f"periodic:{2 * BT}", "zero"])
 def test_fp8_restore_from_the_store_equals_the_cold_fp8_run(model_dir, cold, tmp_path, policy):
@@ -49,7 +45,7 @@ def test_fp8_restore_from_the_store_equals_the_cold_fp8_run(model_dir, cold, tmp
     for name, prompt in PROMPTS.items():
         out = engine(model_dir, policy, store=str(tmp_path)).generate([prompt], GREEDY)[0]
         assert out.cached_tokens > 0, name
-        assert_same(out, cold[name])
+        assert_same_run(out, cold[name])
 
 
 @pytest.mark.parametrize("policy", ["full", f"periodic:{2 * BT}", "zero"])
@@ -59,7 +55,7 @@ def test_fp8_restore_from_worker_memory_equals_the_cold_fp8_run(model_dir, cold,
     for name, prompt in PROMPTS.items():
         out = e.generate([prompt], GREEDY)[0]
         assert out.cached_tokens > 0
-        assert_same(out, cold[name])
+        assert_same_run(out, cold[name])
 
 
 def test_fp8_store_objects_carry_fp8_records_and_bf16_objects_are_never_read_as_fp8(model_dir, tmp_path):
@@ -112,7 +108,7 @@ def test_fp8_handoff_equals_a_single_engine_fp8_run(model_dir, cold, transport):
         prefill.release_held("r")
         for a in agents:
             a.close()
-    assert_same(moved, cold["many_blocks"])
+    assert_same_run(moved, cold["many_blocks"])
 
 
 # Measured on this tiny random model (fp32 compute, 12 prompts x 8 greedy tokens, a prompt's

@@ -1,21 +1,22 @@
 """The decode side of a handoff falls back to a Ray object when the NIXL READ fails,
-moves the state slot with the blocks either way, and never raises into the engine."""
+moves the state slot with the blocks either way, and fails with one error type."""
 from __future__ import annotations
 
 import pytest
 import ray
 import torch
 
-from cluster.messages import Handoff
-from cluster.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader
+from cluster.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader, RayTransport
 from kvstore.cache_tensors import CacheTensors
+from kvstore.kv_transport import HandoffError, HeldKV, Offer
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from kvstore.nixl_transfer import KVTransferAgent, RemoteKV
+from kvstore.nixl_transfer import KVTransferAgent, NixlTransport, RemoteKV
 from tests import helpers
 
 LAYOUT = CacheLayout.build(LayoutParams((SWA, CSA, HCA), head_dim=16, index_head_dim=8, csa_ratio=4,
                                         hca_ratio=128, window=32, dtype="float32"), block_tokens=128)
 SRC_BLOCKS, SRC_SLOT, DST_BLOCKS, DST_SLOT = [3, 4], 1, [0, 5], 2
+FP = "f" * 32
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,10 +30,20 @@ def random_cache(seed: int) -> CacheTensors:
     return helpers.random_cache(LAYOUT, num_blocks=6, num_slots=3, seed=seed)
 
 
-def handoff(**kw) -> Handoff:
-    base = dict(request_id="r1", prompt_len=200, first_token=5, first_logprob=-1.0, finished=False,
-                finish_reason="held", cached_tokens=0, worker_id="p1", fingerprint="f", num_blocks=2)
-    return Handoff(**{**base, **kw})
+def ray_offer(src: CacheTensors, **kw) -> Offer:
+    offer = RayTransport(FP).offer(HeldKV("r1", SRC_BLOCKS, SRC_SLOT, 200, []), src)
+    return Offer(**{**offer.__dict__, **kw})
+
+
+def nixl_offer(remote: RemoteKV, num_blocks: int = 2) -> Offer:
+    return Offer("r1", FP, num_blocks, remote.nbytes, "nixl", remote)
+
+
+def transports(agent: KVTransferAgent | None = None) -> dict:
+    out = {"ray": RayTransport(FP, timeout_s=5.0)}
+    if agent is not None:
+        out["nixl"] = NixlTransport(agent, FP, timeout_s=5.0)
+    return out
 
 
 def counters() -> dict:
@@ -52,13 +63,13 @@ def test_failed_read_fetches_a_ray_copy_and_counts_a_fallback():
                            tuple((0, n, 0) for _, _, n in src.block_regions(SRC_BLOCKS, SRC_SLOT)))
     fetched = []
 
-    def fetch_export(h):
-        fetched.append(h.request_id)
-        return [ray.put(src.gather(SRC_BLOCKS, SRC_SLOT))]
+    def fetch_export(offer):
+        fetched.append(offer.request_id)
+        return ray_offer(src)
     c = counters()
-    loader = Loader(handoff(source=unreachable), agent, fetch_export, c, timeout_s=5.0)
-    loader.load(dst, DST_BLOCKS, DST_SLOT)
-    assert loader.error is None and fetched == ["r1"]
+    loader = Loader(nixl_offer(unreachable), transports(agent), fetch_export, c)
+    loader.load(dst, DST_BLOCKS, DST_SLOT)      # no HandoffError
+    assert fetched == ["r1"]
     assert loader.report.transport == "ray" and loader.report.fallback_reason == READ_FAILED
     assert loader.report.nbytes == 2 * LAYOUT.block_bytes + LAYOUT.slot_bytes == c["ray_bytes"]
     assert c["fallbacks"] == 1 and c["nixl_bytes"] == 0
@@ -68,32 +79,32 @@ def test_failed_read_fetches_a_ray_copy_and_counts_a_fallback():
 
 def test_payload_from_a_prefill_without_nixl_is_scattered():
     src, dst = random_cache(2), random_cache(3)
-    payload = [ray.put(src.gather(SRC_BLOCKS, SRC_SLOT))]
-    loader = Loader(handoff(payload=payload, fallback_reason=NIXL_UNAVAILABLE), None, None, counters(), 5.0)
+    loader = Loader(ray_offer(src, fallback_reason=NIXL_UNAVAILABLE), transports(), None, counters())
     loader.load(dst, DST_BLOCKS, DST_SLOT)
-    assert loader.error is None and loader.report.fallback_reason == NIXL_UNAVAILABLE
+    assert loader.report.fallback_reason == NIXL_UNAVAILABLE
     assert_moved(src, dst)
 
 
 def test_configured_ray_transport_is_not_a_fallback():
     src, dst = random_cache(4), random_cache(5)
     c = counters()
-    loader = Loader(handoff(payload=[ray.put(src.gather(SRC_BLOCKS, SRC_SLOT))]), None, None, c, 5.0)
+    loader = Loader(ray_offer(src), transports(), None, c)
     loader.load(dst, DST_BLOCKS, DST_SLOT)
     assert loader.report.fallback_reason is None and c["fallbacks"] == 0
 
 
-def test_load_never_raises_into_the_engine_thread():
+def test_a_failed_load_raises_one_error_type_naming_the_cause():
     dst = random_cache(6)
 
-    def fetch_export(h):
+    def fetch_export(offer):
         raise RuntimeError("prefill worker is gone")
     unreachable = RemoteKV("gone", b"x", "10.255.255.1", "DRAM", ((0, 1, 0),))
     agent = KVTransferAgent("test-fallback-decode-2", dst.all_tensors())
-    loader = Loader(handoff(source=unreachable), agent, fetch_export, counters(), 2.0)
-    loader.load(dst, DST_BLOCKS, DST_SLOT)
-    assert loader.error and "prefill worker is gone" in loader.error
-    wrong_count = Loader(handoff(num_blocks=3), None, None, counters(), 2.0)
-    wrong_count.load(dst, DST_BLOCKS, DST_SLOT)
-    assert "blocks" in wrong_count.error
+    loader = Loader(nixl_offer(unreachable), transports(agent), fetch_export, counters())
+    with pytest.raises(HandoffError) as error:
+        loader.load(dst, DST_BLOCKS, DST_SLOT)
+    assert "prefill worker is gone" in str(error.value)
+    wrong_count = Loader(ray_offer(random_cache(7), num_blocks=3), transports(), None, counters())
+    with pytest.raises(HandoffError, match="blocks"):
+        wrong_count.load(dst, DST_BLOCKS, DST_SLOT)
     agent.close()

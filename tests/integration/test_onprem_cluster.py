@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.testing import small_config
+from tests.local_serve import small_config
 from tests.helpers import random_prompt
 from tests.integration.onprem_hosts import Hosts, HostsUnavailable, check_prerequisites
 from tests.integration.test_serve_fake_cluster import stop_cluster

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.planner import recompute_span
-from tests.helpers import random_prompt, reference_greedy, write_tiny_checkpoint
+from tests.helpers import assert_same_run, random_prompt, reference_greedy, write_tiny_checkpoint
 from workers.engine import Engine, EngineConfig
 from workers.sampling import SamplingParams
 
@@ -64,10 +64,6 @@ def cold(model_dir):
     return {name: e.generate([prompt], GREEDY)[0] for name, (prompt, _) in CASES.items()}
 
 
-def assert_same(out, ref):
-    assert out.token_ids == ref.token_ids
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < TOL
-
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_restore_from_the_store_equals_the_cold_run_for_every_hit_length(model_dir, cold, tmp_path, policy):
@@ -77,7 +73,7 @@ def test_restore_from_the_store_equals_the_cold_run_for_every_hit_length(model_d
     for name, (prompt, shared) in CASES.items():
         reader = engine(model_dir, policy, store=str(tmp_path))   # fresh engine: nothing in memory
         out = reader.generate([prompt], GREEDY)[0]
-        assert_same(out, cold[name])
+        assert_same_run(out, cold[name])
         assert out.cached_tokens == expected_cached(policy, len(prompt), shared), name
 
 
@@ -88,7 +84,7 @@ def test_restore_from_worker_memory_equals_the_cold_run(model_dir, cold, policy)
     for name in ("one_block", "many_blocks", "whole_prompt", "at_checkpoint"):
         prompt, shared = CASES[name]
         out = e.generate([prompt], GREEDY)[0]
-        assert_same(out, cold[name])
+        assert_same_run(out, cold[name])
         assert out.cached_tokens == expected_cached(policy, len(prompt), shared), name
     assert e.prefix.stats.blocks_from_store == 0
 
@@ -113,7 +109,7 @@ def test_a_multi_turn_chat_reuses_the_previous_turn_including_its_output(model_d
     e.flush()
     out = engine(model_dir, f"periodic:{PERIOD}", store=str(tmp_path)).generate([turn2], GREEDY)[0]
     assert out.cached_tokens == (len(BASE) + 40) // BT * BT     # the end-of-output checkpoint
-    assert_same(out, engine(model_dir).generate([turn2], GREEDY)[0])
+    assert_same_run(out, engine(model_dir).generate([turn2], GREEDY)[0])
 
 
 def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_dir, cold, tmp_path):
@@ -131,7 +127,7 @@ def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_d
     reader = engine(model_dir, store=str(tmp_path))
     prompt, _ = CASES["many_blocks"]
     out = reader.generate([prompt], GREEDY)[0]
-    assert_same(out, cold["many_blocks"])
+    assert_same_run(out, cold["many_blocks"])
     assert out.cached_tokens == 4 * BT                      # the hit stops before the corrupt block
     assert reader.prefix.store.stats().corrupt == 2                 # both found, counted and removed
     reader.flush()                                          # the recomputed blocks were written anew
@@ -147,7 +143,7 @@ def _seq(tokens):
 def test_store_at_its_capacity_evicts_and_never_fails_a_request(model_dir, cold, tmp_path):
     e = engine(model_dir, store=str(tmp_path), store_capacity_bytes=40_000)
     for name, (prompt, _) in CASES.items():
-        assert_same(e.generate([prompt], GREEDY)[0], cold[name])
+        assert_same_run(e.generate([prompt], GREEDY)[0], cold[name])
         e.flush()
     stats = e.prefix.store.stats()
     assert stats.total_bytes <= 40_000 and stats.evicted > 0
@@ -164,16 +160,16 @@ def test_redis_index_survives_redis_stopping_and_resumes_reuse_after_restart(mod
     try:
         down = engine(model_dir, store=str(tmp_path), index=spec)
         out = down.generate([prompt], GREEDY)[0]
-        assert_same(out, cold["many_blocks"])
+        assert_same_run(out, cold["many_blocks"])
         assert out.cached_tokens == 0                       # no index: served without reuse
     finally:
         redis_process.restart()
     # a restarted Redis without persistence is empty; the store is the truth and re-seeds it
     out = down.generate([prompt], GREEDY)[0]                # the same engine, once Redis answers again
-    assert_same(out, cold["many_blocks"])
+    assert_same_run(out, cold["many_blocks"])
     up = engine(model_dir, store=str(tmp_path), index=spec)
     out = up.generate([prompt], GREEDY)[0]
-    assert_same(out, cold["many_blocks"])
+    assert_same_run(out, cold["many_blocks"])
     assert out.cached_tokens == 10 * BT
 
 
@@ -190,7 +186,7 @@ def test_a_second_kvmesh_generate_process_reuses_what_the_first_wrote(model_dir,
     for run in range(2):
         out = tmp_path / f"out{run}.jsonl"
         cmd = [sys.executable, "-m", "cluster.cli", "generate", "--model", str(model_dir), "--input",
-               str(tmp_path / "in.jsonl"), "--output", str(out), "--block-tokens", str(BT), "--kv-cache-mb", "16",
+               str(tmp_path / "in.jsonl"), "--output", str(out), "--block-tokens", str(BT), "--kv-cache-bytes", "16MiB",
                "--store", str(tmp_path / "store"), "--index", spec, "--swa-policy", "full"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         results.append(json.loads(out.read_text()))

@@ -6,13 +6,13 @@ object) at `/fallback`. Greedy output must equal the offline engine's, token for
 """
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
 
-from cluster.testing import LocalServe, small_config
+from tests.helpers import sse_events
+from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 
@@ -46,15 +46,12 @@ def greedy(offline: Engine, prompt, max_tokens: int = MAX_TOKENS):
 
 
 def stream_events(client: httpx.Client, url: str, body: dict) -> list[dict]:
-    events = []
     with client.stream("POST", url, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
+        events = list(sse_events(r.iter_lines()))
     assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+    return events[:-1]
 
 
 @pytest.mark.parametrize("mode", MODES + ["fallback"])
@@ -195,7 +192,7 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
     # a handoff nobody decodes (the client went away): released after release_timeout_s
     prefill = serve.get_deployment_handle("Prefill", "disagg")
     orphan = prefill.prefill.remote(GenRequest("orphan-1", [5] * 300, SamplingParams(max_tokens=8))).result()
-    assert orphan.source is not None and held("disagg") == 1
+    assert orphan.offer.transport == "nixl" and held("disagg") == 1
     timeout = small_config().handoff.release_timeout_s
     deadline = time.monotonic() + timeout + 10
     while held("disagg") and time.monotonic() < deadline:

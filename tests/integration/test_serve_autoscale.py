@@ -9,7 +9,7 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.testing import LocalServe, small_config
+from tests.local_serve import LocalServe, small_config
 
 FAST_SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1.0, "downscale_delay_s": 4.0,
                 "metrics_interval_s": 0.5, "look_back_period_s": 2.0}

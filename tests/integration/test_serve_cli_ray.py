@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.testing import free_port, small_config
+from tests.local_serve import free_port, small_config
 from tests.integration.test_serve_fake_cluster import stop_cluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -58,11 +58,11 @@ def test_defaults_validate_and_overrides_apply(tmp_path):
     assert config.engine.model == "/models/x" and config.mode == "colocated"
     assert config.pool_engine(config.decode, "w1").worker_id == "w1"
     plain = tmp_path / "kvmesh.yaml"
-    plain.write_text("mode: colocated\nengine: {kv_cache_mb: 32}\n")
-    assert load_config(plain).engine.kv_cache_mb == 32
+    plain.write_text("mode: colocated\nengine: {kv_cache_bytes: 32MiB}\n")
+    assert load_config(plain).engine.kv_cache_bytes == 32 << 20
 
 
-@pytest.mark.parametrize("text", ["mode: sideways\n", "engine: {kv_cache_mb: -1}\n", "prefill: {replicas: 2}\n",
+@pytest.mark.parametrize("text", ["mode: sideways\n", "engine: {kv_cache_bytes: -1}\n", "prefill: {replicas: 2}\n",
                                   "decode: {autoscaling: {min_replicas: 5, max_replicas: 2}}\n", "- a list\n"])
 def test_bad_config_files_name_the_problem(tmp_path, text):
     path = tmp_path / "bad.yaml"

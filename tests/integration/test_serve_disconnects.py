@@ -14,7 +14,7 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.testing import LocalServe, small_config
+from tests.local_serve import LocalServe, small_config
 from tests.integration.test_index_faults import out_of_memory, read_only
 from workers.engine import Engine
 from workers.sampling import SamplingParams

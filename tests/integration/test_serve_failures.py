@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
 
 import httpx
@@ -10,7 +9,8 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.testing import LocalServe, small_config
+from tests.helpers import sse_events
+from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 
@@ -50,10 +50,9 @@ def test_decode_replica_killed_mid_stream_ends_cleanly_and_the_pool_recovers(url
     with httpx.Client(timeout=httpx.Timeout(KILL_BOUND_S)) as client:
         with client.stream("POST", f"{urls['disagg']}/v1/completions", json=body) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            for event in sse_events(r.iter_lines()):
+                if event == "[DONE]":
                     continue
-                event = json.loads(line[6:])
                 if "error" in event:
                     errors.append(event["error"])
                     continue

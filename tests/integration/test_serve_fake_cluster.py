@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.testing import free_port
+from tests.local_serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES_WITHIN_S = 120.0
@@ -84,7 +84,7 @@ import json, sys, time
 import httpx, ray
 from ray import serve
 from cluster.app import build_app
-from cluster.testing import free_port, small_config
+from tests.local_serve import free_port, small_config
 
 ray.init(address=sys.argv[1], logging_level="ERROR")
 deadline = time.monotonic() + float(sys.argv[2])

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.testing import LocalServe, small_config
+from tests.local_serve import LocalServe, small_config
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

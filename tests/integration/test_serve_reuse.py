@@ -16,7 +16,7 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.messages import GenRequest, RouteHint
-from cluster.testing import free_port, small_config
+from tests.local_serve import free_port, small_config
 from kvstore.hashing import PrefixHasher
 from kvstore.index import make_index
 from workers.engine import Engine
@@ -37,7 +37,7 @@ def two_nodes(redis_server, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = small_config(
         "disaggregated",
-        engine={"store": str(tmp_path_factory.mktemp("store")), "index": redis_server, "kv_cache_mb": 32},
+        engine={"store": str(tmp_path_factory.mktemp("store")), "index": redis_server, "kv_cache_bytes": 32 << 20},
         prefill={"num_replicas": 2, "resources": {"kvmesh_prefill": 1}})
     serve.run(build_app(config), name="reuse", route_prefix="/")
     try:

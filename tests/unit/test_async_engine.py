@@ -109,4 +109,4 @@ def test_abort_mid_stream_frees_the_request(aengine):
     last, freed = asyncio.run(main())
     assert not last.finished
     assert freed
-    assert aengine.engine.stats["generated_tokens"] < 200
+    assert aengine.engine.counters.generated_tokens < 200

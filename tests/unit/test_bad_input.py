@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import random_prompt, write_tiny_checkpoint
+from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.config import CSA, HCA, SWA, ModelArgs
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.loader import CheckpointError
 from workers.sampling import InvalidRequestError, PromptTooLongError, SamplingParams
 
@@ -26,11 +26,11 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint), block_tokens=BLOCK, kv_cache_bytes=8 << 20, max_model_len=64))
+    return tiny_engine(checkpoint, NAME, max_model_len=64)
 
 
 def load(path: Path) -> Engine:
-    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK, kv_cache_bytes=8 << 20))
+    return tiny_engine(path, NAME)
 
 
 def broken_copy(checkpoint: Path, tmp_path: Path, config=None, tensors=None, weights_bytes=None) -> Path:

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from cluster.api import ChatCompletionRequest
 from cluster.text import render_chat
-from tests.helpers import random_prompt, write_tiny_checkpoint
+from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.tokenizer import load_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -121,12 +121,11 @@ def test_reserved_template_kwargs_are_a_bad_request():
 
 
 def test_generation_stops_on_the_tokenizers_end_of_turn_token(tmp_path):
-    from workers.engine import Engine, EngineConfig
     from workers.sampling import SamplingParams
     ckpt = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
     prompt = random_prompt(20, seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    free = Engine(EngineConfig(model=str(ckpt), block_tokens=16, kv_cache_bytes=8 << 20)).generate([prompt], params)[0]
+    free = tiny_engine(ckpt, "swa_csa_hca").generate([prompt], params)[0]
     stop_at = next(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i])  # first new token
     stop_at = max(stop_at, 2)
     eos_id = free.token_ids[stop_at]
@@ -135,7 +134,7 @@ def test_generation_stops_on_the_tokenizers_end_of_turn_token(tmp_path):
     eos_text = next(t for t, i in vocab.items() if i == eos_id)
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": eos_text}))
-    out = Engine(EngineConfig(model=str(ckpt), block_tokens=16, kv_cache_bytes=8 << 20)).generate([prompt], params)[0]
+    out = tiny_engine(ckpt, "swa_csa_hca").generate([prompt], params)[0]
     assert out.token_ids == free.token_ids[:free.token_ids.index(eos_id) + 1]
     assert out.finish_reason == "stop"
 

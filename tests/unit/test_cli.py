@@ -38,7 +38,7 @@ def generate(checkpoint: Path, tmp_path: Path, lines: list[str]) -> tuple[subpro
     src, dst = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     src.write_text("".join(line + "\n" for line in lines))
     proc = kvmesh("generate", "--model", str(checkpoint), "--input", str(src), "--output", str(dst),
-                  "--block-tokens", str(BLOCK), "--kv-cache-mb", "8")
+                  "--block-tokens", str(BLOCK), "--kv-cache-bytes", "8MiB")
     results = [json.loads(line) for line in dst.read_text().splitlines()] if dst.exists() else []
     return proc, results
 
@@ -59,7 +59,7 @@ def test_generate_completes_every_line_with_all_output_fields(checkpoint, tmp_pa
     src, dst = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     src.write_text("".join(line + "\n" for line in GOOD))
     code = main(["generate", "--model", str(checkpoint), "--input", str(src), "--output", str(dst),
-                 "--block-tokens", str(BLOCK), "--kv-cache-mb", "8"])
+                 "--block-tokens", str(BLOCK), "--kv-cache-bytes", "8MiB"])
     assert code == 0
     results = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["id"] for r in results] == ["tokens", "text", "stopped"]
@@ -150,5 +150,5 @@ def test_layout_without_a_config_exits_2(capsys):
 def test_generate_with_speculative_tokens_on_a_checkpoint_without_mtp_exits_2_naming_it(checkpoint, tmp_path, capsys):
     (tmp_path / "requests.jsonl").write_text(request("a", prompt="x") + "\n")
     assert main(["generate", "--model", str(checkpoint), "--input", str(tmp_path / "requests.jsonl"),
-                 "--block-tokens", str(BLOCK), "--kv-cache-mb", "8", "--speculative-tokens", "2"]) == 2
+                 "--block-tokens", str(BLOCK), "--kv-cache-bytes", "8MiB", "--speculative-tokens", "2"]) == 2
     assert "MTP" in capsys.readouterr().err

@@ -57,7 +57,7 @@ def test_fixed_shape_decode_gives_the_ordinary_tokens(tmp_path, name):
         outs[graphs] += run(engine, [prompts[3]], 30)       # restored prefix, then decode
         if graphs:
             assert engine.runner.graphs.replays > 100
-            assert engine.stats["cached_tokens"] > 0
+            assert engine.counters.cached_tokens > 0
     for a, b in zip(outs[False], outs[True], strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
@@ -75,7 +75,7 @@ def test_fixed_shape_decode_forward_reads_nothing_back(tmp_path):
         engine.step()
     graphs = engine.runner.graphs
     for _ in range(6):          # positions cross windows of every ratio and a block boundary
-        batch = engine.scheduler.schedule()
+        batch = engine.scheduler.schedule().batch
         assert graphs.accepts(batch)
         step, _, _ = engine.runner.build(batch)
         for read in (lambda: int(step.lengths.max()), lambda: step.positions[step.positions > 9],

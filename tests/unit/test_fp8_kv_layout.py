@@ -61,7 +61,7 @@ def test_fp8_cache_tensors_are_bytes_and_sizes_match_the_layout():
     cache = CacheTensors(layout, num_blocks=3, num_slots=2, dtype=torch.float32)
     for lc, spec in zip(cache.layers, layout.specs):
         block = sum(t[0].nbytes for name, t in lc.blocks.items())
-        assert block == spec.block_bytes(16)
+        assert block == spec.block_bytes()
         assert all(t.dtype == torch.uint8 for t in lc.blocks.values())
         assert lc.ring.dtype == torch.float32
     assert layout.block_bytes == 4 * (48 + 20) + 1 * 48

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
+from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
+from workers.engine import Engine
 from workers.handoff import Resume
 from workers.sampling import SamplingParams
-
-BT = 16
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +17,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), block_tokens=BT, kv_cache_bytes=8 << 20, **kw))
+    return tiny_engine(model_dir, "swa_csa_hca", **kw)
 
 
 def run(e: Engine):
@@ -117,3 +115,14 @@ def test_when_sequence_0_ends_on_its_first_token_the_other_forks_still_decode(mo
     going = {i for i, s in enumerate(first.siblings, start=1) if s[3] is None}
     assert set(done) == going and all(o.token_ids[0] == first.siblings[i - 1][0] for i, o in done.items())
     assert not decode.has_unfinished() and not decode.groups
+
+
+def test_a_held_request_has_the_held_status_and_is_counted_until_released(model_dir):
+    e = engine(model_dir)
+    e.add_request("h", random_prompt(40, seed=8), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                  hold_kv=True)
+    last = run(e)[-1]
+    assert last.held and last.finished and last.finish_reason == "held"
+    assert e.held["h"].status.name == "HELD" and e.stats().held == 1 and not e.stats().idle
+    e.release_held("h")
+    assert e.stats().held == 0 and e.stats().idle

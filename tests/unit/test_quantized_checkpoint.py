@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import random_prompt, reference_greedy, write_tiny_checkpoint
+from tests.helpers import assert_same_run, random_prompt, reference_greedy, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
 from workers.engine import Engine, EngineConfig
 from workers.handoff import Resume
@@ -47,10 +47,6 @@ def engine(path, **kw) -> Engine:
     return Engine(EngineConfig(model=str(path), block_tokens=BT, dtype="float32", **kw))
 
 
-def assert_same(a, b_tokens, b_logprobs):
-    assert a.token_ids == b_tokens
-    assert max(abs(x - y) for x, y in zip(a.logprobs, b_logprobs)) < TOL
-
 
 def test_released_format_loads_quantized_with_mtp_layers(quant_dir):
     _, model = load_model(quant_dir, dtype="bfloat16")
@@ -69,7 +65,7 @@ def test_released_format_loads_quantized_with_mtp_layers(quant_dir):
 def test_quantized_greedy_tokens_equal_transformers_on_the_same_files(quant_dir, prompt_len):
     prompt = random_prompt(prompt_len, seed=prompt_len)
     ref_tokens, ref_logprobs = reference_greedy(quant_dir, prompt, GREEDY.max_tokens)
-    assert_same(engine(quant_dir).generate([prompt], GREEDY)[0], ref_tokens, ref_logprobs)
+    assert_same_run(engine(quant_dir).generate([prompt], GREEDY)[0], ref_tokens, ref_logprobs)
 
 
 def test_quantized_batched_equals_one_at_a_time_and_chunked_equals_whole(quant_dir):
@@ -94,7 +90,7 @@ def test_quantized_restore_from_the_store_equals_the_cold_run(dense_dir, tmp_pat
     writer.flush()
     out = engine(qdir, swa_policy=policy, store=str(tmp_path / "store")).generate([prompt], GREEDY)[0]
     assert out.cached_tokens > 0
-    assert_same(out, cold.token_ids, cold.logprobs)
+    assert_same_run(out, cold.token_ids, cold.logprobs)
 
 
 def test_quantized_handoff_over_nixl_equals_a_single_engine_run(dense_dir, tmp_path):
@@ -120,7 +116,7 @@ def test_quantized_handoff_over_nixl_equals_a_single_engine_run(dense_dir, tmp_p
     finally:
         src.close()
         dst.close()
-    assert_same(moved, single.token_ids, single.logprobs)
+    assert_same_run(moved, single.token_ids, single.logprobs)
 
 
 def _run(e: Engine):
@@ -229,4 +225,4 @@ def test_quantized_weights_with_the_fp8_kv_cache_restore_equals_cold(flash_dir, 
     writer.flush()
     out = engine(flash_dir, kv_cache_dtype="fp8", store=str(tmp_path)).generate([prompt], GREEDY)[0]
     assert out.cached_tokens > 0
-    assert_same(out, cold.token_ids, cold.logprobs)
+    assert_same_run(out, cold.token_ids, cold.logprobs)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import random_prompt, reference_model, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
+from tests.helpers import random_prompt, reference_model, tiny_engine, write_tiny_checkpoint
+from workers.engine import Engine
 from workers.sampling import InvalidRequestError, SamplingParams, sample
 
 NAME, BLOCK = "swa_csa_hca", 16
@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint), block_tokens=BLOCK, kv_cache_bytes=8 << 20))
+    return tiny_engine(checkpoint, NAME)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def with_eos(checkpoint: Path, tmp_path: Path, eos: int) -> Engine:
     (path / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
     config = json.loads((checkpoint / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
-    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK, kv_cache_bytes=8 << 20))
+    return tiny_engine(path, NAME)
 
 
 def first_repeat_free_index(tokens: list[int]) -> int:

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
+from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
+from workers.engine import Engine
 from workers.sampler import SampleRow, sample_batch
 from workers.sampling import InvalidRequestError, SamplingParams
 
@@ -20,7 +20,7 @@ SHORT = random_prompt(23, seed=3)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(NAME), NAME)
-    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK, kv_cache_bytes=8 << 20))
+    return tiny_engine(path, NAME)
 
 
 def greedy(engine: Engine, prompt, **kw) -> list[int]:

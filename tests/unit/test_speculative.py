@@ -38,7 +38,7 @@ def cold(checkpoint):
     name, path = checkpoint
     engine = tiny_engine(path, name)
     outs = engine.generate(prompts(), GREEDY)
-    return [o.token_ids for o in outs], engine.stats["steps"]
+    return [o.token_ids for o in outs], engine.counters.steps
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -50,15 +50,15 @@ def test_speculative_greedy_equals_plain_greedy(checkpoint, cold, k, wrong):
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, wrong, seed=k) for p, r in zip(prompts(), ref)}), k)
     outs = engine.generate(prompts(), GREEDY)
     assert [o.token_ids for o in outs] == ref
-    s = engine.stats
-    assert s["draft_tokens"] > 0
+    s = engine.counters
+    assert s.draft_tokens > 0
     if wrong == 0.0:
-        assert s["accepted_draft_tokens"] == s["draft_tokens"]
-        assert s["steps"] < plain_steps
+        assert s.accepted_draft_tokens == s.draft_tokens
+        assert s.steps < plain_steps
     elif wrong == 1.0:
-        assert s["accepted_draft_tokens"] == 0
+        assert s.accepted_draft_tokens == 0
     else:
-        assert 0 < s["accepted_draft_tokens"] < s["draft_tokens"]
+        assert 0 < s.accepted_draft_tokens < s.draft_tokens
 
 
 def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(checkpoint):
@@ -71,7 +71,7 @@ def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(checkpoint):
     engine = tiny_engine(path, name)
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=3) for p, r in zip(prompts(), plain)}), 3)
     assert [o.token_ids for o in engine.generate(prompts(), sampled)] == plain
-    assert 0 < engine.stats["accepted_draft_tokens"] < engine.stats["draft_tokens"]
+    assert 0 < engine.counters.accepted_draft_tokens < engine.counters.draft_tokens
 
 
 def test_seeded_forks_with_drafts_equal_seeded_forks_without(checkpoint):
@@ -84,7 +84,7 @@ def test_seeded_forks_with_drafts_equal_seeded_forks_without(checkpoint):
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(plain[3 * i], 0.3, seed=4)
                                       for i, p in enumerate(prompts())}), 3)
     assert [o.token_ids for o in engine.generate(prompts(), forks)] == plain
-    assert 0 < engine.stats["accepted_draft_tokens"] < engine.stats["draft_tokens"]
+    assert 0 < engine.counters.accepted_draft_tokens < engine.counters.draft_tokens
 
 
 @pytest.mark.parametrize("policy", ["full", "periodic"])
@@ -137,11 +137,11 @@ def test_mtp_drafts_leave_greedy_output_unchanged(mtp_checkpoint, k):
     def run(spec: int):
         e = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20,
                                 speculative_tokens=spec))
-        return [o.token_ids for o in e.generate(prompts(), GREEDY)], e.stats
+        return [o.token_ids for o in e.generate(prompts(), GREEDY)], e.counters
     plain, _ = run(0)
     spec, stats = run(k)
     assert spec == plain
-    assert stats["draft_tokens"] > 0
+    assert stats.draft_tokens > 0
 
 
 def test_mtp_drafts_after_a_restored_prefix_leave_greedy_output_unchanged(mtp_checkpoint):

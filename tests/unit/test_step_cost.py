@@ -34,7 +34,7 @@ def decode_step_ops(path, name: str, n_seqs: int, prompt_len: int, steps: int) -
         engine.step()
     counts = []
     for _ in range(steps):
-        batch = engine.scheduler.schedule()
+        batch = engine.scheduler.schedule().batch
         assert [n for _, n in batch] == [1] * n_seqs
         with OpCounter() as counter:
             engine.runner.run(batch)

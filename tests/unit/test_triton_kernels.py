@@ -20,6 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from kernels import get_ops, torch_ops, triton_ops  # noqa: E402
 from kernels.triton_attention import _sparse_attn_kernel  # noqa: E402
 from kernels.triton_indexer import indexer_scores_paged  # noqa: E402
+from tests.helpers import assert_close  # noqa: E402
 from tests.kernel_cases import attention_case, compressor_case, indexer_case  # noqa: E402
 
 if not isinstance(_sparse_attn_kernel, InterpretedFunction):
@@ -29,10 +30,6 @@ if not isinstance(_sparse_attn_kernel, InterpretedFunction):
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 F32, BF16 = torch.float32, torch.bfloat16
 
-
-def assert_close(out, ref):
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype])
 
 
 # --- sparse attention ------------------------------------------------------------------
@@ -58,7 +55,7 @@ def test_sparse_attention_matches_torch(case):
     seq_lens, n_q, heads, dim, mode, window, ratio, epb, topk, dtype = case
     args = attention_case(seq_lens, n_q, heads, dim, mode=mode, window=window, ratio=ratio,
                           epb=epb, topk=topk, dtype=dtype)
-    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args))
+    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args), TOL)
 
 
 def test_sparse_attention_with_nothing_visible_is_all_sink():
@@ -66,7 +63,7 @@ def test_sparse_attention_with_nothing_visible_is_all_sink():
     args["win_pos"].fill_(-1)
     out = triton_ops.sparse_attention(**args)
     assert torch.equal(out, torch.zeros_like(out))
-    assert_close(out, torch_ops.sparse_attention(**args))
+    assert_close(out, torch_ops.sparse_attention(**args), TOL)
 
 
 def test_sparse_attention_skips_empty_rows_inside_the_window():
@@ -76,7 +73,7 @@ def test_sparse_attention_skips_empty_rows_inside_the_window():
         filled = (win_pos[b] >= 0).nonzero().flatten()
         win_pos[b, filled[[1, 4, -2]]] = -1                     # holes: rows not written yet
     args["win_pos"] = win_pos
-    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args))
+    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args), TOL)
 
 
 def test_sparse_attention_drops_picks_past_the_causal_limit():
@@ -84,7 +81,7 @@ def test_sparse_attention_drops_picks_past_the_causal_limit():
     args["q_pos"] = torch.tensor([20])                       # only entries < 5 are visible
     args["topk_idx"] = torch.tensor([[3, 9, -1, 15]])
     only_visible = dict(args, topk_idx=torch.tensor([[3, -1, -1, -1]]))
-    assert_close(triton_ops.sparse_attention(**args), triton_ops.sparse_attention(**only_visible))
+    assert_close(triton_ops.sparse_attention(**args), triton_ops.sparse_attention(**only_visible), TOL)
 
 
 def test_sparse_attention_reads_strided_views():
@@ -93,13 +90,13 @@ def test_sparse_attention_reads_strided_views():
     fused[:, 1:5] = args["q"]
     views = dict(args, q=fused[:, 1:5], topk_idx=torch.stack([args["topk_idx"]] * 2, -1)[..., 0])
     assert not views["q"].is_contiguous() and not views["topk_idx"].is_contiguous()
-    assert_close(triton_ops.sparse_attention(**views), torch_ops.sparse_attention(**args))
+    assert_close(triton_ops.sparse_attention(**views), torch_ops.sparse_attention(**args), TOL)
 
 
 def test_sparse_attention_mixes_a_bf16_cache_with_fp32_queries():
     args = attention_case([9, 130], [2, 3], 4, 64, mode="csa", ratio=4, epb=4, topk=8)
     args = dict(args, comp_cache=args["comp_cache"].bfloat16(), win_kv=args["win_kv"].bfloat16())
-    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args))
+    assert_close(triton_ops.sparse_attention(**args), torch_ops.sparse_attention(**args), TOL)
 
 
 # --- compressor --------------------------------------------------------------------------
@@ -120,7 +117,7 @@ COMPRESSOR_CASES = {
 def test_compress_windows_matches_torch(case):
     n, m, d, overlap, prev, rope_dim, dtype = case
     args = compressor_case(n, m, d, overlap=overlap, with_prev=prev, rope_dim=rope_dim, dtype=dtype)
-    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args))
+    assert_close(triton_ops.compress_windows(**args), torch_ops.compress_windows(**args), TOL)
 
 
 def test_compress_windows_writes_into_a_cache_block_view():
@@ -129,7 +126,7 @@ def test_compress_windows_writes_into_a_cache_block_view():
     before = cache.clone()
     out = triton_ops.compress_windows(**args, out=cache[1, 2:5])
     assert out.data_ptr() == cache[1, 2:5].data_ptr()
-    assert_close(cache[1, 2:5], torch_ops.compress_windows(**args))
+    assert_close(cache[1, 2:5], torch_ops.compress_windows(**args), TOL)
     untouched = torch.ones_like(cache, dtype=torch.bool)
     untouched[1, 2:5] = False
     assert torch.equal(cache[untouched], before[untouched])
@@ -139,7 +136,7 @@ def test_compress_windows_reads_kv_and_gate_from_one_fused_projection():
     args = compressor_case(3, 4, 64, overlap=True, with_prev=True, rope_dim=16)
     fused = torch.cat([args["kv"], args["gate"]], dim=-1)         # [N, m, 2W]
     views = dict(args, kv=fused[..., :128], gate=fused[..., 128:])
-    assert_close(triton_ops.compress_windows(**views), torch_ops.compress_windows(**args))
+    assert_close(triton_ops.compress_windows(**views), torch_ops.compress_windows(**args), TOL)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -150,7 +147,7 @@ def test_compress_windows_with_a_previous_half_per_window_matches_torch(dtype):
     per_window = dict(args, prev_kv=torch.randn(5, 4, 64, generator=gen).to(dtype),
                       prev_gate=torch.randn(5, 4, 64, generator=gen).to(dtype))
     per_window["prev_gate"][2] = float("-inf")     # a sequence's first window ever: no previous half
-    assert_close(triton_ops.compress_windows(**per_window), torch_ops.compress_windows(**per_window))
+    assert_close(triton_ops.compress_windows(**per_window), torch_ops.compress_windows(**per_window), TOL)
 
 
 def test_torch_compress_windows_per_window_prev_equals_one_call_per_window():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from .config import ServeConfig
+from cluster.config import ServeConfig
 
 # replicas small enough that both pools, a colocated pool and two ingresses fit two cores
 SMALL_POOL = {"num_cpus": 0.25, "max_ongoing_requests": 16, "max_queued_requests": 64}
@@ -25,7 +25,7 @@ def small_config(mode: str = "disaggregated", **overrides: Any) -> ServeConfig:
     """The tiny default model on a small KV budget, memory-only store, tiny replicas."""
     data: dict[str, Any] = {
         "mode": mode,
-        "engine": {"kv_cache_mb": 16, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None},
+        "engine": {"kv_cache_bytes": 16 << 20, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None},
         "prefill": dict(SMALL_POOL), "decode": dict(SMALL_POOL), "colocated": dict(SMALL_POOL),
         "ingress": {"num_cpus": 0.1, "token_timeout_s": 30.0},
         "handoff": {"release_timeout_s": 10.0},
@@ -57,7 +57,7 @@ class LocalServe:
         """Deploy (or redeploy) an app; returns its base URL (append /v1/...)."""
         from ray import serve
 
-        from .app import build_app
+        from cluster.app import build_app
         serve.run(build_app(config), name=name, route_prefix=route_prefix)
         return self.base + route_prefix.rstrip("/")
 

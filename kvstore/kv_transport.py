@@ -1,0 +1,111 @@
+"""The prefill -> decode handoff of one request's cache: one interface, any transport.
+
+    source (prefill engine thread)            destination (decode engine thread)
+    offer = transport.offer(held, cache) ───▶ report = transport.load(offer, cache, block_ids, slot)
+      ... blocks + slot stay held until the destination has read them (or a timeout) ...
+
+An `Offer` is plain data (it travels in the cluster's Handoff message): which request, the
+source engine's fingerprint, how many blocks, and where the bytes are (a NIXL remote
+description, a Ray object, ...). `load` fills blocks + a state slot the destination has
+allocated, exactly `CacheTensors.block_regions(block_ids, slot)` / `gather(block_ids, slot)`,
+so the state slot always travels with the blocks. Both methods raise `HandoffError` and
+nothing else; a destination whose engine fingerprint differs refuses the offer.
+
+Implementations: `kvstore.nixl_transfer.NixlTransport` (a NIXL READ, no Ray) and
+`cluster.transfer.RayTransport` (a Ray object copy).
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from kvstore.cache_tensors import CacheTensors
+
+
+class HandoffError(RuntimeError):
+    """The cache could not be moved from prefill to decode; the request may be retried."""
+
+
+class HeldKV(NamedTuple):
+    """A prefilled request whose blocks and state slot stay allocated until released."""
+    request_id: str
+    block_ids: list[int]
+    slot: int
+    num_tokens: int          # prompt tokens in the cache (the first output token is not)
+    tokens: list[int]        # prompt + first token
+    rng_state: torch.Tensor | None = None   # the request's sampler state after the first token
+    fingerprint: str = ""    # the holding engine's model fingerprint (kvstore.hashing)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Where one held request's cache can be read from."""
+    request_id: str
+    fingerprint: str                # the source engine's: a destination with another one refuses it
+    num_blocks: int
+    nbytes: int
+    transport: str                  # the KVTransport.name that made it ("nixl" | "ray")
+    location: Any                   # nixl: RemoteKV; ray: [ObjectRef] (a list, so the ref travels unresolved)
+    fallback_reason: str | None = None   # set when the preferred transport could not be used
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """How one handoff moved the cache from prefill to decode."""
+    transport: str                  # "nixl" | "ray"
+    nbytes: int
+    seconds: float
+    fallback_reason: str | None = None   # set when NIXL was wanted but the Ray path was used
+
+
+class KVTransport(ABC):
+    """Moves held caches between engines that share a fingerprint.
+
+    Subclasses implement `offer` and `_read`; `load` checks the offer (fingerprint, block
+    count, transport) and turns any failure into HandoffError. Both run on an engine thread
+    (between steps), so they may touch the cache tensors."""
+    name = ""
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+
+    @abstractmethod
+    def offer(self, held: HeldKV, cache: CacheTensors) -> Offer:
+        """Source side: make `held`'s blocks + slot readable by a destination."""
+
+    @abstractmethod
+    def _read(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int) -> int:
+        """Fill block_ids + slot from `offer`; returns the bytes moved."""
+
+    def load(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int) -> TransferReport:
+        """Destination side: fill the freshly allocated `block_ids` + `slot` from `offer`."""
+        self.check(offer)
+        if offer.transport != self.name:
+            raise HandoffError(f"request {offer.request_id}: a {offer.transport} offer reached the {self.name} "
+                               f"transport")
+        if len(block_ids) != offer.num_blocks:
+            raise HandoffError(f"request {offer.request_id}: {len(block_ids)} blocks allocated for the "
+                               f"{offer.num_blocks} offered")
+        start = time.monotonic()
+        try:
+            nbytes = self._read(offer, cache, block_ids, slot)
+        except HandoffError:
+            raise
+        except Exception as e:
+            raise HandoffError(f"request {offer.request_id}: {self.name} load failed: {type(e).__name__}: {e}") from e
+        return TransferReport(self.name, nbytes, time.monotonic() - start, offer.fallback_reason)
+
+    def check(self, offer: Offer) -> None:
+        """Refuse an offer from an engine with another fingerprint (model, weights, dtypes, layout)."""
+        if offer.fingerprint != self.fingerprint:
+            raise HandoffError(f"request {offer.request_id}: the cache was offered by an engine with fingerprint "
+                               f"{offer.fingerprint[:16]}, this one is {self.fingerprint[:16]}: run both pools "
+                               f"with the same model and engine settings")
+
+    def close(self) -> None:
+        """Free what the transport registered (nothing by default)."""

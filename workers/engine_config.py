@@ -1,0 +1,140 @@
+"""EngineConfig: every engine setting, its default, its help and its check, in one place.
+
+    EngineConfig(model=DIR, kv_cache_bytes="64MiB", swa_policy="periodic:512")
+
+Sizes are bytes: an int, or a string with a binary suffix ("256MiB", "8GiB"; `parse_bytes`).
+The serve config (`cluster/config.py`, key `engine`) and the `kvmesh generate` flags are
+derived from these fields (name, default, help in `metadata`), so a setting is added here
+once. A bad value raises ConfigError naming the field and what it accepts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from kvstore.mac import MIN_KEY_BYTES
+from kvstore.planner import PolicyError, SwaPolicy
+from kvstore.redact import redact_url
+from kvstore.store import DEFAULT_READ_TIMEOUT_S
+
+from .config import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
+INDEX_SCHEMES = ("redis://", "rediss://", "unix://")
+DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def setting(default, help: str, *, choices: tuple[str, ...] | None = None, serve: bool = True,
+            cli: bool = True, unit: str | None = None, repr: bool = True):
+    """A field with what the serve config and the CLI need to expose it.
+
+    serve / cli: whether `cluster/config.py` / `kvmesh generate` expose it;
+    unit "bytes": the value may be written with a suffix (`parse_bytes`)."""
+    meta = {"help": help, "choices": choices, "serve": serve, "cli": cli, "unit": unit}
+    return field(default=default, repr=repr, metadata=meta)
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """An int (bytes) or "256MiB" / "8 GiB" / "512KiB" / "1024" -> bytes; None stays None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    unit = m.group(2).lower() if m else None
+    if unit not in BYTE_UNITS:
+        raise ValueError(f"{value!r} is not a size: give bytes, or a number with a binary suffix "
+                         f"({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'TiB'))})")
+    return int(float(m.group(1)) * BYTE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = setting(None, "checkpoint directory (default: the built-in tiny V4 model)")
+    dtype: str | None = setting(None, "compute dtype (default: the checkpoint's)", choices=DTYPES)
+    device: str = setting("cpu", "torch device: cpu, cuda or cuda:N")
+    block_tokens: int = setting(128, "tokens per classical-cache block (a multiple of lcm of the compress ratios)")
+    kv_cache_bytes: int = setting(256 << 20, "memory for classical blocks + state slots, split automatically",
+                                  unit="bytes")
+    max_num_seqs: int = setting(64, "most requests in the running batch")
+    max_batched_tokens: int = setting(1024, "most tokens per step (chunked prefill)")
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's "
+                                              "max_position_embeddings, capped by the KV budget)")
+    kernel_backend: str = setting("auto", "kernels: torch, triton (auto: Triton on CUDA)", choices=KERNEL_BACKENDS)
+    store: str | None = setting(None, "shared store for prefix reuse: a folder / mount or a pyarrow.fs URI "
+                                      "(file://, s3://...); none = memory only")
+    store_capacity_bytes: int | None = setting(None, "store capacity; LRU-evicted beyond it (default: unbounded)",
+                                               unit="bytes")
+    index: str = setting("local", "prefix index: local (embedded) or redis://host:port/db (rediss://, unix://)")
+    swa_policy: str = setting("full", "what SWA state is persisted: full | periodic:P | zero | auto | auto:P "
+                                      "(P a multiple of block_tokens)")
+    kv_cache_dtype: str = setting("auto", "compressed entries + indexer keys: auto (= the compute dtype), "
+                                          "bfloat16, or fp8 (V4's FP8 records)", choices=KV_CACHE_DTYPES)
+    host_cache_bytes: int = setting(256 << 20, "host-memory tier of restored / persisted objects", unit="bytes")
+    worker_id: str | None = setting(None, "name in the index's memory tier (default host:pid)", serve=False,
+                                    cli=False)
+    prefix_reuse: bool = setting(True, "restore and persist prefixes (false: never; baselines)")
+    speculative_tokens: int = setting(0, "drafts per decode step from the checkpoint's MTP layer (0 = off)")
+    store_key: str | None = setting(None, "MAC key (>= 16 bytes) for store objects; default: $KVMESH_STORE_KEY",
+                                    cli=False, repr=False)
+    require_store: bool = setting(False, "a store / index unusable at start-up is fatal (default: run "
+                                         "without prefix reuse)")
+    store_read_timeout_s: float | None = setting(DEFAULT_READ_TIMEOUT_S, "a store read slower than this (s) "
+                                                                         "is a miss")
+    cuda_graphs: bool = setting(True, "on CUDA, decode steps replay graphs captured per batch-size bucket "
+                                      "(ignored on the CPU)")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.metadata.get("unit") == "bytes":
+                try:
+                    object.__setattr__(self, f.name, parse_bytes(getattr(self, f.name)))
+                except ValueError as e:
+                    raise ConfigError(f"EngineConfig.{f.name}: {e}") from None
+        for check in (self._check_choices, self._check_sizes, self._check_places):
+            check()
+
+    def _check_choices(self) -> None:
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices and value is not None and value not in choices:
+                raise ConfigError(f"EngineConfig.{f.name}: {value!r} is not one of {', '.join(choices)}")
+        try:
+            SwaPolicy.parse(self.swa_policy, self.block_tokens)
+        except PolicyError as e:
+            raise ConfigError(f"EngineConfig.swa_policy: {e}") from None
+
+    def _check_sizes(self) -> None:
+        positive = ("block_tokens", "kv_cache_bytes", "max_num_seqs", "max_batched_tokens", "max_model_len",
+                    "store_capacity_bytes", "store_read_timeout_s")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise ConfigError(f"EngineConfig.{name}: must be a number, got {value!r}")
+            if value is not None and not value > 0:
+                raise ConfigError(f"EngineConfig.{name}: must be > 0, got {value!r}")
+        for name in ("host_cache_bytes", "speculative_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"EngineConfig.{name}: must be >= 0, got {getattr(self, name)!r}")
+
+    def _check_places(self) -> None:
+        if not DEVICE_RE.match(str(self.device)):
+            raise ConfigError(f"EngineConfig.device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.store_key is not None and len(self.store_key.encode()) < MIN_KEY_BYTES:
+            raise ConfigError(f"EngineConfig.store_key: must be at least {MIN_KEY_BYTES} bytes "
+                              f"(e.g. `openssl rand -hex 32`), got {len(self.store_key.encode())}")
+        if self.index != "local" and not str(self.index).startswith(INDEX_SCHEMES):
+            raise ConfigError(f"EngineConfig.index: {redact_url(self.index)!r} is neither 'local' nor a URL "
+                              f"starting with {', '.join(INDEX_SCHEMES)}")
+
+    @property
+    def policy(self) -> SwaPolicy:
+        return SwaPolicy.parse(self.swa_policy, self.block_tokens)
+
+    def __repr__(self) -> str:    # the index URL may carry a password; the store key is never shown
+        fields = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self)
+                  if f.repr)
+        return f"EngineConfig({', '.join(fields)})"

@@ -1,0 +1,62 @@
+"""EngineStats: one engine's load, memory and counters at one moment (`Engine.stats()`).
+
+The cluster routes on it (running + waiting, free blocks and slots), the soak and
+disconnect tests check it is idle, and `/metrics` exports `as_dict()`: every number in it
+becomes `kvmesh_worker_<name>`, so the names below are part of the metrics surface.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters the engine bumps as it works."""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    steps: int = 0
+    forward_s: float = 0.0
+    restore_s: float = 0.0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int                    # sequences in the running batch
+    waiting: int                    # sequences waiting for admission
+    held: int                       # prefilled requests whose cache waits for a handoff
+    free_blocks: int
+    total_blocks: int
+    free_slots: int
+    total_slots: int
+    preemptions: int
+    kv_cache_usage: float           # fraction of blocks in use
+    counters: EngineCounters
+    queue_time: dict                # Histogram.snapshot() of arrival -> first scheduled
+    reuse: dict[str, Any] = field(default_factory=dict)   # prefix reuse counters, by exported name
+    store: dict[str, Any] = field(default_factory=dict)   # shared store counters (empty without a store)
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+    @property
+    def free_kv(self) -> float:
+        """The scarcer of free blocks and free slots, as a fraction (what routing compares)."""
+        return min(self.free_blocks / max(1, self.total_blocks), self.free_slots / max(1, self.total_slots))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or held, and every block and slot free."""
+        return (self.load == 0 and self.held == 0 and self.free_blocks == self.total_blocks
+                and self.free_slots == self.total_slots)
+
+    def as_dict(self) -> dict[str, Any]:
+        """One flat map (the WorkerStats message and the /metrics names)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("counters", "reuse", "store")}
+        return {**dataclasses.asdict(self.counters), **out, **self.reuse, **self.store}

@@ -1,0 +1,158 @@
+"""The KV-cache manager: the only allocator of cache blocks and state slots.
+
+    hit = kv.get_computed_blocks(seq)             # what seq can start from; allocates nothing
+    if kv.allocate_slots(seq, n, hit): ...        # seq owns a slot and blocks for n more tokens,
+                                                  # with the hit written into them
+    kv.allocate_slots(seq, 1)                     # a running sequence grows (False: out of blocks)
+    kv.fork(parent, child)                        # n > 1: share full blocks, copy the rest
+    kv.free(seq)
+
+The scheduler sees only this (vLLM v1's `get_computed_blocks` + `allocate_slots`). Where a
+hit comes from is the prefix cache's business: it *finds* one across its tiers (device pool,
+host cache, store) and *fills* the blocks given here. A cache handed off by a prefill engine
+(decode role) is a hit too: it covers the whole prompt and its `Resume.load` fills it.
+
+What mutates: `allocate_slots`, `fork` and `free` change the pools (refcounts, free lists) and
+the sequence's `blocks`, `slot` and restore fields (`num_computed`, `cached_tokens`,
+`hashed_blocks`, `ring_from`, `keep_tokens`); on admission the slot is reset and the hit is
+written into the cache. `get_computed_blocks` reads the tiers (and sets `seq.branch_at`) but
+holds nothing: nothing else may allocate between it and the `allocate_slots` it feeds.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvstore.block_pool import BlockPool
+from kvstore.cache_tensors import CacheTensors
+from kvstore.state_slots import SlotPool
+
+from .handoff import Resume
+from .prefix_cache import PrefixCache, Restore
+from .sequence import Sequence
+
+
+class KVLoadError(RuntimeError):
+    """A handed-off cache could not be loaded into the blocks given to it: its request cannot
+    start (the transfer's own error is the cause)."""
+
+
+class ComputedBlocks(NamedTuple):
+    """What a waiting request can start from."""
+    num_tokens: int = 0                      # computation starts at this position (0: from scratch)
+    resident: tuple[int | None, ...] = ()    # per block the hit covers: a device block already holding
+                                             # it (shared, refcount + 1), or None: a fresh block, filled
+    restore: Restore | None = None           # prefix cache: what fills the fresh blocks and the slot
+    handoff: Resume | None = None            # decode role: a cache prefilled by another engine
+
+
+NO_HIT = ComputedBlocks()
+
+
+class KVCacheManager:
+    def __init__(self, cache: CacheTensors, blocks: BlockPool, slots: SlotPool, prefix: PrefixCache):
+        self.cache, self.blocks, self.slots, self.prefix = cache, blocks, slots, prefix
+        self.block_tokens = cache.layout.block_tokens
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    @property
+    def can_admit(self) -> bool:
+        """A state slot is free (blocks are checked by allocate_slots)."""
+        return self.slots.num_free > 0
+
+    def cut(self, seq: Sequence, start: int) -> int | None:
+        """Where a prefill chunk starting at `start` must end so a checkpoint can be taken."""
+        return self.prefix.cut(seq, start)
+
+    # ---- admission ------------------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+        """The longest prefix of a waiting seq whose cache need not be computed."""
+        if seq.resume is not None:
+            n = len(seq.prompt)
+            return ComputedBlocks(n, (None,) * self.blocks_for(n), handoff=seq.resume)
+        found = self.prefix.find(seq)
+        if found is None:
+            return NO_HIT
+        return ComputedBlocks(found.plan.recompute_from, found.resident, restore=found)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks | None = None) -> bool:
+        """Memory for seq's next `num_new_tokens` tokens. A running seq (`hit` None) gets the
+        blocks it lacks; a waiting one (`hit` from get_computed_blocks) gets a slot and the
+        hit's blocks as well, all or nothing, and the hit is written into them. False: not
+        enough free memory, nothing changed. Raises KVLoadError when a handed-off cache fails
+        to load (seq then holds nothing)."""
+        if hit is None:
+            return self._grow(seq, seq.num_computed + num_new_tokens)
+        return self._admit(seq, num_new_tokens, hit)
+
+    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = self.blocks_for(upto_tokens) - len(seq.blocks)
+        if need > 0 and not self.blocks.can_allocate(need):
+            return False
+        seq.blocks += [self.blocks.allocate() for _ in range(need)]
+        return True
+
+    def _admit(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks) -> bool:
+        total = max(len(hit.resident), self.blocks_for(hit.num_tokens + num_new_tokens))
+        fresh = total - sum(b is not None for b in hit.resident)
+        revived = sum(1 for b in hit.resident if b is not None and self.blocks.ref[b] == 0)  # leave the free count
+        if not self.can_admit or not self.blocks.can_allocate(fresh + revived):
+            return False
+        seq.slot = self.slots.allocate()
+        self.cache.reset_slot(seq.slot)
+        seq.ring_from = seq.keep_tokens = 0
+        # revive resident blocks before allocating, so allocation cannot evict one of them
+        held = [self.blocks.touch(b) if b is not None else None for b in hit.resident]
+        seq.blocks = [b if b is not None else self.blocks.allocate() for b in held]
+        seq.blocks += [self.blocks.allocate() for _ in range(total - len(held))]
+        if hit.handoff is not None:
+            self._load_handoff(seq, hit)
+        elif hit.restore is not None and not self.prefix.fill(seq, hit.restore):
+            self._go_cold(seq, hit.num_tokens + num_new_tokens)
+        return seq.slot is not None
+
+    def _load_handoff(self, seq: Sequence, hit: ComputedBlocks) -> None:
+        try:
+            hit.handoff.load(self.cache, seq.blocks[:len(hit.resident)], seq.slot)
+        except Exception as e:     # the transfer's failure, whatever its type, ends only this request
+            self.free(seq)
+            raise KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}") from e
+        seq.num_computed = hit.num_tokens
+
+    def _go_cold(self, seq: Sequence, upto_tokens: int) -> None:
+        """The hit could not be written: seq starts from scratch, in fresh blocks (shared
+        ones must not be written), or waits when they are not there."""
+        self._release_blocks(seq)
+        self.cache.reset_slot(seq.slot)
+        seq.num_computed = seq.cached_tokens = seq.ring_from = seq.keep_tokens = 0
+        if not self._grow(seq, upto_tokens):
+            self.free(seq)
+
+    # ---- n > 1 and freeing ----------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` parent's cache: full blocks shared (refcount + 1), the partly written last
+        block and the state slot copied. False: no free slot or block, nothing changed."""
+        full, partial = divmod(parent.num_computed, self.block_tokens)
+        if not self.can_admit or (partial and not self.blocks.can_allocate(1)):
+            return False
+        child.slot = self.slots.allocate()
+        self.cache.copy_slot(parent.slot, child.slot)
+        child.blocks = [self.blocks.fork(b) for b in parent.blocks[:full]]
+        if partial:
+            child.blocks.append(self.blocks.allocate())
+            self.cache.copy_block(parent.blocks[full], child.blocks[-1])
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks (a named one stays revivable until evicted) and its slot."""
+        self._release_blocks(seq)
+        if seq.slot is not None:
+            self.slots.release(seq.slot)
+            seq.slot = None
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        for b in seq.blocks:
+            self.blocks.release(b)
+        seq.blocks = []
+        seq.hashed_blocks = 0
