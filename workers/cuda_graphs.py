@@ -31,6 +31,11 @@ from .step import StepInput
 FIELDS = ("tokens", "positions", "slots", "ring_from", "keep_tokens")
 
 
+class GraphCaptureError(RuntimeError):
+    """A bucket's decode step could not be captured as a CUDA graph (the runner then decodes
+    eagerly and says why once)."""
+
+
 def buckets_up_to(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then every 8 up to max_batch (vLLM's capture sizes, cut at the batch limit)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 8, 8))
@@ -134,7 +139,10 @@ class DecodeGraphs:
                          max_len=1, max_end=self.max_blocks * self.block_tokens, decode=True, fixed_shapes=True)
         bucket = _Bucket(size, ints, table, step)
         if self.capture:      # every row is padding now: warm-up and capture touch only the scratch slot/block
-            self._capture(bucket)
+            try:
+                self._capture(bucket)
+            except Exception as e:
+                raise GraphCaptureError(f"decode step of batch size {size}: {type(e).__name__}: {e}") from e
         self.buckets[size] = bucket
         return bucket
 

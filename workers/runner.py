@@ -1,14 +1,18 @@
 """Model runner: turns a scheduled batch into a StepInput, runs the model, returns logits."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvstore.cache_tensors import CacheTensors
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .model import Transformer
 from .sequence import Sequence
 from .step import StepInput
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -67,8 +71,12 @@ class ModelRunner:
         position). With keep_streams the step and the last layer's streams stay in `self.last`.
         A pure decode batch goes through `self.graphs` when set."""
         if self.graphs is not None and not drafts and not keep_streams and self.graphs.accepts(batch):
-            logits, sampled = self.graphs.run(batch)
-            return logits, sampled, []
+            try:
+                logits, sampled = self.graphs.run(batch)
+                return logits, sampled, []
+            except GraphCaptureError as e:     # nothing of the batch ran: decode it eagerly from now on
+                log.warning("CUDA graphs off, decoding eagerly: %s", e)
+                self.graphs = None
         step, sampled, extra = self.build(batch, drafts)
         if keep_streams:
             logits, streams = self.model(step, self.cache, keep_streams=True)

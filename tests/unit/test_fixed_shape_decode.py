@@ -95,3 +95,19 @@ def test_buckets_cover_every_batch_size_up_to_the_limit():
     assert buckets_up_to(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert buckets_up_to(5) == (1, 2, 4, 5)
     assert buckets_up_to(1) == (1,)
+
+
+def test_a_graph_that_cannot_be_captured_leaves_eager_decoding_with_the_same_tokens(tmp_path, caplog):
+    """Capture fails here (no CUDA): the runner says so once and decodes eagerly from then on."""
+    name = "swa_csa_hca"
+    path = write_tiny_checkpoint(tmp_path, name)
+    prompts = [random_prompt(n, seed=n) for n in (3, 20)]
+    plain = run(tiny_engine(path, name, max_model_len=MAX_LEN), prompts, 12)
+    engine = tiny_engine(path, name, max_model_len=MAX_LEN)
+    engine.enable_decode_graphs(capture=True)
+    assert engine.runner.graphs is not None
+    with caplog.at_level("WARNING", logger="workers.runner"):
+        got = run(engine, prompts, 12)
+    assert engine.runner.graphs is None
+    assert sum("CUDA graphs off" in r.getMessage() for r in caplog.records) == 1
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
