@@ -31,6 +31,10 @@ Definitions (all times from time.perf_counter):
     fastest is the least disturbed by other load, so "fastest-step ratio" (batched ref's
     fastest step / kvmesh's) is the load-robust decode speed ratio, and kvmesh's fastest step
     over c shows how flat the step is
+  * CPU time (time.thread_time of the one thread both run on): kvmesh's median decode step and
+    batched ref's median step between tokens, and decode tokens per CPU-second of each; on a
+    shared machine a busy neighbour stretches wall time but hardly CPU time, so "decode ratio
+    vs batched, CPU time" is the other load-robust speed ratio
   * end-to-end tok/s: all generated tokens / wall time from t0 to the last token
   * ratio: kvmesh / reference
 
@@ -94,6 +98,8 @@ class RunResult:
     preemptions: int = 0                     # kvmesh only
     step_ms: float | None = None             # kvmesh and batched ref: median decode step
     step_min_ms: float | None = None         # kvmesh and batched ref: fastest decode step (least disturbed by load)
+    decode_cpu_tok_s: float | None = None    # kvmesh and batched ref: decode tokens per second of this thread's CPU time
+    step_cpu_ms: float | None = None         # kvmesh and batched ref: median decode step in CPU time
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -110,13 +116,14 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
-    final, decode_steps = {}, []
+    final, decode_steps, decode_cpu = {}, [], []
     while engine.has_unfinished():
-        before = time.perf_counter()
+        before, cpu_before = time.perf_counter(), time.thread_time()
         outputs = engine.step()
         now = time.perf_counter()
         if len(outputs) == len(prompts) and all(stamps[o.request_id] for o in outputs):
             decode_steps.append(now - before)
+            decode_cpu.append(time.thread_time() - cpu_before)
         for out in outputs:
             stamps[out.request_id] += [now] * len(out.new_token_ids)
             if out.finished:
@@ -134,7 +141,9 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         cached_tokens=sum(final[r].cached_tokens for r in ids),
         preemptions=engine.scheduler.preemptions - preempted_before,
         step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None,
-        step_min_ms=min(decode_steps) * 1e3 if decode_steps else None)
+        step_min_ms=min(decode_steps) * 1e3 if decode_steps else None,
+        decode_cpu_tok_s=len(prompts) * len(decode_cpu) / sum(decode_cpu) if decode_cpu else None,
+        step_cpu_ms=statistics.median(decode_cpu) * 1e3 if decode_cpu else None)
     return result, [final[r].token_ids for r in ids]
 
 
@@ -144,9 +153,11 @@ class TimingStreamer:
 
     def __init__(self) -> None:
         self.calls: list[float] = []
+        self.cpu: list[float] = []          # this thread's CPU time at each call (generate runs here)
 
     def put(self, value) -> None:
         self.calls.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
 
     def end(self) -> None:
         pass
@@ -193,12 +204,16 @@ def run_reference_batched(model, prompts: list[list[int]], max_tokens: int) -> t
     times = streamer.token_times
     assert len(times) == max_tokens, f"batched reference produced {len(times)} steps, expected {max_tokens}"
     n = len(prompts)
+    cpu = streamer.cpu[1:]
+    cpu_steps = [b - a for a, b in zip(cpu, cpu[1:])]
     result = RunResult(
         "transformers-batched", n, max_tokens * n, times[-1] - t0, ttft_mean_s=times[0] - t0,
         decode_tok_s=(max_tokens - 1) * n / (times[-1] - times[0]) if times[-1] > times[0] else float("nan"),
         e2e_tok_s=max_tokens * n / (times[-1] - t0),
         step_ms=statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3,
-        step_min_ms=min(b - a for a, b in zip(times, times[1:])) * 1e3)
+        step_min_ms=min(b - a for a, b in zip(times, times[1:])) * 1e3,
+        decode_cpu_tok_s=(max_tokens - 1) * n / sum(cpu_steps) if sum(cpu_steps) > 0 else None,
+        step_cpu_ms=statistics.median(cpu_steps) * 1e3)
     return result, [row[len(prompts[0]):].tolist() for row in out]
 
 
@@ -211,7 +226,8 @@ def median_run(runs: list[RunResult]) -> RunResult:
     return RunResult(first.system, first.concurrency, first.generated_tokens, med("wall_s"), med("ttft_mean_s"),
                      med("decode_tok_s"), med("e2e_tok_s"), med("ttft_own_mean_s"),
                      sum(r.cached_tokens for r in runs), sum(r.preemptions for r in runs), med("step_ms"),
-                     min((r.step_min_ms for r in runs if r.step_min_ms is not None), default=None))
+                     min((r.step_min_ms for r in runs if r.step_min_ms is not None), default=None),
+                     med("decode_cpu_tok_s"), med("step_cpu_ms"))
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -222,17 +238,22 @@ def table(rows: list[Row], repeats: int) -> str:
     head = ("| concurrency | kvmesh decode tok/s | batched ref decode tok/s | ratio vs batched "
             "| ref decode tok/s (1 at a time) | ratio vs 1 at a time | kvmesh step ms (median / min) "
             "| min step / min step at 1 | batched ref step ms (median / min) | fastest-step ratio vs batched "
+            "| step CPU ms kvmesh / batched ref | CPU step / CPU step at 1 | decode ratio vs batched, CPU time "
             "| kvmesh e2e tok/s | batched ref e2e tok/s | e2e ratio vs batched | kvmesh TTFT ms "
             "| batched ref TTFT ms | ref TTFT ms (own) | greedy match |")
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
     base_step = rows[0][0].step_min_ms if rows and rows[0][0].concurrency == 1 else None
+    base_cpu = rows[0][0].step_cpu_ms if rows and rows[0][0].concurrency == 1 else None
     for k, r, b, matched in rows:
         flat = f"{k.step_min_ms / base_step:.2f}x" if base_step and k.step_min_ms else "-"
+        flat_cpu = f"{k.step_cpu_ms / base_cpu:.2f}x" if base_cpu and k.step_cpu_ms else "-"
         lines.append(
             f"| {k.concurrency} | {k.decode_tok_s:,.1f} | {b.decode_tok_s:,.1f} | {k.decode_tok_s / b.decode_tok_s:.2f}x "
             f"| {r.decode_tok_s:,.1f} | {k.decode_tok_s / r.decode_tok_s:.2f}x "
             f"| {k.step_ms or float('nan'):.1f} / {k.step_min_ms or float('nan'):.1f} | {flat} "
             f"| {b.step_ms:.1f} / {b.step_min_ms:.1f} | {b.step_min_ms / k.step_min_ms:.2f}x "
+            f"| {k.step_cpu_ms or float('nan'):.1f} / {b.step_cpu_ms:.1f} | {flat_cpu} "
+            f"| {(k.decode_cpu_tok_s or float('nan')) / b.decode_cpu_tok_s:.2f}x "
             f"| {k.e2e_tok_s:,.1f} | {b.e2e_tok_s:,.1f} | {k.e2e_tok_s / b.e2e_tok_s:.2f}x "
             f"| {k.ttft_mean_s * 1e3:,.0f} | {b.ttft_mean_s * 1e3:,.0f} | {r.ttft_own_mean_s * 1e3:,.0f} "
             f"| {matched}/{2 * k.concurrency * repeats} |")
@@ -262,6 +283,8 @@ def plot(rows: list[Row], path: Path, model_name: str) -> None:
     ax2.plot(cs, [k.step_ms for k, _, _, _ in rows], "o-", label="kvmesh decode step, median")
     ax2.plot(cs, [k.step_min_ms for k, _, _, _ in rows], "o--", label="kvmesh decode step, fastest")
     ax2.plot(cs, [b.step_min_ms for _, _, b, _ in rows], "^--", label="transformers batched step, fastest")
+    ax2.plot(cs, [k.step_cpu_ms for k, _, _, _ in rows], "o:", label="kvmesh decode step, median CPU time")
+    ax2.plot(cs, [b.step_cpu_ms for _, _, b, _ in rows], "^:", label="transformers batched step, median CPU time")
     ax2.set_ylim(bottom=0)
     ax2.set_ylabel("ms per decode step (all requests decoding)")
     ax2.set_title("decode step time vs batch size", fontsize=10)
@@ -282,12 +305,15 @@ def step_sweep(engine: Engine, levels: list[int], args, vocab: int, rounds: int 
                                 args.max_tokens)
             steps[c].append(run)
     base = min(x.step_min_ms for x in steps[levels[0]])
+    cpu = {c: statistics.median(x.step_cpu_ms for x in runs) for c, runs in steps.items()}
     lines = ["| batch size | median decode step ms | fastest decode step ms | fastest / fastest at "
-             f"{levels[0]} | decode tok/s at the fastest step |", "|---:|---:|---:|---:|---:|"]
+             f"{levels[0]} | median step CPU ms | CPU step / CPU step at {levels[0]} "
+             "| decode tok/s at the fastest step |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for c, runs in steps.items():
         fastest = min(x.step_min_ms for x in runs)
         lines.append(f"| {c} | {statistics.median(x.step_ms for x in runs):.1f} | {fastest:.1f} "
-                     f"| {fastest / base:.2f}x | {c * 1e3 / fastest:,.0f} |")
+                     f"| {fastest / base:.2f}x | {cpu[c]:.1f} | {cpu[c] / cpu[levels[0]]:.2f}x "
+                     f"| {c * 1e3 / fastest:,.0f} |")
     return lines
 
 

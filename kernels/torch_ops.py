@@ -17,15 +17,21 @@ import torch
 import torch.nn.functional as F
 
 
-def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[NB, EPB, D] paged cache -> [B, Emax, D] dense (rows past lengths[b] are garbage)."""
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
+                 max_entries: int | None = None) -> torch.Tensor:
+    """[NB, EPB, D] paged cache -> [B, Emax, D] dense (rows past lengths[b] are garbage).
+    Emax = max(lengths), or the host-known bound `max_entries` (no read-back of lengths)."""
     epb = cache.shape[1]
-    emax = int(lengths.max().item()) if lengths.numel() else 0
+    if max_entries is not None:
+        emax = min(max_entries, block_table.shape[1] * epb)
+    else:
+        emax = int(lengths.max().item()) if lengths.numel() else 0
     nblk = (emax + epb - 1) // epb
     if nblk == 0:
         return cache.new_zeros(block_table.shape[0], 0, cache.shape[-1])
     blocks = block_table[:, :nblk].clamp(min=0).long()
-    return cache[blocks].reshape(block_table.shape[0], nblk * epb, -1)[:, :emax]
+    pages = cache.index_select(0, blocks.reshape(-1))         # whole pages (faster than cache[blocks])
+    return pages.reshape(block_table.shape[0], nblk * epb, -1)[:, :emax]
 
 
 def window_rows(q_pos: torch.Tensor, q_seq: torch.Tensor, win_pos: torch.Tensor, window: int
@@ -57,23 +63,34 @@ def sparse_attention(
     scale: float,
     window: int,
     ratio: int,
+    max_entries: int | None = None,    # host-known bound on comp_len (skips reading it back)
+    decode: bool = False,       # one query per sequence (q_seq = arange(B)) at its last win_kv row
 ) -> torch.Tensor:
     """Softmax attention over the SWA window plus the visible compressed entries, with a
     per-head sink in the denominator. Returns [T, H, D] in q's dtype.
 
     Each query gathers only what it may see: its `window` window rows, and either its
-    top-k picks (CSA) or its sequence's entries (HCA)."""
-    rows, mask = window_rows(q_pos, q_seq, win_pos, window)
-    keys = win_kv[q_seq.unsqueeze(1), rows]                                 # [T, W, D]
-    if comp_cache is not None and comp_len is not None and int(comp_len.max().item()) > 0:
-        comp = gather_paged(comp_cache, block_table, comp_len)              # [B, E, D]
+    top-k picks (CSA) or its sequence's entries (HCA). A decode query's window rows are
+    its sequence's last `window` rows, in order: no gather."""
+    if decode:
+        keys, mask = win_kv[:, -window:], win_pos[:, -window:] >= 0
+    else:
+        rows, mask = window_rows(q_pos, q_seq, win_pos, window)
+        keys = win_kv[q_seq.unsqueeze(1), rows]                             # [T, W, D]
+    n_entries = None if comp_len is None else (
+        max_entries if max_entries is not None else int(comp_len.max().item()))
+    if comp_cache is not None and n_entries:
         visible = torch.minimum((q_pos + 1) // ratio, comp_len[q_seq]).unsqueeze(1)
-        if topk_idx is not None:
+        if topk_idx is not None:       # the picks straight from their pages
             idx = topk_idx.clamp(min=0)
-            entries = comp[q_seq.unsqueeze(1), idx]                         # [T, K, D]
+            epb = comp_cache.shape[1]
+            flat = block_table[q_seq.unsqueeze(1), idx // epb].clamp(min=0).long() * epb + idx % epb
+            entries = comp_cache.reshape(-1, comp_cache.shape[-1]).index_select(0, flat.reshape(-1)) \
+                .view(*flat.shape, -1)                                              # [T, K, D]
             cmask = (topk_idx >= 0) & (topk_idx < visible)
         else:
-            entries = comp[q_seq]                                           # [T, E, D]
+            comp = gather_paged(comp_cache, block_table, comp_len, n_entries)   # [B, E, D]
+            entries = comp if decode else comp[q_seq]                       # [T, E, D]
             cmask = torch.arange(comp.shape[1], device=q.device) < visible
         keys = torch.cat([keys, entries], dim=1)
         mask = torch.cat([mask, cmask], dim=1)
@@ -149,6 +166,8 @@ def indexer_topk(
     ratio: int,
     topk: int,
     scale: float,
+    max_entries: int | None = None,   # host-known bound on key_len (skips reading it back)
+    decode: bool = False,             # one query per sequence (q_seq = arange(B)): no gathers
 ) -> torch.Tensor:
     """Lightning-indexer top-k: [T, topk] int64 entry indices, -1 where fewer are visible.
 
@@ -156,23 +175,25 @@ def indexer_topk(
     depend on batch composition or on how a prompt was chunked.
     """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    if q.shape[0] == 0 or int(key_len.max().item()) == 0:
+    n_entries = max_entries if max_entries is not None else (int(key_len.max().item()) if q.shape[0] else 0)
+    if q.shape[0] == 0 or n_entries == 0:
         return out
-    keys = gather_paged(key_cache, block_table, key_len)                   # [B, E, Di]
-    if q.shape[0] == keys.shape[0]:       # one query per sequence (decode): one batched call
-        groups = [(torch.arange(q.shape[0], device=q.device), q_seq)]
+    keys = gather_paged(key_cache, block_table, key_len, n_entries)        # [B, E, Di]
+    if decode:                            # rows: (query rows, their keys, their key counts)
+        groups = [(slice(None), keys, key_len)]
+    elif q.shape[0] == keys.shape[0]:     # one query per sequence: one batched call
+        groups = [(torch.arange(q.shape[0], device=q.device), keys[q_seq], key_len[q_seq])]
     else:      # every one-query sequence in one batched call; each prefill chunk against its own keys
         segments = _segments(q_seq)
         singles = [rows for rows in segments if rows.numel() == 1]
-        groups = [(torch.cat(singles), q_seq[torch.cat(singles)])] if singles else []
-        groups += [(rows, None) for rows in segments if rows.numel() > 1]
-    for rows, seqs in groups:
-        if seqs is None:
-            b = int(q_seq[rows[0]])
-            kk = keys[b, :int(key_len[b])].unsqueeze(0).expand(rows.numel(), -1, -1)
-            lim = key_len[b]
-        else:
-            kk, lim = keys[seqs], key_len[seqs]
+        groups = [(rows, keys[q_seq[rows]], key_len[q_seq[rows]]) for rows in
+                  ([torch.cat(singles)] if singles else [])]
+        for rows in segments:
+            if rows.numel() > 1:
+                b = int(q_seq[rows[0]])
+                groups.append((rows, keys[b, :int(key_len[b])].unsqueeze(0).expand(rows.numel(), -1, -1),
+                               key_len[b]))
+    for rows, kk, lim in groups:
         scores = indexer_scores(q[rows], weights[rows], kk, scale)          # [n, E]
         limit = torch.minimum((q_pos[rows] + 1) // ratio, lim)
         visible = torch.arange(scores.shape[1], device=q.device).unsqueeze(0) < limit.unsqueeze(1)

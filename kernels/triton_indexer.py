@@ -93,6 +93,8 @@ def indexer_topk(
     ratio: int,
     topk: int,
     scale: float,
+    max_entries: int | None = None,   # host-known bound on key_len (skips reading it back)
+    decode: bool = False,             # unused: keys are read in place for every query
 ) -> torch.Tensor:
     """Lightning-indexer top-k: [T, topk] int64 entry indices, -1 where fewer are visible.
 
@@ -100,7 +102,10 @@ def indexer_topk(
     depend on batch composition or on how a prompt was chunked.
     """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    n_entries = int(key_len.max().item()) if q.shape[0] else 0
+    if max_entries is not None:     # host-known bound: no read-back (CUDA graphs)
+        n_entries = min(max_entries, block_table.shape[1] * key_cache.shape[1]) if q.shape[0] else 0
+    else:
+        n_entries = int(key_len.max().item()) if q.shape[0] else 0
     if n_entries == 0:
         return out
     scores = indexer_scores_paged(q, weights, q_pos, q_seq, key_cache, block_table, key_len,

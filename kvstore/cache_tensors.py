@@ -28,6 +28,7 @@ class StepRows(Protocol):
     slots: torch.Tensor         # [B] state slot of each sequence
     block_table: torch.Tensor   # [B, MB] block ids
     keep_tokens: torch.Tensor   # [B] tokens restored from stored blocks (not rewritten)
+    decode: bool                # one row per sequence, past its restored tokens: no masks needed
 
 
 class ClosedWindows(Protocol):
@@ -36,6 +37,7 @@ class ClosedWindows(Protocol):
     index: torch.Tensor         # [N] window index (covers positions [index*m, (index+1)*m))
     last: torch.Tensor          # [N] bool: its sequence's last window in the step
     keep: torch.Tensor          # [N] bool: not restored from a stored block
+    padded: bool                # one row per sequence, closing or not (`last` = it closes): fixed shapes
 
 
 def allocate(spec: TensorSpec, n: int, device: torch.device | str) -> torch.Tensor:
@@ -87,6 +89,8 @@ class CompressorCache:
         """The closed windows' Ca halves kv, gate [N, m, D]: each sequence's last one becomes
         its slot's overlap state; with swa_blocks each kept window that ends a block is also
         stored in that block (what a restore at the boundary resumes from)."""
+        if windows.padded:
+            return self._save_overlap_padded(step, windows, kv, gate)
         last = windows.last
         slots = step.slots[windows.seq[last]]
         self.ovl_kv[slots], self.ovl_gate[slots] = kv[last], gate[last]
@@ -97,6 +101,22 @@ class CompressorCache:
         at_end = (ends % bt == 0) & windows.keep
         blocks = step.block_table[windows.seq[at_end], ends[at_end] // bt - 1].long()
         self.block_ovl_kv[blocks], self.block_ovl_gate[blocks] = kv[at_end], gate[at_end]
+
+    def _save_overlap_padded(self, step: StepRows, windows: ClosedWindows, kv: torch.Tensor, gate: torch.Tensor
+                             ) -> None:
+        """save_overlap with fixed shapes (no boolean masks): every row writes its own slot and
+        its current block, the new value where its window closes (ends a block), else the old."""
+        closes = windows.last.view(-1, 1, 1)
+        slots = step.slots[windows.seq]
+        for state, new in ((self.ovl_kv, kv), (self.ovl_gate, gate)):
+            state[slots] = torch.where(closes, new, state[slots])
+        if self.block_ovl_kv is None:
+            return
+        bt = self.entries_per_block * self.ratio
+        at_end = ((windows.index + 1) * self.ratio % bt == 0) & windows.keep
+        blocks = step.block_table[windows.seq, windows.index * self.ratio // bt].long()
+        for store, new in ((self.block_ovl_kv, kv), (self.block_ovl_gate, gate)):
+            store[blocks] = torch.where(at_end.view(-1, 1, 1), new, store[blocks])
 
     def restore_overlap(self, slot: int, block: int | None) -> None:
         """The slot's overlap state from `block`'s end-of-block copy, or none (block None)."""
@@ -141,6 +161,12 @@ class LayerCache:
         and, with swa_blocks (the `full` policy), every row not restored into its block (a
         prefill chunk may be longer than the window: the blocks get all of it)."""
         w = self.ring.shape[1]
+        if step.decode:          # one row per sequence: every row goes to the ring and its block
+            self.ring[step.slots, step.positions % w] = kv
+            if self.swa is not None:
+                bt = self.swa.shape[1]
+                self.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
+            return
         ends = (step.starts + step.lengths)[step.q_seq]
         last = step.positions >= ends - w
         self.ring[step.slots[step.q_seq[last]], step.positions[last] % w] = kv[last]

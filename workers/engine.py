@@ -115,9 +115,12 @@ class Engine:
         self.runner = ModelRunner(self.model, self.raw_cache, config.device, self.ranks)
         self.max_model_len = min(config.max_model_len or a.max_position_embeddings,
                                  num_blocks * config.block_tokens)
+        if config.cuda_graphs and torch.device(config.device).type == "cuda":
+            self.enable_decode_graphs()
         self.seqs: dict[str, Sequence] = {}
         self.groups: dict[str, list[Sequence]] = {}   # n > 1: every sequence of a request, index order
         self.held: dict[str, Sequence] = {}
+        self._eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size,
                                     sorted(set(a.eos_token_ids) | set(self.tokenizer.stop_token_ids)))
         self.counters = EngineCounters()
@@ -128,6 +131,23 @@ class Engine:
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
                                   f"layer, and {model_dir} has none (no mtp.* weights)")
             self.set_drafter(MTPDrafter(self.model, num_slots))
+
+    def enable_decode_graphs(self, capture: bool = True) -> None:
+        """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
+        CUDA graphs (`capture`; False runs the same path eagerly, which works on any device).
+        Reserves one state slot and one block for the padding rows. A model or cache the path
+        cannot run (see cuda_graphs.graph_blockers) keeps the ordinary path, with a warning."""
+        from .cuda_graphs import DecodeGraphs, graph_blockers
+        blockers = graph_blockers(self.model, self.cache)
+        if self.ranks is not None:     # a replayed graph would not send the step to the other ranks
+            blockers.append("not with tensor_parallel_size > 1 yet")
+        if blockers:
+            log.warning("decode CUDA graphs off: %s", "; ".join(blockers))
+            return
+        max_blocks = -(-self.max_model_len // self.config.block_tokens)
+        self.runner.graphs = DecodeGraphs(self.model, self.cache, self.config.block_tokens, max_blocks,
+                                          *self.kv.reserve_scratch(),
+                                          self.config.max_num_seqs, self.config.device, capture)
 
     def set_drafter(self, drafter: Drafter | None, k: int | None = None) -> None:
         """Speculative decoding with `drafter` proposing k tokens per step (default
@@ -467,9 +487,11 @@ class Engine:
             return "stop"
         return "length" if p.max_tokens == 1 else None
 
-    def _stops(self, p: SamplingParams) -> set[int]:
-        eos = set(self.args.eos_token_ids) | set(self.tokenizer.stop_token_ids)    # config + end-of-turn
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+    def _stops(self, p: SamplingParams) -> frozenset[int]:
+        eos = self._eos
+        if not p.stop_token_ids:     # runs for every token: no set building in the common case
+            return frozenset() if p.ignore_eos else eos
+        return frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
 
     # ---- n > 1: forks share the prompt's blocks -------------------------------------------------
     def _child(self, parent: Sequence, index: int) -> Sequence:

@@ -92,6 +92,9 @@ class EngineConfig:
                                                   "intermediate dim is split)", serve=False)
     rank_timeout_s: float = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
                                           "died or stalled (RankFailed)")
+    cuda_graphs: bool = setting(False, "on CUDA, decode steps replay graphs captured per batch-size bucket; off by default "
+                                       "until tests/gpu/test_cuda_graphs.py has run on a GPU "
+                                      "(ignored on the CPU)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

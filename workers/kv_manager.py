@@ -62,6 +62,10 @@ class KVCacheManager:
         """A state slot is free (blocks are checked by allocate_slots)."""
         return self.slots.num_free > 0
 
+    def reserve_scratch(self) -> tuple[int, int]:
+        """(slot, block) taken for good: where padding rows of a fixed-shape decode step write."""
+        return self.slots.allocate(), self.blocks.allocate()
+
     def cut(self, seq: Sequence, start: int) -> int | None:
         """Where a prefill chunk starting at `start` must end so a checkpoint can be taken."""
         return self.prefix.cut(seq, start)

@@ -1,21 +1,28 @@
 """Model runner: turns a scheduled batch into a StepInput, runs the model, returns logits."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvstore.cache_tensors import CacheTensors
 
+from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .model import Transformer
 from .sequence import Sequence
 from .step import StepInput
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """`leader` (tensor parallelism, workers/parallel.py): each step goes to the other ranks
-    before rank 0 runs it."""
+    before rank 0 runs it. `graphs` (CUDA, one rank only): fixed-shape decode steps replayed
+    from CUDA graphs."""
 
     def __init__(self, model: Transformer, cache: CacheTensors, device: str = "cpu", leader=None):
         self.model, self.cache, self.device, self.leader = model, cache, device, leader
+        self.graphs: DecodeGraphs | None = None
 
     def build(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None
               ) -> tuple[StepInput, list[int], list[tuple[int, int]]]:
@@ -52,16 +59,28 @@ class ModelRunner:
         rows = ndrafts[sampled] + 1
         logits_at = torch.cat([(ends[sampled] - rows).repeat_interleave(rows) + _ranks(rows),
                                torch.tensor(extra_at, dtype=torch.long)])
+        lens = [n + len(drafts.get(b, ())) for b, (_, n) in enumerate(batch)]
+        decode = max(lens) == 1 and all(s.num_computed >= s.keep_tokens for s, _ in batch)
         step = StepInput(tokens=torch.tensor(tokens, dtype=torch.long), positions=positions,
                          q_seq=q_seq, starts=starts, lengths=lengths, slots=slots,
                          block_table=table, ring_from=ring_from, keep_tokens=keep,
-                         logits_at=logits_at)
+                         logits_at=logits_at, max_len=max(lens),
+                         max_end=max(s.num_computed + n for s, n in zip((s for s, _ in batch), lens)),
+                         decode=decode)
         return step, sampled.tolist(), extra
 
     def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None,
             keep_streams: bool = False) -> tuple[torch.Tensor, list[int], list[tuple[int, int]]]:
         """fp32 logits: 1 + drafts rows per sampled sequence, then one per `extra` (batch index,
-        position). With keep_streams the step and the last layer's streams stay in `self.last`."""
+        position). With keep_streams the step and the last layer's streams stay in `self.last`.
+        A pure decode batch goes through `self.graphs` when set."""
+        if self.graphs is not None and self.leader is None and not drafts and not keep_streams and self.graphs.accepts(batch):
+            try:
+                logits, sampled = self.graphs.run(batch)
+                return logits, sampled, []
+            except GraphCaptureError as e:     # nothing of the batch ran: decode it eagerly from now on
+                log.warning("CUDA graphs off, decoding eagerly: %s", e)
+                self.graphs = None
         step, sampled, extra = self.build(batch, drafts)
         if self.leader is not None:
             self.leader.forward(step)

@@ -25,21 +25,42 @@ class StepInput:
     ring_from: torch.Tensor     # [B] int64 window rows before this position are invalid (recompute)
     keep_tokens: torch.Tensor   # [B] int64 compressed entries of windows ending <= this are restored: keep
     logits_at: torch.Tensor     # [R] int64 rows of T whose logits are returned
+    # Host-known facts the runner passes so the forward never reads a tensor back (no
+    # .item() / data-dependent shapes: what a CUDA graph needs). None = derive them on device.
+    max_len: int | None = None  # >= max(lengths)
+    max_end: int | None = None  # >= max(starts + lengths): bounds every sequence's entry count
+    decode: bool = False        # every sequence has one token, past what was restored (keep_tokens):
+                                # unmasked ring writes
+    fixed_shapes: bool = False  # (decode only) every op's shape follows from B alone, whatever the
+                                # data: window plans of one row per sequence (WindowPlan.build_decode)
     cu: torch.Tensor = field(init=False)        # [B + 1] row offsets of each sequence in T
     plans: dict[int, "WindowPlan"] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.fixed_shapes and not self.decode:
+            raise ValueError("fixed_shapes needs a decode step (one token per sequence)")
         self.cu = torch.nn.functional.pad(torch.cumsum(self.lengths, 0), (1, 0))
 
     def to(self, device: str | torch.device) -> "StepInput":
         """The same step with every input tensor on `device` (derived ones rebuilt there)."""
-        return StepInput(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.init})
+        def moved(v):
+            return v.to(device) if isinstance(v, torch.Tensor) else v
+        return StepInput(**{f.name: moved(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init})
 
     def windows(self, ratio: int) -> "WindowPlan":
         """The compressor windows of this step at `ratio` (built on first use, shared by layers)."""
         if ratio not in self.plans:
-            self.plans[ratio] = WindowPlan.build(self, ratio)
+            self.plans[ratio] = (WindowPlan.build_decode if self.fixed_shapes else WindowPlan.build)(self, ratio)
         return self.plans[ratio]
+
+    @property
+    def longest(self) -> int:
+        """max(lengths), from the host when the runner gave it."""
+        return self.max_len if self.max_len is not None else int(self.lengths.max())
+
+    def entry_bound(self, ratio: int) -> int | None:
+        """A host-known bound on any sequence's number of entries at `ratio` (None: not given)."""
+        return None if self.max_end is None else self.max_end // ratio
 
 
 @dataclass
@@ -61,6 +82,12 @@ class WindowPlan:
     keep: torch.Tensor          # [N] bool: not restored from a stored block (write its entry)
     tail_rows: torch.Tensor     # [U] step rows that stay in the tail
     tail_dst: torch.Tensor      # [U] their flattened tail rows (slot * m + position % m)
+    closes: torch.Tensor | None = None   # decode plans only: [N] bool, the window really closes
+
+    @property
+    def padded(self) -> bool:
+        """A decode plan: one row per sequence whether or not its window closes (fixed shapes)."""
+        return self.closes is not None
 
     @property
     def count(self) -> int:
@@ -68,8 +95,10 @@ class WindowPlan:
 
     def gather(self, x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """The closed windows' rows [N, m, W] from this step's rows x [T, W] and tail [S, m, W]."""
-        flat = tail.view(-1, tail.shape[-1])
-        return torch.where(self.from_step.unsqueeze(-1), x[self.step_src], flat[self.tail_src])
+        flat, w = tail.view(-1, tail.shape[-1]), tail.shape[-1]
+        steps = x.index_select(0, self.step_src.reshape(-1)).view(*self.step_src.shape, w)
+        tails = flat.index_select(0, self.tail_src.reshape(-1)).view(*self.tail_src.shape, w)
+        return torch.where(self.from_step.unsqueeze(-1), steps, tails)
 
     def write_tail(self, x: torch.Tensor, tail: torch.Tensor) -> None:
         """Keep the step rows after each sequence's last closed window in its tail."""
@@ -92,3 +121,23 @@ class WindowPlan:
         tail_rows = torch.nonzero(stays).squeeze(1)
         tail_dst = step.slots[step.q_seq[tail_rows]] * m + step.positions[tail_rows] % m
         return cls(seq, index, step_src, tail_src, from_step, first, last, keep, tail_rows, tail_dst)
+
+    @classmethod
+    def build_decode(cls, step: StepInput, m: int) -> "WindowPlan":
+        """A decode step (one token per sequence, T = B) as fixed-shape tensors: row b is
+        sequence b's current window `position // m`, which closes iff the token is its last
+        row (`closes`). Every row is pooled; only closing rows' results are kept (the caller
+        writes a row's entry to its own not-yet-visible slot, or keeps the old overlap state,
+        where it does not close). Every token also goes to its tail row: a closed window's
+        tail is never read again. Restored entries lie before the token (keep_tokens <=
+        position), so every closing window is written."""
+        pos, b = step.positions, step.q_seq
+        index = pos // m
+        rows = index.unsqueeze(1) * m + torch.arange(m, device=pos.device)            # [B, m]
+        from_step = rows == pos.unsqueeze(1)
+        closes = (pos + 1) % m == 0
+        step_src = torch.where(from_step, b.unsqueeze(1), 0)
+        tail_src = step.slots.unsqueeze(1) * m + rows % m
+        tail_dst = step.slots * m + pos % m
+        first = torch.ones_like(closes)          # every row is its sequence's only window here
+        return cls(b, index, step_src, tail_src, from_step, first, closes, closes, b, tail_dst, closes)
