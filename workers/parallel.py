@@ -41,17 +41,10 @@ from .step import StepInput
 if TYPE_CHECKING:
     from .engine import EngineConfig
 
-__all__ = ["ParallelConfig", "RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
+__all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
            "MirroredCache", "Leader"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """vLLM's names; EngineConfig carries the same two fields."""
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
 
 
 class RankLauncher(Protocol):
