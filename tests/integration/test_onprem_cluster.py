@@ -49,12 +49,17 @@ print("PLACEMENT " + json.dumps(out))
 """
 
 
-@pytest.fixture
-def hosts():
+def require_namespaces() -> None:
+    """Skip (naming why) where this machine cannot make namespace hosts."""
     try:
         check_prerequisites()
     except HostsUnavailable as e:
         pytest.skip(f"on-prem cluster test needs network namespaces: {e}")
+
+
+@pytest.fixture
+def hosts():
+    require_namespaces()
     h = Hosts(3)
     try:
         yield h.start()
@@ -213,10 +218,7 @@ def test_ray_up_onprem_serves_prefill_and_decode_on_their_hosts_and_ray_down_sto
 
 def test_namespace_hosts_are_isolated_and_leave_nothing_behind():
     """What makes `ray stop` on a host safe on a shared machine, and the cleanup."""
-    try:
-        check_prerequisites()
-    except HostsUnavailable as e:
-        pytest.skip(f"needs network namespaces: {e}")
+    require_namespaces()
     h = Hosts(2)
     try:
         h.start()
