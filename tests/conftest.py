@@ -9,7 +9,6 @@ from __future__ import annotations
 # free port, with no persistence, in a temp dir, and kill it at the end of the session.
 # ---------------------------------------------------------------------------------
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,14 +17,10 @@ from typing import Iterator
 
 import pytest
 
+from tests.local_serve import free_port
+
 REDIS_SERVER_BINARY = "/usr/bin/redis-server"
 REDIS_START_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrivateRedis:
@@ -34,7 +29,7 @@ class PrivateRedis:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.binary = binary
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -125,7 +120,7 @@ def password_redis():
 
     if not Path(REDIS_SERVER_BINARY).exists():
         pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
-    workdir, port = tempfile.mkdtemp(prefix="kvmesh-redis-faults-"), _free_port()
+    workdir, port = tempfile.mkdtemp(prefix="kvmesh-redis-faults-"), free_port()
     proc = subprocess.Popen([REDIS_SERVER_BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--requirepass", REDIS_PASSWORD,
                              "--enable-debug-command", "local", "--dir", workdir],

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import random
 import socket
 from typing import Any
 
@@ -15,10 +16,33 @@ from cluster.config import ServeConfig
 SMALL_POOL = {"num_cpus": 0.25, "max_ongoing_requests": 16, "max_queued_requests": 64}
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Ray's default worker ports are 10002-19999; above them, below the kernel's ephemeral range.
+_PORTS = range(20000, min(_ephemeral_range()[0], 32768))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 outside the kernel's ephemeral range.
+
+    A port taken from the ephemeral range (bind to 0) can be handed, before the server that
+    was meant to bind it starts, to one of the many outgoing loopback connections Ray opens;
+    the server then fails with EADDRINUSE for as long as that connection lives (CI saw a
+    Serve proxy fail to bind that way)."""
+    for port in random.sample(_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def small_config(mode: str = "disaggregated", **overrides: Any) -> ServeConfig:

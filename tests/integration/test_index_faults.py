@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import REDIS_PASSWORD as PASSWORD
-from tests.conftest import _free_port
+from tests.local_serve import free_port
 from tests.helpers import random_prompt, write_tiny_checkpoint
 from workers.engine import Engine, EngineConfig
 from workers.sampling import SamplingParams
@@ -55,7 +55,7 @@ def out_of_memory(client):
 
 @contextlib.contextmanager
 def read_only(client):
-    client.execute_command("REPLICAOF", "127.0.0.1", _free_port())   # a master that does not exist
+    client.execute_command("REPLICAOF", "127.0.0.1", free_port())   # a master that does not exist
     try:
         yield
     finally:
@@ -97,7 +97,7 @@ def test_a_redis_error_reply_or_stall_is_a_miss_and_outputs_stay_the_cold_runs(s
 
 def test_the_index_password_is_in_no_log_or_repr(server, model_dir, tmp_path, capfd, caplog):
     _, url = server
-    dead = url.rsplit(":", 1)[0] + f":{_free_port()}/0"        # same password, nobody listening
+    dead = url.rsplit(":", 1)[0] + f":{free_port()}/0"        # same password, nobody listening
     with caplog.at_level(logging.DEBUG):
         e = engine(model_dir, tmp_path, dead)
         e.generate([PROMPT], GREEDY)
