@@ -213,7 +213,9 @@ def test_sharded_release_with_scales_in_another_shard_loads_the_same(flash_dir, 
     (out / "config.json").write_text((flash_dir / "config.json").read_text())
     prompt = random_prompt(40, seed=4)
     a, b = engine(flash_dir).generate([prompt], GREEDY)[0], engine(out).generate([prompt], GREEDY)[0]
-    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    # the same weights; the logprobs agree to float rounding, not bit for bit (the two loads'
+    # buffers differ in alignment, which CPU kernels may take different vector paths for)
+    assert_same_run(a, b, tol=1e-5)
 
 
 def test_quantized_weights_with_the_fp8_kv_cache_restore_equals_cold(flash_dir, tmp_path):
