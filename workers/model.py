@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelOps, get_ops
+from kernels.hc_mix import hc_mix
 from kernels.rope import apply_rope
 from kvstore.cache_tensors import CacheTensors, CompressorCache, LayerCache
 
@@ -378,19 +379,9 @@ class MoE(nn.Module):
 def hc_weights(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC: (pre [T,N], post [T,N], comb [T,N,N] doubly stochastic) from the N streams [T,N,C]."""
-    n, eps = args.hc_mult, args.hc_eps
     flat = rms_norm(x.flatten(1).float(), None, args.rms_norm_eps)
     mix = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(args.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
+    return hc_mix(mix, base.float(), scale.float(), args.hc_mult, args.hc_eps, args.hc_sinkhorn_iters)
 
 
 class Block(nn.Module):
