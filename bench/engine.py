@@ -74,10 +74,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from workers.default_model import ensure_default_model  # noqa: E402
-from workers.engine import Engine, EngineConfig  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
-from workers.speculative import OracleDrafter  # noqa: E402
+from workers.checkpoint.default_model import ensure_default_model  # noqa: E402
+from workers.engine import Engine
+from workers.engine_config import EngineConfig  # noqa: E402
+from workers.sampling.params import SamplingParams  # noqa: E402
+from workers.spec.speculative import OracleDrafter  # noqa: E402
 
 FIRST_TOKEN_ID = 3          # ids below are bos / eos / pad in the default model
 WARMUP_SEED = 10_000
@@ -363,7 +364,7 @@ def quantized_main(args, levels: list[int]) -> int:
     import tempfile
 
     from tests.quant_checkpoint import dequantize_checkpoint, random_released_checkpoint
-    from workers.inspect import resident_bytes
+    from workers.checkpoint.inspect import resident_bytes
     root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-quant-"))
     qdir = random_released_checkpoint(root / "fp8-fp4", QUANT_CONFIG)
     ddir = dequantize_checkpoint(qdir, root / "bf16")
@@ -417,7 +418,7 @@ def quantized_main(args, levels: list[int]) -> int:
 
 # ---- tensor parallelism -------------------------------------------------------------------------
 def tp_main(args, levels: list[int], sizes: list[int]) -> int:
-    from workers.parallel import LocalProcessLauncher
+    from workers.parallel.replica import LocalProcessLauncher
     model_dir = Path(args.model) if args.model else ensure_default_model()
     rows, raw, tokens = [], [], {}
     for size in sizes:

@@ -32,11 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.cost import Hardware, ScheduledPeriods, simulate  # noqa: E402
-from kvstore.trace import load_trace, prompt_token_ids  # noqa: E402
+from kvstore.trace import (  # noqa: E402
+    load_trace,
+    prompt_token_ids,
+    sample_conversations,  # noqa: E402
+)
 from tests.helpers import BLOCK_TOKENS, write_tiny_checkpoint  # noqa: E402
-from workers.engine import Engine, EngineConfig  # noqa: E402
-from workers.engine_config import parse_bytes  # noqa: E402
-from kvstore.trace import sample_conversations  # noqa: E402
+from workers.engine import Engine
+from workers.engine_config import (
+    EngineConfig,  # noqa: E402
+    parse_bytes,  # noqa: E402
+)
 from workers.replay import run_request, stored_payload  # noqa: E402
 
 SHARED_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from workers.grammar import check_schema
-from workers.sampling import MAX_N, InvalidRequestError, SamplingParams
+from workers.sampling.grammar import check_schema
+from workers.sampling.params import MAX_N, InvalidRequestError, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20

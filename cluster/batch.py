@@ -19,7 +19,7 @@ FIELDS = {"id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_
 
 def parse_line(line: str, lineno: int):
     """-> (id, prompt, SamplingParams); raises InvalidRequestError naming the problem."""
-    from workers.sampling import InvalidRequestError, SamplingParams
+    from workers.sampling.params import InvalidRequestError, SamplingParams
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -46,7 +46,7 @@ def parse_line(line: str, lineno: int):
 
 def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
     from workers.engine import Engine
-    from workers.sampling import InvalidRequestError
+    from workers.sampling.params import InvalidRequestError
     try:
         lines = input_path.read_text().splitlines()
     except OSError as e:

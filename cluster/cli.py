@@ -47,7 +47,7 @@ def engine_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from workers.config import ConfigError
+    from workers.model.args import ConfigError
 
     from .batch import run_batch_file
     try:
@@ -60,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from kvstore.layout import CacheLayout, LayoutParams
-    from workers.config import ConfigError, ModelArgs
+    from workers.model.args import ConfigError, ModelArgs
     if not (args.model or args.config):
         print("kvmesh layout: give --model DIR or --config config.json", file=sys.stderr)
         return 2
@@ -94,8 +94,8 @@ def format_kv_dtypes(layouts: dict) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from kvstore.layout import CacheLayout, LayoutParams
-    from workers.inspect import format_stats, resident_bytes, weight_stats
-    from workers.loader import CheckpointError, load_model
+    from workers.checkpoint.inspect import format_stats, resident_bytes, weight_stats
+    from workers.checkpoint.loader import CheckpointError, load_model
     try:
         stats = weight_stats(Path(args.model))
         margs, model = load_model(args.model, dtype=args.dtype)

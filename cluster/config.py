@@ -20,11 +20,21 @@ from typing import Annotated, Any, Literal, get_type_hints
 from urllib.parse import quote
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, create_model,
-                      field_validator, model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from workers.config import ConfigError
 from workers.engine_config import EngineConfig, parse_bytes
+from workers.model.args import ConfigError
 
 MiB = 1 << 20
 HEAD_IP = "{head_ip}"

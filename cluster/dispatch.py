@@ -18,8 +18,8 @@ from typing import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 
-from workers.async_engine import EngineDeadError
-from workers.parallel import RankFailed
+from workers.engine.async_engine import EngineDeadError
+from workers.parallel.collectives import RankFailed
 
 from .limits import prefill_budget_s
 from .messages import Chunk, GenRequest, RouteHint

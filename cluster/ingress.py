@@ -23,19 +23,29 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
-from workers.default_model import ensure_default_model
-from workers.sampling import InvalidRequestError
-from workers.tokenizer import load_tokenizer
+from workers.checkpoint.default_model import ensure_default_model
+from workers.checkpoint.tokenizer import load_tokenizer
+from workers.sampling.params import InvalidRequestError
 
-from .api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                  bad_request, model_not_found, overloaded, package_version, parse_body)
+from .api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    model_not_found,
+    overloaded,
+    package_version,
+    parse_body,
+)
+from .auth import ApiKeys
 from .config import ServeConfig
 from .dispatch import Dispatcher, WorkerFailed
 from .limits import read_body
 from .locator import PrefixLocator
 from .messages import GenRequest
 from .metrics import Metrics, RequestTimer, scrape_pools
-from .auth import ApiKeys
 from .responses import Reply, sse
 from .text import render_chat
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.kv_transport import Offer, TransferReport
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 __all__ = ["GenRequest", "RouteHint", "WorkerStats", "TransferReport", "Chunk", "Handoff"]
 

@@ -3,9 +3,9 @@
     kvmesh plan --config V4-Pro --gpu-memory 141 --gpus 8 [--kv-cache-dtype fp8] [--context 1048576]
     kvmesh plan --model DIR --gpu-memory 80 --gpus 4
 
-`--config` is a config.json or a released shape (V4-Flash, V4-Pro: workers/released.py);
+`--config` is a config.json or a released shape (V4-Flash, V4-Pro: workers/checkpoint/released.py);
 `--model` reads the checkpoint's safetensors headers (bytes as stored). The numbers are
-`workers.sizing`'s; nothing is loaded.
+`workers.checkpoint.sizing`'s; nothing is loaded.
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _sources(args: argparse.Namespace):
-    from workers.config import ModelArgs
-    from workers.released import RELEASED_CONFIGS
-    from workers.sizing import split_from_checkpoint, split_from_config
+    from workers.checkpoint.released import RELEASED_CONFIGS
+    from workers.checkpoint.sizing import split_from_checkpoint, split_from_config
+    from workers.model.args import ModelArgs
     if args.model:
         model_args = ModelArgs.from_file(Path(args.model) / "config.json")
         return args.model, model_args, split_from_checkpoint(args.model)
@@ -50,9 +50,9 @@ def _sources(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from workers.config import ConfigError
-    from workers.loader import CheckpointError
-    from workers.sizing import DEFAULT_RESERVE, SizingError, format_plan, plan
+    from workers.checkpoint.loader import CheckpointError
+    from workers.checkpoint.sizing import DEFAULT_RESERVE, SizingError, format_plan, plan
+    from workers.model.args import ConfigError
     try:
         label, model_args, weights = _sources(args)
         p = plan(model_args, weights, args.gpu_memory, args.gpus, kv_cache_dtype=args.kv_cache_dtype,

@@ -19,8 +19,8 @@ from ray import serve
 
 from kvstore.kv_transport import KVTransport, Offer
 from kvstore.nixl_transfer import NixlTransport, make_agent
-from workers.async_engine import AsyncEngine
-from workers.handoff import Resume
+from workers.engine.async_engine import AsyncEngine
+from workers.request import Resume
 
 from .config import ServeConfig
 from .messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats

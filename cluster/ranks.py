@@ -5,7 +5,7 @@
       └─ ...           bundle N-1
     placement group: N bundles (PoolConfig.rank_bundle), STRICT_PACK: one node
 
-`RayRankLauncher` is the engine's `RankLauncher` (workers/parallel.py). The rank actors are
+`RayRankLauncher` is the engine's `RankLauncher` (workers/parallel/replica.py). The rank actors are
 owned by the replica, so they die with it; a rank that dies on its own ends its `run` call,
 which `check()` turns into RankFailed (the engine also hears it as a failed collective).
 The replica then fails its requests, its health check fails and Serve replaces it —
@@ -20,7 +20,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.parallel import RankFailed, run_rank
+from workers.parallel.collectives import RankFailed
+from workers.parallel.replica import run_rank
 
 log = logging.getLogger(__name__)
 CHECK_PERIOD_S = 0.25    # `check` runs before every step; a dead rank also fails the step's collective at once

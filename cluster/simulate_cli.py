@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 
-
 class SimulateError(ValueError):
     """A simulate argument that cannot be used; the message says why."""
 
@@ -50,7 +49,7 @@ def layout_for(config: str, dtype: str, block_tokens: int):
     if config in V4_SHAPES:
         params = V4_SHAPES[config]
     else:
-        from workers.config import ConfigError, ModelArgs
+        from workers.model.args import ConfigError, ModelArgs
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         if not path.exists():

@@ -20,7 +20,7 @@ from .layout import CacheLayout, CompressorSpec, LayerSpec, LayoutError, TensorS
 
 
 class StepRows(Protocol):
-    """What the cache reads of a forward step (`workers.step.StepInput`)."""
+    """What the cache reads of a forward step (`workers.model.step.StepInput`)."""
     positions: torch.Tensor     # [T] absolute position of each row
     q_seq: torch.Tensor         # [T] sequence of each row
     starts: torch.Tensor        # [B] first position of each sequence's chunk
@@ -32,7 +32,7 @@ class StepRows(Protocol):
 
 
 class ClosedWindows(Protocol):
-    """What the cache reads of a step's closed compressor windows (`workers.step.WindowPlan`)."""
+    """What the cache reads of a step's closed compressor windows (`workers.model.step.WindowPlan`)."""
     seq: torch.Tensor           # [N] sequence of each window
     index: torch.Tensor         # [N] window index (covers positions [index*m, (index+1)*m))
     last: torch.Tensor          # [N] bool: its sequence's last window in the step
@@ -322,6 +322,15 @@ class CacheTensors:
         idx = torch.tensor(block_ids, dtype=torch.long)
         return {name: (t[idx] if kind == "block" else t[slot]).to("cpu", copy=True)
                 for name, kind, t in self.named_tensors()}
+
+    @property
+    def real(self) -> "CacheTensors":
+        """The tensors themselves (a `kvstore.mirror.MirroredCache` wraps them; this is them)."""
+        return self
+
+    def resync(self, block_ids: list[int], slot: int) -> None:
+        """Blocks and a slot were written behind the cache's back (a NIXL READ): nothing to do
+        for a single copy (a `MirroredCache` sends their bytes to the other ranks)."""
 
     def scatter(self, block_ids: list[int], slot: int, tensors: dict[str, torch.Tensor]) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long)

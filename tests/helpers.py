@@ -63,7 +63,8 @@ def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.floa
 
 def tiny_engine(path: Path, name: str, **kw):
     """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
     kw.setdefault("kv_cache_bytes", 8 << 20)
     return Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
 
@@ -131,8 +132,9 @@ def sse_events(lines: Iterable[str]) -> Iterator:
 def stream_and_kill(url: str, body: dict, kill, bound_s: float, after_tokens: int = 5):
     """Stream a completion from `url` and call `kill()` once `after_tokens` tokens arrived.
     Returns (tokens, errors, elapsed s); the stream must end within `bound_s`."""
-    import httpx
     import time
+
+    import httpx
     tokens, errors, killed = [], [], False
     start = time.monotonic()
     with httpx.Client(timeout=httpx.Timeout(bound_s)) as client:

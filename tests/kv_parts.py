@@ -18,10 +18,10 @@ from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
 from kvstore.planner import SwaPolicy, recompute_span
 from kvstore.state_slots import SlotPool
 from kvstore.store import ObjectStore
-from workers.kv_manager import NO_HIT, KVCacheManager
-from workers.prefix_cache import PrefixCache
-from workers.sampling import SamplingParams
-from workers.sequence import Sequence
+from workers.engine.kv_manager import NO_HIT, KVCacheManager
+from workers.request import Sequence
+from workers.reuse.prefix_cache import PrefixCache
+from workers.sampling.params import SamplingParams
 
 BT = 16
 FINGERPRINT = "5eed" * 16

@@ -123,8 +123,8 @@ def quantize_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] = (128, 
 def random_released_checkpoint(dst: Path, config: dict, seed: int = 0, **quant_kw) -> Path:
     """A released-format checkpoint of any size straight from a config (no transformers model):
     random dense weights shaped by kvmesh's own model, quantized as `quantize_checkpoint` does."""
-    from workers.config import ModelArgs
-    from workers.model import Transformer
+    from workers.model.args import ModelArgs
+    from workers.model.transformer import Transformer
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(ModelArgs.from_dict(config)).state_dict().items()}
     g = torch.Generator().manual_seed(seed)

@@ -17,8 +17,7 @@ from kvstore.mac import MIN_KEY_BYTES
 from kvstore.planner import PolicyError, SwaPolicy
 from kvstore.redact import redact_url
 from kvstore.store import DEFAULT_READ_TIMEOUT_S
-
-from .config import ConfigError
+from workers.model.args import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")

@@ -12,9 +12,8 @@ import time
 from typing import NamedTuple
 
 from kvstore.trace import TraceRequest, prompt_token_ids
-
-from .engine import Engine
-from .sampling import SamplingParams
+from workers.engine.engine import Engine
+from workers.sampling.params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tests.helpers import assert_same_run, random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
-from workers.handoff import Resume
-from workers.sampling import SamplingParams
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.request import Resume
+from workers.sampling.params import SamplingParams
 
 NAME, BT = "swa_csa_hca", 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

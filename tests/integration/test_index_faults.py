@@ -12,10 +12,11 @@ import time
 import pytest
 
 from tests.conftest import REDIS_PASSWORD as PASSWORD
-from tests.local_serve import free_port
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
-from workers.sampling import SamplingParams
+from tests.local_serve import free_port
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
 
 BT = 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -17,8 +17,8 @@ from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
 from kvstore.nixl_transfer import KVTransferAgent, NixlTransport
 from tests import helpers
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.handoff import Resume
-from workers.sampling import SamplingParams
+from workers.request import Resume
+from workers.sampling.params import SamplingParams
 
 pytest.importorskip("nixl._api")
 

@@ -23,10 +23,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.local_serve import small_config
 from tests.helpers import random_prompt
 from tests.integration.onprem_hosts import Hosts, HostsUnavailable, check_prerequisites
 from tests.integration.test_serve_fake_cluster import stop_cluster
+from tests.local_serve import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_WITHIN_S = 600.0
@@ -173,7 +173,7 @@ def test_ray_up_onprem_serves_prefill_and_decode_on_their_hosts_and_ray_down_sto
     head, prefill, decode = hosts.ips
     url = f"http://{head}:8000"
     from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from workers.sampling.params import SamplingParams
     cold = Engine(small_config().engine.engine_config()).generate(
         [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].token_ids
 

@@ -7,8 +7,9 @@ import pytest
 
 from kvstore.planner import recompute_span
 from tests.helpers import assert_same_run, random_prompt, reference_greedy, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
-from workers.sampling import SamplingParams
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
 
 NAME, BT, WINDOW, LAYERS, MAX_RATIO = "swa_csa_hca", 16, 8, 3, 16
 PERIOD = 2 * BT
@@ -136,7 +137,7 @@ def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_d
 
 
 def _seq(tokens):
-    from workers.sequence import Sequence
+    from workers.request import Sequence
     return Sequence("x", list(tokens), GREEDY)
 
 

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import sse_events
 from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 MODES = ["disaggregated", "colocated"]
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 7, [5, 17, 300, 42, 99, 7]]

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.local_serve import LocalServe, small_config
 from tests.integration.test_index_faults import out_of_memory, read_only
+from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 RELEASE_TIMEOUT_S = 5.0
 CLIENTS = 200

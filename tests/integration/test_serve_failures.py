@@ -12,7 +12,7 @@ from ray import serve
 from tests.helpers import assert_clean_end, stream_and_kill
 from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 KILL_BOUND_S = 120.0      # the client hears the end of its stream within this (2 attempts x token timeout)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3

@@ -9,8 +9,8 @@ from cluster.dispatch import continuation
 from cluster.messages import GenRequest, RouteHint
 from cluster.routing import rank_replicas
 from cluster.text import Detokenizer, plain_chat_prompt, render_chat
-from workers.sampling import SamplingParams
-from workers.tokenizer import ByteTokenizer
+from workers.checkpoint.tokenizer import ByteTokenizer
+from workers.sampling.params import SamplingParams
 
 TOK = ByteTokenizer()
 

@@ -16,11 +16,11 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.messages import GenRequest, RouteHint
-from tests.local_serve import free_port, small_config
 from kvstore.hashing import PrefixHasher
 from kvstore.index import make_index
+from tests.local_serve import free_port, small_config
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 BLOCK = 128
 PROMPT = [3 + (i * 7919) % 256 for i in range(3 * BLOCK + 40)]     # three full blocks and a tail

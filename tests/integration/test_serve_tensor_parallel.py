@@ -17,11 +17,10 @@ from ray.util.placement_group import placement_group_table
 
 from cluster.app import build_app
 from cluster.config import ConfigFileError
+from tests.helpers import BLOCK_TOKENS, assert_clean_end, random_prompt, stream_and_kill, write_tiny_checkpoint
 from tests.local_serve import LocalServe, small_config
-from tests.helpers import (BLOCK_TOKENS, assert_clean_end, random_prompt, stream_and_kill,
-                           write_tiny_checkpoint)
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 NAME = "swa_csa_hca"
 TP2 = {"tensor_parallel_size": 2, "num_cpus": 0.25}

@@ -17,8 +17,9 @@ import torch
 from kvstore.objects import decode_object, encode_object
 from kvstore.store import FINGERPRINT_FILE
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig, StoreUnavailable
-from workers.sampling import SamplingParams
+from workers.engine import Engine, StoreUnavailable
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
 
 BT = 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -147,7 +148,7 @@ def test_a_corrupt_namespace_marker_is_rewritten_and_reuse_goes_on(model_dir, co
 def test_a_store_that_cannot_be_opened_degrades_to_no_reuse_unless_required(model_dir, cold, tmp_path, caplog):
     not_a_dir = tmp_path / "store"
     not_a_dir.write_text("a file where the store should be")
-    with caplog.at_level(logging.WARNING, logger="workers.engine"):
+    with caplog.at_level(logging.WARNING, logger="workers.engine.builder"):
         e = engine(model_dir, not_a_dir)
     assert e.prefix.store is None and "without prefix reuse" in caplog.text
     assert e.generate([PROMPT], GREEDY)[0].token_ids == cold

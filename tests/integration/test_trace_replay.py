@@ -10,9 +10,10 @@ import pytest
 from kvstore.cost import Hardware, ScheduledPeriods, object_sizes, simulate
 from kvstore.trace import load_trace
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
 from workers.replay import replay, stored_payload
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 NAME, BT = "swa_csa_hca", 16
 PERIOD = 4 * BT

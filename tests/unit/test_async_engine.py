@@ -9,9 +9,10 @@ import time
 import pytest
 
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.async_engine import AsyncEngine
-from workers.engine import Engine, EngineConfig
-from workers.sampling import InvalidRequestError, SamplingParams
+from workers.engine import Engine
+from workers.engine.async_engine import AsyncEngine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import InvalidRequestError, SamplingParams
 
 NAME, BLOCK = "swa_csa_hca", 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from cluster.api import ChatCompletionRequest
 from cluster.text import render_chat
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.tokenizer import load_tokenizer
+from workers.checkpoint.tokenizer import load_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -121,7 +121,7 @@ def test_reserved_template_kwargs_are_a_bad_request():
 
 
 def test_generation_stops_on_the_tokenizers_end_of_turn_token(tmp_path):
-    from workers.sampling import SamplingParams
+    from workers.sampling.params import SamplingParams
     ckpt = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
     prompt = random_prompt(20, seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0)

@@ -144,7 +144,7 @@ def test_simulate_table_and_bad_arguments(capsys, tmp_path):
 
 
 def test_auto_period_fits_prefill_speed_and_step_cost_from_the_engines_steps():
-    from workers.auto_policy import AutoPeriod
+    from workers.reuse.auto_policy import AutoPeriod
     auto = AutoPeriod(CacheLayout.build(TINY, 16))
     for tokens in (16, 64, 256, 16, 512, 32, 128, 1024):
         auto.observe_prefill(tokens, 0.010 + tokens / 5000)

@@ -13,12 +13,13 @@ import torch
 from safetensors import safe_open
 
 from tests.helpers import random_prompt, reference_greedy
-from workers.config import CSA, HCA, SWA, ModelArgs
-from workers.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
-from workers.engine import Engine, EngineConfig
-from workers.loader import CheckpointError
-from workers.sampling import SamplingParams
-from workers.tokenizer import HFTokenizer, load_tokenizer
+from workers.checkpoint.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
+from workers.checkpoint.loader import CheckpointError
+from workers.checkpoint.tokenizer import HFTokenizer, load_tokenizer
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.model.args import CSA, HCA, SWA, ModelArgs
+from workers.sampling.params import SamplingParams
 
 PROMPT = "The king said to his servants,"
 
@@ -38,8 +39,8 @@ def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
 
 
 def test_default_model_ships_inside_the_package(default_dir):
-    import workers
-    assert default_dir == Path(workers.__file__).parent / "default_checkpoint" == default_model_dir()
+    import workers.checkpoint
+    assert default_dir == Path(workers.checkpoint.__file__).parent / "default_checkpoint" == default_model_dir()
     assert all((default_dir / name).is_file() for name in DEFAULT_MODEL_FILES)
     assert (default_dir / "model.safetensors").stat().st_size < 16 << 20
 

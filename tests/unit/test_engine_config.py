@@ -8,9 +8,9 @@ import pytest
 
 from cluster.cli import build_parser, engine_config
 from cluster.config import ConfigFileError, ServeConfig, load_config
-from workers.config import ConfigError
 from workers.engine import EngineConfig as ReExported
 from workers.engine_config import EngineConfig, parse_bytes
+from workers.model.args import ConfigError
 
 BAD = [("swa_policy", "sometimes", "full, periodic:P"), ("swa_policy", "periodic:100", "multiple of block_tokens"),
        ("index", "http://redis:6379", "redis://"), ("device", "gpu", "cuda:N"),

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, tiny_engine, random_prompt, reference_greedy, write_tiny_checkpoint
-from workers.sampling import SamplingParams
+from tests.helpers import (
+    BLOCK_TOKENS,
+    TINY_CONFIGS,
+    random_prompt,
+    reference_greedy,
+    tiny_engine,
+    write_tiny_checkpoint,
+)
+from workers.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LOGPROB_TOL = 2e-4

@@ -7,8 +7,8 @@ import pytest
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.engine import Engine
-from workers.handoff import Resume
-from workers.sampling import SamplingParams
+from workers.request import Resume
+from workers.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.kv_parts import BT, block_data, compute, make_parts, prompt_of, request
-from workers.handoff import Resume
-from workers.kv_manager import NO_HIT, KVLoadError
+from workers.engine.kv_manager import NO_HIT, KVLoadError
+from workers.request import Resume
 
 
 def test_admission_takes_a_slot_and_the_blocks_of_the_first_chunk():

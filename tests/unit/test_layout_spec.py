@@ -13,7 +13,7 @@ from kvstore.cache_tensors import CacheTensors
 from kvstore.fp8_kv import Fp8EntryFormat
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
 from tests.unit.test_pools import V4_PRO
-from workers.step import StepInput
+from workers.model.step import StepInput
 
 TYPES = (SWA, CSA, HCA, CSA)
 BT = 16

@@ -1,4 +1,4 @@
-"""`kvmesh plan` and workers/sizing.py: weights per rank, KV bytes per token, tokens that fit,
+"""`kvmesh plan` and workers/checkpoint/sizing.py: weights per rank, KV bytes per token, tokens that fit,
 the TP/EP sizes that divide the model; numbers checked by hand on the tiny config and against
 the released V4 shapes."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from cluster.cli import main
 from tests.helpers import TINY_BASE, TINY_CONFIGS, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.config import ModelArgs
-from workers.released import RELEASED_CONFIGS
-from workers.sizing import GiB, parallel_problems, plan, split_from_checkpoint, split_from_config
+from workers.checkpoint.released import RELEASED_CONFIGS
+from workers.checkpoint.sizing import GiB, parallel_problems, plan, split_from_checkpoint, split_from_config
+from workers.model.args import ModelArgs
 
 NAME = "swa_csa_hca"
 TINY = {"model_type": "deepseek_v4", **TINY_BASE, **TINY_CONFIGS[NAME], "torch_dtype": "float32"}
@@ -129,8 +129,8 @@ def test_plan_with_bad_inputs_exits_2_with_a_message(argv, message, capsys):
 @pytest.mark.parametrize("raw", [TINY, RELEASED_CONFIGS["V4-Flash"], RELEASED_CONFIGS["V4-Pro"]],
                          ids=["tiny", "V4-Flash", "V4-Pro"])
 def test_plan_and_the_engine_agree_on_which_sizes_divide_the_model(raw):
-    from workers.config import ConfigError
-    from workers.sharding import check_sizes
+    from workers.checkpoint.sharding import check_sizes
+    from workers.model.args import ConfigError
     a = ModelArgs.from_dict(raw)
     for tp in range(1, 17):
         for ep in (False, True):

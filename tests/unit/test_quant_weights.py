@@ -63,8 +63,8 @@ def _rss() -> int:
 
 
 def test_a_100m_parameter_checkpoint_stays_within_10_percent_of_its_file_bytes(tmp_path):
-    from workers.inspect import weight_stats
-    from workers.loader import load_model
+    from workers.checkpoint.inspect import weight_stats
+    from workers.checkpoint.loader import load_model
     path = random_released_checkpoint(tmp_path / "big", BIG)
     file_bytes = (path / "model.safetensors").stat().st_size
     stats = weight_stats(path)
@@ -72,7 +72,7 @@ def test_a_100m_parameter_checkpoint_stays_within_10_percent_of_its_file_bytes(t
     rss0 = _rss()
     _, model = load_model(path)
     rss_growth = _rss() - rss0
-    from workers.inspect import resident_bytes
+    from workers.checkpoint.inspect import resident_bytes
     resident = resident_bytes(model)
     assert resident <= 1.10 * file_bytes and resident >= 0.9 * file_bytes
     assert rss_growth <= 1.25 * file_bytes

@@ -11,11 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same_run, random_prompt, reference_greedy, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.engine import Engine, EngineConfig
-from workers.handoff import Resume
-from workers.loader import CheckpointError, load_model
-from workers.quant import FP8Linear, QuantExperts
-from workers.sampling import SamplingParams
+from workers.checkpoint.loader import CheckpointError, load_model
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.model.quant import FP8Linear, QuantExperts
+from workers.request import Resume
+from workers.sampling.params import SamplingParams
 
 NAME, BT = "swa_csa_hca", 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -164,7 +165,34 @@ def test_wrong_fp4_expert_shape_fails_naming_the_tensor(flash_dir, tmp_path):
     def edit(t):
         for e in range(4):
             t[f"layers.1.ffn.experts.{e}.w2.weight"] = t[f"layers.1.ffn.experts.{e}.w2.weight"][:, :8].contiguous()
-    with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.experts\.w2\.weight: shape"):
+    with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.experts\.\*\.w2\.weight: shape"):
+        load_model(_rewrite(flash_dir, tmp_path, edit))
+
+
+def test_one_experts_bad_scale_is_named_as_the_checkpoint_stores_it(flash_dir, tmp_path):
+    """One expert's scale, stored V3-style as `weight_scale_inv` under the `model.` prefix that
+    save_pretrained adds: the error names exactly that tensor, not the stacked in-memory name."""
+    def edit(t):
+        for k in list(t):
+            t["model." + k.replace(".scale", ".weight_scale_inv")] = t.pop(k)
+        t["model.layers.1.ffn.experts.2.w2.weight_scale_inv"] = torch.ones(3, 3).to(torch.float8_e8m0fnu)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.ffn\.experts\.2\.w2\.weight_scale_inv has shape "
+                                              r"\(3, 3\): the layer's other experts have"):
+        load_model(_rewrite(flash_dir, tmp_path, edit))
+
+
+def test_a_missing_expert_is_named_as_the_checkpoint_would_store_it(flash_dir, tmp_path):
+    def edit(t):
+        t.pop("layers.1.ffn.experts.1.w3.weight")
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: layers\.1\.ffn\.experts\.1\.w3\.weight$"):
+        load_model(_rewrite(flash_dir, tmp_path, edit))
+
+
+def test_a_stacked_experts_format_error_names_the_stored_tensors(flash_dir, tmp_path):
+    def edit(t):
+        for e in range(4):
+            t[f"model.layers.2.ffn.experts.{e}.w1.weight_scale_inv"] = t.pop(f"layers.2.ffn.experts.{e}.w1.scale")[:, :1].contiguous()
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.ffn\.experts\.\*\.w1\.weight_scale_inv: shape"):
         load_model(_rewrite(flash_dir, tmp_path, edit))
 
 
@@ -176,7 +204,7 @@ def test_unknown_expert_dtype_fails_naming_the_key(flash_dir, tmp_path):
 
 def test_experts_stored_unlike_expert_dtype_fail(flash_dir, tmp_path):
     bad = _rewrite(flash_dir, tmp_path, edit_config=lambda c: c.update(expert_dtype="fp8"))
-    with pytest.raises(CheckpointError, match=r"experts\.w1\.weight: dtype torch\.int8, expected float8_e4m3fn"):
+    with pytest.raises(CheckpointError, match=r"experts\.\*\.w1\.weight: dtype torch\.int8, expected float8_e4m3fn"):
         load_model(bad)
 
 

@@ -18,8 +18,8 @@ from kvstore.mac import StoreKey
 from kvstore.objects import UnauthenticatedObjectError, decode_object, encode_object
 from kvstore.redact import redact_url
 from tests.helpers import write_tiny_checkpoint
-from workers import weights_id
-from workers.tokenizer import ByteTokenizer
+from workers.checkpoint import weights_id
+from workers.checkpoint.tokenizer import ByteTokenizer
 
 FP = "0123456789abcdef0123456789abcdef"
 
@@ -127,7 +127,8 @@ def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, mo
     import json
 
     from cluster.batch import run_batch_file
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi", "max_tokens": 2}\n')
 
     def broken_step(self):

@@ -10,7 +10,8 @@ import torch
 
 from tests.helpers import random_prompt, reference_model, tiny_engine, write_tiny_checkpoint
 from workers.engine import Engine
-from workers.sampling import InvalidRequestError, SamplingParams, sample
+from workers.sampling.params import InvalidRequestError, SamplingParams
+from workers.sampling.sampler import sample
 
 NAME, BLOCK = "swa_csa_hca", 16
 PROMPT = random_prompt(23, seed=3)

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, tiny_engine, random_prompt, write_tiny_checkpoint
-from workers.engine import Engine, EngineConfig
-from workers.sampling import SamplingParams
-from workers.speculative import DraftLimits, OracleDrafter
+from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_tiny_checkpoint
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
+from workers.spec.speculative import DraftLimits, OracleDrafter
 
 MAX_TOKENS = 30     # crosses windows of 6/8/24, compressor windows of 4/8/16 and blocks of 8/16/32
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -157,7 +158,7 @@ def test_mtp_drafts_after_a_restored_prefix_leave_greedy_output_unchanged(mtp_ch
 
 
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):
-    from workers.config import ConfigError
+    from workers.model.args import ConfigError
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     with pytest.raises(ConfigError, match="MTP"):
         Engine(EngineConfig(model=str(path), block_tokens=16, kv_cache_bytes=8 << 20, speculative_tokens=1))

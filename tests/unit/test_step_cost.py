@@ -6,7 +6,7 @@ import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.sampling import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 class OpCounter(TorchDispatchMode):

@@ -15,14 +15,14 @@ import pytest
 
 from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.config import ConfigError
-from workers.handoff import Resume
-from workers.loader import load_model
-from workers.model import Shard
-from workers.parallel import RankFailed
-from workers.quant import QuantExperts
-from workers.sampling import SamplingParams
-from workers.speculative import OracleDrafter
+from workers.checkpoint.loader import load_model
+from workers.model.args import ConfigError
+from workers.model.quant import QuantExperts
+from workers.model.shard import Shard
+from workers.parallel.collectives import RankFailed
+from workers.request import Resume
+from workers.sampling.params import SamplingParams
+from workers.spec.speculative import OracleDrafter
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)

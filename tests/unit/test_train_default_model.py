@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import Engine, EngineConfig
-from workers.sampling import SamplingParams
-from workers.tokenizer import load_tokenizer
+from workers.checkpoint.tokenizer import load_tokenizer
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_default_model.py"
 SMOKE = ["--steps", "3", "--max-chars", "30000", "--seq-len", "64", "--batch", "2", "--vocab-size", "512",

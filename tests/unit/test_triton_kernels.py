@@ -245,8 +245,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 def test_engine_on_triton_backend_equals_torch_backend(tmp_path):
     pytest.importorskip("transformers")
     from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
-    from workers.engine import Engine, EngineConfig
-    from workers.sampling import SamplingParams
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
+    from workers.sampling.params import SamplingParams
 
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     prompts = [random_prompt(n, seed=n) for n in (1, 37)]

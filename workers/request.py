@@ -1,12 +1,24 @@
-"""A request's life in the engine: tokens, progress, cache handles, outputs."""
+"""A request's life in the engine: tokens, progress, cache handles, outputs, and the messages
+for moving a prefilled request from one engine to another.
+
+The source engine holds the request (`HeldKV`, kvstore.kv_transport) and a KVTransport
+offers it; the destination engine continues it from a `Resume`, whose `load` fills the
+blocks and slot it allocated (usually `KVTransport.load` of the offer).
+
+This is the leaf of `workers/`: the engine, the scheduler, the KV-cache manager, the prefix
+cache and the speculators all import it, and it imports only sampling params."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 
-from .sampling import SamplingParams
+from kvstore.kv_transport import HeldKV
+from workers.sampling.params import SamplingParams
+
+__all__ = ["HeldKV", "RequestOutput", "Resume", "Sequence", "Status"]
 
 
 class Status(enum.Enum):
@@ -65,7 +77,7 @@ class Sequence:
     emitted: int = 0                # output tokens already reported
     index: int = 0                  # which of the request's n sequences (children fork from 0)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    guide: object | None = None     # workers.grammar.Guide when the output is grammar-constrained
+    guide: object | None = None     # workers.sampling.grammar.Guide when the output is grammar-constrained
     siblings: list[tuple[int, float, list]] = field(default_factory=list)   # first tokens of forks to come
     prompt_lps: list = field(default_factory=list)   # prompt logprobs computed so far (echo)
     first_finish: str | None = None # held with n > 1: sequence 0 ended on its first token
@@ -89,3 +101,19 @@ class Sequence:
     def remaining_prefill(self) -> int:
         """Tokens to run before the next sample (the whole known sequence)."""
         return self.length - self.num_computed
+
+
+class Resume(NamedTuple):
+    """Decode side: continue a request another engine prefilled.
+
+    `load(cache, block_ids, slot)` runs on the engine thread and fills the freshly
+    allocated blocks and slot (a KVTransport.load, or CacheTensors.scatter of a payload);
+    whatever it raises fails this request only."""
+    first_token: int
+    first_logprob: float
+    load: Callable
+    cached_tokens: int = 0
+    rng_state: torch.Tensor | None = None   # continue the seeded sampler where prefill left it
+    siblings: tuple = ()                    # n > 1: (token, logprob, top, finish reason | None) of forks 1..n-1
+    first_top: tuple = ()                   # the first token's top logprobs
+    first_finish: str | None = None         # n > 1: sequence 0 ended on its first token; others go on

@@ -23,9 +23,8 @@ import re
 import torch
 
 from kernels.quant_ops import FP4_GROUP
-
-from .config import ConfigError, ModelArgs
-from .quant import QuantFormat
+from workers.model.args import ConfigError, ModelArgs
+from workers.model.quant import QuantFormat
 
 LAYER = r"^(?:layers|mtp)\.\d+\."
 SPLITS = [   # (pattern, dim without / with expert parallelism)

@@ -3,9 +3,13 @@
 The cluster routes on it (running + waiting, free blocks and slots), the soak and
 disconnect tests check it is idle, and `/metrics` exports `as_dict()`: every number in it
 becomes `kvmesh_worker_<name>`, so the names below are part of the metrics surface.
+
+`Histogram` is a cumulative latency histogram kept inside the engine (plain Python: no
+Prometheus or Ray below cluster/); the ingress exports each worker's as a Prometheus histogram.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,3 +64,24 @@ class EngineStats:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("counters", "reuse", "store")}
         return {**dataclasses.asdict(self.counters), **out, **self.reuse, **self.store}
+
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...] = QUEUE_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)      # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict:
+        """{"buckets": [(upper bound, cumulative count)...], "sum", "count"} (Prometheus' shape)."""
+        cum, rows = 0, []
+        for bound, n in zip(list(self.bounds) + [float("inf")], self.counts):
+            cum += n
+            rows.append((bound, cum))
+        return {"buckets": rows, "sum": self.sum, "count": cum}

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, NamedTuple
 
+from workers.request import Sequence, Status
+
 from .kv_manager import KVCacheManager, KVLoadError
-from .sequence import Sequence, Status
 
 
 class Scheduled(NamedTuple):
@@ -50,6 +51,19 @@ class Scheduler:
         """Stop scheduling `seq` but keep its blocks and slot (held for a handoff)."""
         self.running.remove(seq)
         seq.status = Status.FINISHED
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child`, a new sequence of parent's request (n > 1), from parent's cache: full
+        blocks shared, the partly written last block and the state slot copied. Without a free
+        slot or block the child waits and recomputes its tokens like a preempted request."""
+        if not self.kv.fork(parent, child):
+            self.add(child)
+            return
+        full = parent.num_computed // self.kv.block_tokens
+        child.num_computed, child.hashed_blocks = parent.num_computed, min(parent.hashed_blocks, full)
+        child.ring_from, child.keep_tokens = parent.ring_from, parent.keep_tokens
+        child.status = Status.RUNNING
+        self.running.append(child)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -28,21 +28,23 @@ import logging
 import multiprocessing
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kvstore.cache_tensors import CacheTensors
 from kvstore.layout import CacheLayout
+from kvstore.mirror import MirroredCache
+from workers.checkpoint.default_model import ensure_default_model
+from workers.checkpoint.loader import load_model
+from workers.engine_config import EngineConfig
+from workers.model.shard import Shard
+from workers.model.step import StepInput
 
 from .collectives import Collectives, RankFailed, init_method
-from .step import StepInput
-
-if TYPE_CHECKING:
-    from .engine import EngineConfig
 
 __all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
-           "MirroredCache", "Leader"]
+           "Leader"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ class RankLauncher(Protocol):
     """Starts the ranks 1..N-1 of one replica (a local process each, or Ray actors)."""
     host: str      # the address rank 0 binds the process group on (its node IP)
 
-    def start(self, world_size: int, init_method: str, config: "EngineConfig") -> None:
+    def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
         """Start ranks 1..world_size-1; each runs run_rank(rank, world_size, init_method, config)."""
 
     def check(self) -> None:
@@ -68,7 +70,7 @@ class LocalProcessLauncher:
     def __init__(self, threads: int | None = None):
         self.threads, self.procs = threads, []
 
-    def start(self, world_size: int, init_method: str, config: "EngineConfig") -> None:
+    def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")
         for rank in range(1, world_size):
             cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
@@ -96,7 +98,7 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def _process_main(rank: int, world_size: int, init_method: str, config: "EngineConfig",
+def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
                   threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
@@ -126,52 +128,10 @@ class Stop:
 
 
 # ---- rank 0 ------------------------------------------------------------------------------------
-class MirroredCache:
-    """Rank 0's cache as the engine sees it: every mutating `CacheTensors` call is applied and
-    recorded (`take()` hands the list over); reads and the tensors pass through. The model's
-    forward writes the real cache directly: every rank runs that one itself."""
-    MUTATORS = ("reset_slot", "copy_block", "copy_slot", "load_blocks", "load_packed",
-                "rebuild_slot", "load_slot", "scatter", "write_ring_rows")
-
-    def __init__(self, cache: CacheTensors):
-        self.real, self.ops = cache, []
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.real, name)
-        if name not in self.MUTATORS:
-            return attr
-
-        def recorded(*args):
-            attr(*args)
-            self.ops.append((name, snapshot(args)))
-        return recorded
-
-    def resync(self, block_ids: list[int], slot: int) -> None:
-        """Blocks and a slot written behind the cache's back (a NIXL READ into its memory):
-        send their bytes as they are now."""
-        self.ops.append(("scatter", (list(block_ids), slot, self.real.gather(block_ids, slot))))
-
-    def take(self) -> list[tuple[str, tuple]]:
-        ops, self.ops = self.ops, []
-        return ops
-
-
-def snapshot(x):
-    """A copy of a call's arguments as they are now: the caller may reuse its buffers (a
-    store read's rows, a block list that grows) before the next step sends them."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(snapshot(v) for v in x)
-    if isinstance(x, dict):
-        return {k: snapshot(v) for k, v in x.items()}
-    return x
-
-
 class Leader:
     """Rank 0's side of a replica: starts the other ranks, sends them each step."""
 
-    def __init__(self, config: "EngineConfig", launcher: RankLauncher):
+    def __init__(self, config: EngineConfig, launcher: RankLauncher):
         self.size, self.launcher, self.dead = config.tensor_parallel_size, launcher, None
         store = Collectives.host_store(launcher.host, self.size, config.rank_timeout_s)
         method = init_method(launcher.host, store)
@@ -227,12 +187,9 @@ class Leader:
 
 
 # ---- ranks 1..N-1 ------------------------------------------------------------------------------
-def run_rank(rank: int, world_size: int, init_method: str, config: "EngineConfig") -> None:
+def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig) -> None:
     """Rank `rank` of a replica: joins the process group, loads its shard and its own cache
     replica, then follows rank 0's steps until rank 0 stops it (or dies: then it raises)."""
-    from .default_model import ensure_default_model
-    from .loader import load_model
-    from .model import Shard
     comm = Collectives(rank, world_size, init_method, config.device, config.rank_timeout_s)
     try:
         model, error = None, None

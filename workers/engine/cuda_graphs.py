@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.cache_tensors import CacheTensors
-
-from .model import Transformer, grouped_mm_runs
-from .sequence import Sequence
-from .step import StepInput
+from workers.model.moe import grouped_mm_runs
+from workers.model.step import StepInput
+from workers.model.transformer import Transformer
+from workers.request import Sequence
 
 # inputs per row, in the static int64 buffer [len(FIELDS), bucket]
 FIELDS = ("tokens", "positions", "slots", "ring_from", "keep_tokens")

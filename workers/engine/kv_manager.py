@@ -25,11 +25,8 @@ from typing import NamedTuple
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors
 from kvstore.state_slots import SlotPool
-
-from .handoff import Resume
-from .parallel import MirroredCache
-from .prefix_cache import PrefixCache, Restore
-from .sequence import Sequence
+from workers.request import Resume, Sequence
+from workers.reuse.prefix_cache import PrefixCache, Restore
 
 
 class KVLoadError(RuntimeError):
@@ -119,11 +116,10 @@ class KVCacheManager:
 
     def _load_handoff(self, seq: Sequence, hit: ComputedBlocks) -> None:
         blocks = seq.blocks[:len(hit.resident)]
-        mirrored = isinstance(self.cache, MirroredCache)       # tensor parallelism: rank 0's cache
         try:
-            hit.handoff.load(self.cache.real if mirrored else self.cache, blocks, seq.slot)
-            if mirrored:          # a NIXL READ writes rank 0's memory only: the other ranks get the bytes
-                self.cache.resync(blocks, seq.slot)
+            hit.handoff.load(self.cache.real, blocks, seq.slot)
+            # a NIXL READ writes rank 0's memory only: under TP the other ranks get the bytes
+            self.cache.resync(blocks, seq.slot)
         except Exception as e:     # the transfer's failure, whatever its type, ends only this request
             self.free(seq)
             raise KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}") from e

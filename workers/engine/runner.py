@@ -6,17 +6,17 @@ import logging
 import torch
 
 from kvstore.cache_tensors import CacheTensors
+from workers.model.step import StepInput
+from workers.model.transformer import Transformer
+from workers.request import Sequence
 
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
-from .model import Transformer
-from .sequence import Sequence
-from .step import StepInput
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """`leader` (tensor parallelism, workers/parallel.py): each step goes to the other ranks
+    """`leader` (tensor parallelism, workers/parallel/replica.py): each step goes to the other ranks
     before rank 0 runs it. `graphs` (CUDA, one rank only): fixed-shape decode steps replayed
     from CUDA graphs."""
 

@@ -6,7 +6,7 @@ then the `kvstore.tiers.CacheTier`s: the host cache (recent objects) and the sha
 (through the prefix index). What is restored and what is recomputed is
 `kvstore.planner.plan_restore`'s decision. The prefix cache never allocates: it *finds*
 a hit (`find`, all reads and checks) and *fills* the blocks and slot the KV-cache manager
-(`workers.kv_manager`) gives the request (`fill`, memory copies only).
+(`workers.engine.kv_manager`) gives the request (`fill`, memory copies only).
 """
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
 from kvstore.persist import PutJob, WriteBehind
-from kvstore.planner import (Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due,
-                             plan_restore)
+from kvstore.planner import Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due, plan_restore
 from kvstore.store import ObjectStore
 from kvstore.tiers import CacheTier, Tensors, nbytes, packed_batch
+from workers.request import Sequence
 
 from .auto_policy import AutoPeriod
-from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 MEMORY_LEASE_S = 60.0

@@ -1,6 +1,6 @@
 """The built-in default model: a small DeepSeek-V4-shaped LM, trained, shipped inside the package.
 
-`workers/default_checkpoint/` holds what `scripts/train_default_model.py` wrote: config.json
+`workers/checkpoint/default_checkpoint/` holds what `scripts/train_default_model.py` wrote: config.json
 + model.safetensors (transformers' `save_pretrained` format, upstream tensor names), a
 byte-level BPE tokenizer.json whose vocabulary is the model's, tokenizer_config.json. Every
 part of the real network is there (SWA, CSA and HCA layers, mHC, hash and top-k MoE with a

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from .params import SamplingParams
 from .penalties import apply_logit_bias, apply_penalties
-from .sampling import SamplingParams
 
 
 @dataclass
@@ -96,3 +96,11 @@ def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         top = [list(zip(ids[i][:r.params.top_logprobs], vals[i][:r.params.top_logprobs]))
                for i, r in enumerate(rows)]
     return Sampled(token_list, chosen, top)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           banned: tuple[int, ...] = ()) -> tuple[int, float]:
+    """Pick one token from fp32 logits [V]; returns (token, logprob under the model's
+    unmodified distribution). `banned` ids are excluded (EOS before min_tokens)."""
+    out = sample_batch(logits[None], [SampleRow(params, generator, banned)])
+    return out.tokens[0], out.logprobs[0]

@@ -4,27 +4,33 @@ Accepts `model.safetensors` or shards listed in `model.safetensors.index.json`, 
 or without the `model.` prefix that `save_pretrained` adds, per-expert tensors
 (`ffn.experts.E.w1.weight`) which are stacked here, and the MTP layers (`mtp.N.*`, kept as
 `Transformer.mtp`). Released checkpoints load as shipped: FP8 linears (`.scale` or
-`.weight_scale_inv`) become `FP8Linear`, FP4/FP8 routed experts `QuantExperts` (workers/quant.py);
+`.weight_scale_inv`) become `FP8Linear`, FP4/FP8 routed experts `QuantExperts` (workers/model/quant.py);
 nothing is dequantized at load.
 """
 from __future__ import annotations
 
+import collections
 import json
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from safetensors import safe_open
 
-from .config import ConfigError, ModelArgs
-from .model import SINGLE, Experts, Rope, Shard, Transformer, swiglu
-from .quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
+from workers.model.args import ConfigError, ModelArgs
+from workers.model.layers import Rope
+from workers.model.moe import Experts, swiglu
+from workers.model.quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
+from workers.model.shard import SINGLE, Shard
+from workers.model.transformer import Transformer
+
 from .sharding import shard_state, split_shared
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
 EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 MTP_LAYER = re.compile(r"^mtp\.(\d+)\.")
+TENSOR_NAME = re.compile(r"(?:layers|mtp)\.\d+(?:\.\w+)+|\b(?:embed|head|norm)\.weight\b|\bhc_head_\w+")
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 RENAMES = [
     (re.compile(r"^model\."), ""),
@@ -79,26 +85,58 @@ def read_tensors(files: list[Path], rename: Callable[[str], str | None] | None =
     return out
 
 
-def to_model_state(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical names; per-expert tensors stacked to `...experts.w1` (+ `...experts.w1_scale`)."""
-    state, experts = {}, {}
-    for name, t in raw.items():
-        name = canonical_name(name)
+class ModelState(NamedTuple):
+    tensors: dict[str, torch.Tensor]    # canonical names, per-expert tensors stacked
+    stored: dict[str, str]              # canonical / stacked name -> the name as stored in the checkpoint
+
+    def named(self, text: str) -> str:
+        """`text` (an error message) with every canonical or stacked tensor name replaced by the
+        name the checkpoint stores it under (`layers.1.ffn.experts.*.w2.weight_scale_inv`)."""
+        def stored(m: re.Match) -> str:
+            name = m[0]
+            if name in self.stored:
+                return self.stored[name]
+            weight = self.stored.get(f"{name}.weight")    # a module path: its weight's stored prefix
+            return weight.removesuffix(".weight") if weight else name
+        return TENSOR_NAME.sub(stored, text)
+
+
+def to_model_state(raw: dict[str, torch.Tensor], expert_offset: int = 0) -> ModelState:
+    """Canonical names; per-expert tensors stacked to `...experts.w1` (+ `...experts.w1_scale`).
+    Errors name tensors as the checkpoint stores them (`expert_offset`: the first expert read)."""
+    state, experts, stored = {}, {}, {}
+    for raw_name, t in raw.items():
+        name = canonical_name(raw_name)
         m = EXPERT.match(name)
         if m:
             key = f"{m[1]}.{m[3]}" + ("_scale" if m[4] == "scale" else "")
-            experts.setdefault(key, {})[int(m[2])] = t
+            experts.setdefault(key, {})[int(m[2])] = (raw_name, t)
+            every = _expert_name(raw_name, m, "*")
+            stored[key] = stored[f"{m[1]}.{m[3]}.{m[4]}"] = every
         else:
             state[name] = t
+            stored[name] = raw_name
     for name, per_expert in experts.items():
         n = max(per_expert) + 1
-        if sorted(per_expert) != list(range(n)):
-            raise CheckpointError(f"{name}: experts {sorted(set(range(n)) - set(per_expert))} missing")
-        shapes = {tuple(t.shape) for t in per_expert.values()}
+        missing = sorted(set(range(n)) - set(per_expert))
+        if missing:
+            some_raw, _ = next(iter(per_expert.values()))
+            m = EXPERT.match(canonical_name(some_raw))
+            raise CheckpointError("missing from the checkpoint: " + ", ".join(
+                _expert_name(some_raw, m, str(e + expert_offset)) for e in missing))
+        shapes = collections.Counter(tuple(t.shape) for _, t in per_expert.values())
         if len(shapes) != 1:
-            raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
-        state[name] = torch.stack([per_expert[i] for i in range(n)])
-    return state
+            common = shapes.most_common(1)[0][0]
+            odd = [f"{raw_name} has shape {tuple(t.shape)}" for raw_name, t in per_expert.values()
+                   if tuple(t.shape) != common]
+            raise CheckpointError(f"{'; '.join(odd)}: the layer's other experts have {common}")
+        state[name] = torch.stack([per_expert[i][1] for i in range(n)])
+    return ModelState(state, stored)
+
+
+def _expert_name(raw_name: str, m: re.Match, index: str) -> str:
+    """The stored name `raw_name` (expert m[2]) with its expert index replaced by `index`."""
+    return re.sub(rf"\.experts\.{m[2]}\.", f".experts.{index}.", raw_name, count=1)
 
 
 def owned_experts(first: int, count: int) -> Callable[[str], str | None]:
@@ -177,7 +215,7 @@ def _quant_experts(path: str, module: Experts, state: dict, fmt: QuantFormat | N
 def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu",
                kernel_backend: str = "auto", shard: Shard = SINGLE) -> tuple[ModelArgs, Transformer]:
     """The checkpoint as a Transformer; under tensor parallelism (`shard.size` > 1) only this
-    rank's part of each split tensor (workers/sharding.py) is kept."""
+    rank's part of each split tensor (workers/checkpoint/sharding.py) is kept."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
@@ -195,7 +233,18 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     rename = None
     if shard.size > 1 and shard.expert_parallel:
         rename = owned_experts(shard.rank * shard.part(args.n_routed_experts), shard.part(args.n_routed_experts))
-    state = to_model_state(read_tensors(weight_files(model_dir), rename))
+    first = shard.rank * shard.part(args.n_routed_experts) if rename else 0
+    loaded = to_model_state(read_tensors(weight_files(model_dir), rename), first)
+    try:
+        return args, _build(args, loaded.tensors, fmt, shard, kernel_backend, dtype_name, device)
+    except CheckpointError as e:
+        raise CheckpointError(f"{model_dir}: {loaded.named(str(e))}") from None
+
+
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], fmt: QuantFormat | None, shard: Shard,
+           kernel_backend: str, dtype_name: str, device: str) -> Transformer:
+    """The model from canonical tensors; CheckpointErrors name canonical tensors (the caller
+    renames them as stored)."""
     if shard.size > 1:
         shard.split_shared = split_shared(state, shard.size, fmt)
         state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt,
@@ -205,20 +254,20 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     try:
         quantized = install_quantized(model, state, fmt)
     except QuantFormatError as e:
-        raise CheckpointError(f"{model_dir}: {e}") from None
+        raise CheckpointError(str(e)) from None
     expected = {k: v for k, v in list(model.named_parameters()) + list(model.named_buffers())
                 if not k.startswith("ropes.")}
     missing = sorted(set(expected) - set(state) - quantized)
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{model_dir}: checkpoint does not match config: missing {missing[:8]}"
+        raise CheckpointError(f"checkpoint does not match config: missing {missing[:8]}"
                               f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
     for k, v in expected.items():
         if k not in quantized and tuple(state[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{model_dir}: {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+            raise CheckpointError(f"{k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
     for k, t in state.items():
         if t.dtype in QUANT_DTYPES:
-            raise CheckpointError(f"{model_dir}: {k} is {t.dtype} but has no scale; kvmesh expects FP8/FP4 "
+            raise CheckpointError(f"{k} is {t.dtype} but has no scale; kvmesh expects FP8/FP4 "
                                   "weights with their `.scale` / `.weight_scale_inv`")
     target = DTYPES[dtype_name]
     converted = {}
@@ -234,4 +283,4 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     # would allocate every weight again in fp32 on the CPU)
     model.ropes = torch.nn.ModuleDict({"main": Rope(args.main_rope, args.rope_head_dim),
                                        "compress": Rope(args.compress_rope, args.rope_head_dim)}).to(device)
-    return args, model.eval()
+    return model.eval()

@@ -13,11 +13,11 @@ import torch
 
 from kvstore.cache_tensors import LayerCache
 from kvstore.layout import SWASpec
+from workers.model.step import StepInput
+from workers.model.transformer import Transformer
+from workers.request import Sequence, Status
 
-from .model import Transformer
-from .sequence import Sequence, Status
 from .speculative import Drafter
-from .step import StepInput
 
 
 class MTPDrafter(Drafter):

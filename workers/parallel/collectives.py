@@ -23,27 +23,14 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from workers.model.shard import SingleRank
+
 IDLE_TIMEOUT = datetime.timedelta(days=30)    # followers wait this long for rank 0's next step
 START_TIMEOUT_S = 600.0                         # ranks spawning and loading their shard
 
 
 class RankFailed(RuntimeError):
     """A rank of this replica died, or a collective timed out: the engine cannot go on."""
-
-
-class SingleRank:
-    """TP=1: rank 0 of 1; collectives are the identity."""
-    rank, size = 0, 1
-
-    def __init__(self) -> None:
-        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0,   # the model's
-                      "messages": 0, "message_s": 0.0, "message_bytes": 0}            # rank 0's step messages
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
 
 class Collectives(SingleRank):

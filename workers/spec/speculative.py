@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.cache_tensors import CacheTensors
-
-from .sequence import Sequence
+from workers.request import Sequence
 
 
 class Drafter(ABC):

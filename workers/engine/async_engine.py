@@ -16,13 +16,13 @@ import threading
 from typing import AsyncIterator
 
 from kvstore.kv_transport import KVTransport, Offer
+from workers.engine_config import EngineConfig
+from workers.parallel.replica import RankLauncher
+from workers.request import HeldKV, RequestOutput, Resume
+from workers.sampling.params import InvalidRequestError, SamplingParams
 
-from .engine import Engine, EngineConfig
-from .engine_stats import EngineStats
-from .handoff import HeldKV, Resume
-from .parallel import RankLauncher
-from .sampling import InvalidRequestError, SamplingParams
-from .sequence import RequestOutput
+from .engine import Engine
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 

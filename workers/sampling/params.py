@@ -1,4 +1,4 @@
-"""Sampling parameters (validated once) and the one-row sampler (`workers.sampler` batches it)."""
+"""Sampling parameters (validated once) and the one-row sampler (`workers.sampling.sampler` batches it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (CTRL / HF semantics)
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    guide: tuple[str, str] | None = None   # ("json_object" | "json_schema", schema JSON): workers.grammar
+    guide: tuple[str, str] | None = None   # ("json_object" | "json_schema", schema JSON): workers.sampling.grammar
     prompt_logprobs: int | None = None     # echo: logprob (+ this many alternatives) of every prompt token
 
     def validate(self) -> "SamplingParams":
@@ -102,12 +102,3 @@ def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | 
     if params.temperature == 0.0 or params.seed is None:
         return None
     return torch.Generator().manual_seed((params.seed + index) % (1 << 64))
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           banned: tuple[int, ...] = ()) -> tuple[int, float]:
-    """Pick one token from fp32 logits [V]; returns (token, logprob under the model's
-    unmodified distribution). `banned` ids are excluded (EOS before min_tokens)."""
-    from .sampler import SampleRow, sample_batch
-    out = sample_batch(logits[None], [SampleRow(params, generator, banned)])
-    return out.tokens[0], out.logprobs[0]

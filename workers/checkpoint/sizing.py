@@ -33,10 +33,10 @@ from pathlib import Path
 
 from kvstore.layout import CacheLayout, LayoutParams
 from kvstore.planner import SwaPolicy
+from workers.model.args import ModelArgs
+from workers.model.quant import QuantFormat
 
-from .config import ModelArgs
 from .loader import FP32_PARAM, canonical_name, weight_files
-from .quant import QuantFormat
 
 GiB = 1 << 30
 DEFAULT_RESERVE = 0.10      # of device memory: activations, CUDA context, NCCL buffers, fragmentation
@@ -130,7 +130,7 @@ def split_from_config(args: ModelArgs, mtp_layers: int | None = None) -> WeightS
     tensor sized by `StoredSize`."""
     import torch
 
-    from .model import Transformer
+    from workers.model.transformer import Transformer
     quant = QuantFormat.from_config(args.raw)
     size = StoredSize(quant, DTYPE_BYTES.get(args.torch_dtype, 2))
     mtp = int(args.raw.get("num_nextn_predict_layers") or 0) if mtp_layers is None else mtp_layers

@@ -1,0 +1,22 @@
+"""The engine: one process, one model, many requests.
+
+    engine.py      the loop (schedule -> run -> process outputs), intake, the handoff API, stats
+    builder.py     wiring the parts from an EngineConfig: model, cache, tiers, manager, runner
+    output.py      sampling calls, stop checks, finishing / holding, n > 1 forks, RequestOutput
+    scheduler.py   continuous batching under a token budget (decodes first, then prefill chunks)
+    kv_manager.py  the only allocator of blocks and state slots (get_computed_blocks / allocate_slots)
+    runner.py      a batch -> StepInput -> the model's forward (and the CUDA-graph decode path)
+    cuda_graphs.py the fixed-shape decode path and its graphs
+    stats.py       EngineStats / EngineCounters (the metrics surface) and the queue-time histogram
+    async_engine.py the engine on a background thread, with async streams
+
+Contracts: only the engine thread mutates the scheduler, the KV-cache manager and the cache;
+`stats()` may be read racily from another thread. The engine depends on model/, checkpoint/,
+sampling/, spec/, reuse/ and parallel/; none of them imports it.
+"""
+from workers.engine_config import EngineConfig
+
+from .builder import StoreUnavailable
+from .engine import Engine
+
+__all__ = ["Engine", "EngineConfig", "StoreUnavailable"]

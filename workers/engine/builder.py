@@ -1,0 +1,146 @@
+"""Wiring one engine from its config: the parts `Engine` runs, built once at start-up.
+
+    ranks = start_ranks(config, model_dir, launcher)      # TP > 1: ranks 1..N-1, else None
+    parts = build(config, model_dir, ranks)               # model, cache, tiers, manager, runner
+
+Order matters and is fixed here: the model decides the cache layout; the layout and the memory
+budget size the block and slot pools; the fingerprint (model config, weights, dtype, layout)
+names the store and index namespace; the prefix cache sits on the pools and the tiers; the
+KV-cache manager is the only allocator over all of them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import NamedTuple
+
+from kvstore.block_pool import BlockPool
+from kvstore.cache_tensors import CacheTensors, size_pools
+from kvstore.hashing import PrefixHasher, model_fingerprint
+from kvstore.host_cache import HostCache
+from kvstore.index import PrefixIndex, make_index
+from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
+from kvstore.mac import StoreKey
+from kvstore.mirror import MirroredCache
+from kvstore.planner import SwaPolicy, recompute_span
+from kvstore.redact import redact_url
+from kvstore.state_slots import SlotPool
+from kvstore.store import ObjectStore
+from workers.checkpoint.loader import load_model
+from workers.checkpoint.sharding import check_sizes
+from workers.checkpoint.tokenizer import load_tokenizer
+from workers.checkpoint.weights_id import weights_identity
+from workers.engine_config import EngineConfig
+from workers.model.args import ConfigError, ModelArgs
+from workers.model.shard import SINGLE, Shard
+from workers.model.transformer import Transformer
+from workers.parallel.replica import Leader, LocalProcessLauncher, RankLauncher
+from workers.reuse.auto_policy import AutoPeriod
+from workers.reuse.prefix_cache import PrefixCache
+
+from .kv_manager import KVCacheManager
+from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
+STORE_STAGING_BYTES = 32 << 20     # the store reads restored blocks into this reused buffer
+
+
+class StoreUnavailable(RuntimeError):
+    """`require_store` is set and the store or index could not be opened."""
+
+
+class EngineParts(NamedTuple):
+    args: ModelArgs
+    model: Transformer
+    tokenizer: object
+    layout: CacheLayout
+    policy: SwaPolicy
+    cache: CacheTensors | MirroredCache    # what the engine writes through (records calls under TP)
+    raw_cache: CacheTensors                # what the forward writes
+    blocks: BlockPool
+    slots: SlotPool
+    fingerprint: str
+    prefix: PrefixCache
+    kv: KVCacheManager
+    runner: ModelRunner
+    max_model_len: int
+
+
+def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | None) -> Leader | None:
+    """With tensor_parallel_size N > 1, start ranks 1..N-1 (default: local processes) and
+    return rank 0's side of the replica; None at N = 1. Bad sizes fail here, before any load."""
+    if config.tensor_parallel_size == 1:
+        return None
+    check_sizes(ModelArgs.from_file(model_dir / "config.json"), config.tensor_parallel_size,
+                config.enable_expert_parallel)
+    if config.speculative_tokens:
+        raise ConfigError(f"speculative_tokens={config.speculative_tokens} (the MTP draft) is not supported "
+                          f"with tensor_parallel_size={config.tensor_parallel_size} yet")
+    return Leader(config, launcher or LocalProcessLauncher())
+
+
+def build(config: EngineConfig, model_dir: Path, ranks: Leader | None) -> EngineParts:
+    shard = SINGLE if ranks is None else Shard(0, config.tensor_parallel_size, config.enable_expert_parallel,
+                                               comm=ranks.comm)
+    args, model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)
+    dtype = model.head.weight.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    layout = CacheLayout.build(
+        LayoutParams(args.layer_types, args.head_dim, args.index_head_dim, args.csa_ratio, args.hca_ratio,
+                     args.sliding_window, dtype_name, config.kv_cache_dtype, args.rope_head_dim),
+        config.block_tokens)
+    policy = config.policy
+    swa_blocks = policy.kind == "full"
+    num_blocks, num_slots = size_pools(layout, config.kv_cache_bytes, config.max_num_seqs, swa_blocks)
+    raw_cache = CacheTensors(layout, num_blocks, num_slots, dtype, config.device, swa_blocks)
+    cache = raw_cache if ranks is None else ranks.ready(raw_cache)
+    blocks, slots = BlockPool(num_blocks), SlotPool(num_slots)
+    kv = config.kv_cache_dtype    # part of the fingerprint: a bf16 object is never read as fp8
+    # Block objects carry SWA K=V only under the `full` policy, so that is part of the layout.
+    fingerprint = model_fingerprint(args.raw, weights_identity(model_dir),
+                                    dtype_name if kv == "auto" else f"{dtype_name}/kv:{kv}", config.block_tokens,
+                                    LAYOUT_VERSION * 2 + int(swa_blocks))
+    prefix = prefix_cache(config, args, layout, cache, blocks, fingerprint)
+    manager = KVCacheManager(cache, blocks, slots, prefix)
+    runner = ModelRunner(model, raw_cache, config.device, ranks)
+    max_model_len = min(config.max_model_len or args.max_position_embeddings, num_blocks * config.block_tokens)
+    return EngineParts(args, model, load_tokenizer(model_dir), layout, policy, cache, raw_cache, blocks, slots,
+                       fingerprint, prefix, manager, runner, max_model_len)
+
+
+def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cache: CacheTensors,
+                 blocks: BlockPool, fingerprint: str) -> PrefixCache:
+    """The prefix cache over this engine's pools, its host cache and (when they open) the
+    shared store and index; without them it serves with in-memory reuse only."""
+    key = StoreKey(config.store_key) if config.store_key else None   # a bad key is a config error: fatal
+    try:
+        store, index = open_tiers(config, fingerprint, key)
+    except Exception as e:     # the store and index are an optimisation: serve without them
+        if config.require_store:
+            raise StoreUnavailable(f"store {config.store!r} / index {redact_url(config.index)!r}: {e}") from e
+        log.warning("prefix store/index unusable at start-up (%s: %s): serving without prefix reuse "
+                    "(require_store makes this fatal)", type(e).__name__, e)
+        store = index = None
+    span = recompute_span(args.num_hidden_layers, args.sliding_window, max([args.csa_ratio, args.hca_ratio]))
+    worker = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+    tuner = AutoPeriod(layout, capacity_bytes=config.store_capacity_bytes) if config.policy.adaptive else None
+    hasher = PrefixHasher(fingerprint, config.block_tokens)
+    return PrefixCache(cache, blocks, hasher, config.policy, span, store, index, HostCache(config.host_cache_bytes),
+                       worker, enabled=config.prefix_reuse, auto=tuner)
+
+
+def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None
+               ) -> tuple[ObjectStore | None, PrefixIndex | None]:
+    store = (ObjectStore(config.store, fingerprint, config.store_capacity_bytes, key=key,
+                         read_timeout_s=config.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES)
+             if config.store else None)
+    index = None
+    if store is not None or config.index != "local":
+        index = make_index(config.index, fingerprint, store)
+        if store is not None:
+            store.attach_index(index)
+            if config.index != "local":   # the store is the truth: re-seed a shared index from it
+                index.rebuild_from(store)
+    return store, index

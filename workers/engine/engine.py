@@ -1,0 +1,320 @@
+"""The engine: one process, one model, many requests (continuous batching).
+
+    engine = Engine(EngineConfig(model=DIR))
+    engine.add_request("r1", "hello", SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+Each step is schedule -> run -> process outputs: the `Scheduler` picks the batch (admission
+restores prefixes through the KV-cache manager), the `ModelRunner` runs it, the
+`OutputProcessor` (engine/output.py) samples, checks stops and finishes or holds sequences.
+The parts are wired once by engine/builder.py. `AsyncEngine` (engine/async_engine.py) wraps
+this with a background loop and async streams.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kvstore.kv_transport import HandoffError, KVTransport, Offer
+from workers.checkpoint.default_model import ensure_default_model
+from workers.engine_config import EngineConfig
+from workers.model.args import ConfigError
+from workers.parallel.collectives import RankFailed
+from workers.parallel.replica import RankLauncher
+from workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
+from workers.sampling.grammar import GuideCompiler
+from workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
+from workers.spec.mtp import MTPDrafter
+from workers.spec.speculative import Drafter, DraftLimits, Speculator
+
+from .builder import StoreUnavailable, build, start_ranks
+from .output import OutputProcessor, RequestTable
+from .scheduler import Scheduler
+from .stats import EngineCounters, EngineStats, Histogram
+
+__all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """With tensor_parallel_size N > 1 this process is rank 0 of N (workers/parallel/replica.py):
+    `launcher` starts the others (default: local processes); close() stops them."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
+        self.config = config
+        self.model_dir = model_dir = Path(config.model) if config.model else ensure_default_model()
+        self.ranks = start_ranks(config, model_dir, launcher)
+        try:
+            (self.args, self.model, self.tokenizer, self.layout, self.policy, self.cache, self.raw_cache,
+             self.blocks, self.slots, self.fingerprint, self.prefix, self.kv, self.runner,
+             self.max_model_len) = build(config, model_dir, self.ranks)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close("rank 0 failed to start")
+            raise
+        a = self.args
+        self.table = RequestTable()
+        self.seqs, self.groups, self.held = self.table.seqs, self.table.groups, self.table.held
+        self.counters = EngineCounters()
+        self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
+        self.scheduler = Scheduler(self.kv, self.slots.num_slots, config.max_batched_tokens, on_admit=self._admit)
+        eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
+        self.guides = GuideCompiler(self.tokenizer, a.vocab_size, sorted(eos))
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.guides, self.table, self.scheduler, self.prefix,
+                                       self.counters)
+        if config.cuda_graphs and torch.device(config.device).type == "cuda":
+            self.enable_decode_graphs()
+        self.speculator: Speculator | None = None
+        if config.speculative_tokens > 0:
+            if not len(self.model.mtp):
+                raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
+                                  f"layer, and {model_dir} has none (no mtp.* weights)")
+            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots))
+
+    def enable_decode_graphs(self, capture: bool = True) -> None:
+        """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
+        CUDA graphs (`capture`; False runs the same path eagerly, which works on any device).
+        Reserves one state slot and one block for the padding rows. A model or cache the path
+        cannot run (see cuda_graphs.graph_blockers) keeps the ordinary path, with a warning."""
+        from .cuda_graphs import DecodeGraphs, graph_blockers
+        blockers = graph_blockers(self.model, self.cache)
+        if self.ranks is not None:     # a replayed graph would not send the step to the other ranks
+            blockers.append("not with tensor_parallel_size > 1 yet")
+        if blockers:
+            log.warning("decode CUDA graphs off: %s", "; ".join(blockers))
+            return
+        max_blocks = -(-self.max_model_len // self.config.block_tokens)
+        self.runner.graphs = DecodeGraphs(self.model, self.cache, self.config.block_tokens, max_blocks,
+                                          *self.kv.reserve_scratch(),
+                                          self.config.max_num_seqs, self.config.device, capture)
+
+    def set_drafter(self, drafter: Drafter | None, k: int | None = None) -> None:
+        """Speculative decoding with `drafter` proposing k tokens per step (default
+        config.speculative_tokens); None turns it off."""
+        k = self.config.speculative_tokens if k is None else k
+        if drafter is None or k <= 0:
+            self.speculator = None
+            return
+        a = self.args
+        ratios = tuple(sorted({r for r in a.compress_ratios if r}))
+        limits = DraftLimits(ratios, self.config.block_tokens, a.sliding_window)
+        self.speculator = Speculator(drafter, k, limits, self.cache)
+
+    def flush(self) -> None:
+        """Wait until every persisted block and checkpoint is durable in the store."""
+        self.prefix.flush()
+
+    def close(self) -> None:
+        self.prefix.close()
+        if self.ranks is not None:
+            self.ranks.close()
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("must be a string or a list of integer token ids", "prompt")
+        if not ids:
+            raise InvalidRequestError("must not be empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})",
+                                      "prompt")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    hold_kv: bool = False, resume: Resume | None = None) -> Sequence:
+        """Queue a request. `hold_kv`: stop after the first token and keep its cache for a
+        handoff (prefill role). `resume`: the prompt's cache comes from another engine and
+        decoding continues after `resume.first_token` (decode role)."""
+        if request_id in self.seqs or request_id in self.held:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        params.validate()
+        ids = self.encode(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's limit "
+                f"of {self.max_model_len} tokens")
+        seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic(),
+                       hold_kv=hold_kv, resume=resume)
+        seq.guide = self.guides.guide(params.guide) if params.guide else None
+        if resume is not None:
+            self._resume_lead(seq, resume)
+        self.seqs[request_id] = seq
+        if params.n > 1 and not hold_kv:     # a held request forks on the decode worker
+            self.groups[request_id] = [seq]
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(ids)
+        return seq
+
+    def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
+        """Decode role: the cache continues the first sequence that has not ended yet (n > 1:
+        sequence 0 may have ended on its first token); the others fork from it at admission."""
+        firsts = [(resume.first_token, resume.first_logprob, list(resume.first_top), resume.first_finish)]
+        firsts += [tuple(s) + (None,) * (4 - len(s)) for s in resume.siblings]
+        lead = next(i for i, f in enumerate(firsts) if f[3] is None)
+        token, logprob, top, _ = firsts[lead]
+        seq.index, seq.output, seq.logprobs, seq.top_logprobs, seq.emitted = lead, [token], [logprob], [top], 1
+        seq.siblings = [(i, f) for i, f in enumerate(firsts) if i != lead]
+        seq.cached_tokens = resume.cached_tokens
+        if lead:
+            seq.generator = make_generator(seq.params, lead)
+        if seq.guide is not None:
+            seq.guide.accept(token)
+        if resume.rng_state is not None and seq.generator is not None and lead == 0:
+            seq.generator.set_state(resume.rng_state)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache, wherever it is: waiting, running, or already
+        held for a handoff (a cancel can race the step that moves it to `held`)."""
+        seq = self.seqs.pop(request_id, None)
+        for s in self.groups.pop(request_id, None) or ([seq] if seq is not None else []):
+            if s.status != Status.FINISHED:
+                s.finish_reason = "abort"
+                self.scheduler.finish(s)
+        self.release_held(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------------
+    def _admit(self, seq: Sequence) -> None:
+        """Run when a request holds its cache (restored, loaded from a handoff, or empty):
+        a handed-off request with n > 1 forks its siblings here."""
+        if seq.params.prompt_logprobs is not None:   # every prompt position is computed (again)
+            seq.prompt_lps = []
+        if seq.resume is not None and seq.siblings:
+            for i, (token, logprob, top, finish) in seq.siblings:
+                child = self.outputs.child(seq, i)
+                child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
+                if finish is not None:      # ended on its first token at prefill: only counted
+                    child.status, child.finish_reason = Status.FINISHED, finish
+                    self.groups.setdefault(seq.request_id, [seq]).append(child)
+                    continue
+                if child.guide is not None:
+                    child.guide.accept(token)
+                self.outputs.attach(seq, child)
+            seq.siblings = []
+
+    # ---- handoff (prefill role) --------------------------------------------------------------
+    def held_handle(self, request_id: str) -> HeldKV:
+        seq = self.held[request_id]
+        rng = seq.generator.get_state() if seq.generator is not None else None
+        return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng,
+                      self.fingerprint)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self.held
+
+    def export_held(self, request_id: str) -> dict[str, torch.Tensor]:
+        seq = self.held[request_id]
+        return self.cache.gather(seq.blocks, seq.slot)
+
+    def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
+        """Make a held request's blocks + slot readable through `transport` (HandoffError if not held)."""
+        if request_id not in self.held:
+            raise HandoffError(f"this engine does not hold request {request_id}")
+        return transport.offer(self.held_handle(request_id), self.cache)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor (blocks and slots), for a transport to register once."""
+        return self.cache.all_tensors()
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+    def stats(self) -> EngineStats:
+        """Load, memory and counters now (cheap: read between steps, or racily from another thread)."""
+        r, store = self.prefix.stats, self.prefix.store
+        reuse = dict(prefix_query_tokens=r.query_tokens, prefix_hit_tokens=dict(r.tier_hit_tokens),
+                     reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
+                     reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
+                     reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
+        s = store.stats() if store is not None else None
+        stored = {} if s is None else dict(
+            store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
+            store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
+            store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), held=len(self.held),
+            free_blocks=self.blocks.num_free, total_blocks=self.blocks.num_blocks, free_slots=self.slots.num_free,
+            total_slots=self.slots.num_slots, preemptions=self.scheduler.preemptions,
+            kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
+            counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
+            reuse=reuse, store=stored)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step. Under tensor parallelism a rank that died or stalled raises
+        RankFailed (within rank_timeout_s); the engine is unusable after it."""
+        if self.ranks is None:
+            return self._step()
+        self.ranks.check()
+        try:
+            return self._step()
+        except RankFailed as e:
+            self.ranks.failed(e)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch, failed = self.scheduler.schedule()    # admission restores prefixes here
+        failed = [self.outputs.failure(seq, e.__cause__ or e) for seq, e in failed]
+        if not batch:
+            return failed
+        now = time.monotonic()
+        for seq, _ in batch:
+            if not seq.scheduled:
+                seq.scheduled = True
+                self.queue_time.observe(now - seq.arrival)
+        t1 = time.perf_counter()
+        spec = self.speculator
+        drafts = spec.propose(batch) if spec else {}
+        saved = spec.save(batch, drafts) if drafts else None
+        starts = [seq.num_computed for seq, _ in batch]
+        observe = spec is not None and spec.drafter.wants_streams
+        logits, sampled, extra = self.runner.run(batch, drafts, keep_streams=observe)
+        self.counters.restore_s += t1 - t0
+        forward_s = time.perf_counter() - t1
+        self.counters.forward_s += forward_s
+        if self.prefix.auto is not None:
+            self.prefix.auto.observe_prefill(sum(n for _, n in batch), forward_s)
+        self.counters.steps += 1
+        sample_rows = len(sampled) + sum(len(d) for d in drafts.values())
+        if extra:
+            self.outputs.prompt_logprobs(batch, logits[sample_rows:], extra)
+        for seq, n in batch:
+            seq.num_computed += n
+            self.prefix.after_step(seq)
+        if drafts:
+            outputs = self.outputs.speculated(batch, logits, sampled, drafts, saved, spec)
+        else:
+            outputs = self.outputs.sample(batch, logits, sampled)
+        if observe:         # a model draft runs on what this step computed, for the next step
+            spec.drafter.observe(batch, starts, *self.runner.last, spec.k)
+        return failed + outputs
+
+    # ---- convenience ------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run all prompts concurrently to completion; results in input order (a request
+        with n > 1 gives its n outputs one after another, by index)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        final: dict[tuple[str, int], RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id, out.index] = out
+        return [final[r, i] for r, p in zip(ids, params_list) for i in range(p.n)]

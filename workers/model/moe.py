@@ -1,0 +1,128 @@
+"""V4 mixture of experts: stacked routed experts (grouped matmul runs), the hash or top-k
+gate, and the shared expert. Kept next to the quantized experts they share a layout with.
+
+Shapes: T = tokens in the step, E = routed experts (this rank's), I = intermediate, C = hidden.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .layers import linear
+from .quant import local_experts
+from .shard import SINGLE, Shard
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down). Under tensor
+    parallelism E is this rank's experts [first, first + E) (expert parallelism) or I its
+    part of every expert's intermediate dim; forward returns the rank's partial sum."""
+
+    def __init__(self, n: int, dim: int, inter: int, limit: float, first: int | None = None):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
+        self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.limit, self.first = limit, first
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, C], idx/weights [T, K] -> [T, C]. The (token, pick) rows are sorted by expert
+        and run as one grouped matmul per projection (a fixed op count whatever T is)."""
+        idx = local_experts(idx, self.first, self.w1.shape[0])
+        if not grouped_mm_runs(x):
+            return self.forward_looped(x, idx, weights)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        if self.first is not None:                       # picks other ranks own sort first: drop them
+            order, flat = order[int((flat < 0).sum()):], flat[flat >= 0]
+        tok = order // idx.shape[1]
+        counts = flat.new_zeros(self.w1.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))   # no host sync
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x.index_select(0, tok)
+        h = swiglu(F.grouped_mm(xs, self.w1.transpose(1, 2), offs=offs),
+                   F.grouped_mm(xs, self.w3.transpose(1, 2), offs=offs), self.limit)
+        y = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * weights.flatten()[order].unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+    def forward_looped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            if e < 0:
+                continue
+            tok, k = torch.where(idx == e)
+            h = swiglu(F.linear(x[tok], self.w1[e]), F.linear(x[tok], self.w3[e]), self.limit)
+            out.index_add_(0, tok, (F.linear(h, self.w2[e]) * weights[tok, k, None]).to(out.dtype))
+        return out
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """F.grouped_mm takes any float dtype on CPU; on CUDA only bf16 on sm90+ (untested here)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3, self.limit = linear(dim, inter), linear(inter, dim), linear(dim, inter), limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nn.Module):
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.hashed, self.topk, self.args = hashed, args.num_experts_per_tok, args
+        self.weight = nn.Parameter(torch.zeros(args.n_routed_experts, args.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.long))
+        else:
+            self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        fn = self.args.scoring_func
+        scores = (F.softplus(logits).sqrt() if fn == "sqrtsoftplus"
+                  else logits.softmax(-1) if fn == "softmax" else logits.sigmoid())
+        if self.hashed:
+            idx = self.tid2eid[tokens].long()
+        else:
+            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.args.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    """The router is replicated; routed and shared experts give this rank's partial output,
+    summed by one all-reduce for both (see `Shard`)."""
+
+    def __init__(self, args: ModelArgs, hashed: bool, shard: Shard = SINGLE):
+        super().__init__()
+        self.shard = shard
+        e, inter = args.n_routed_experts, args.moe_intermediate_size
+        self.gate = Gate(args, hashed)
+        if shard.expert_parallel:
+            first = shard.rank * shard.part(e)
+            self.experts = Experts(shard.part(e), args.hidden_size, inter, args.swiglu_limit, first)
+        else:
+            self.experts = Experts(e, args.hidden_size, shard.part(inter), args.swiglu_limit)
+        shared = shard.part(inter) if shard.split_shared else inter
+        self.shared_experts = SharedExpert(args.hidden_size, shared, args.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x, tokens)
+        y = self.experts(x, idx, w)
+        if self.shard.split_shared or self.shard.rank == 0:      # a replicated shared expert counts once
+            y = y + self.shared_experts(x)
+        return self.shard.comm.all_reduce(y)

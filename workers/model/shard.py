@@ -1,0 +1,45 @@
+"""How one rank holds its part of the model (`Shard`), and `SingleRank`: the collectives
+interface at TP=1, where every collective is the identity, so the model has one code path.
+`workers.parallel.collectives.Collectives` is the same interface over real process groups."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SingleRank:
+    """TP=1: rank 0 of 1; collectives are the identity."""
+    rank, size = 0, 1
+
+    def __init__(self) -> None:
+        self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0,   # the model's
+                      "messages": 0, "message_s": 0.0, "message_bytes": 0}            # rank 0's step messages
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@dataclass
+class Shard:
+    """This rank's part of a tensor-parallel model, as DeepSeek's reference splits it: query
+    heads, output groups, sinks (wq_b column-, wo_a group-, wo_b row-parallel), the vocabulary
+    (embedding and head), and the routed experts (whole experts with `expert_parallel`, else
+    each expert's intermediate dim) are split in `size` parts; the shared expert is split like
+    the experts' intermediate dim when `split_shared`, else replicated and counted on rank 0
+    only; everything else (wq_a, wkv, compressor, indexer, router, mHC, norms) is replicated.
+    Each sublayer's partial output is summed by one all-reduce (`comm`)."""
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False
+    split_shared: bool = True
+    comm: SingleRank = field(default_factory=SingleRank, compare=False, repr=False)
+
+    def part(self, n: int) -> int:
+        return n // self.size
+
+
+SINGLE = Shard()
