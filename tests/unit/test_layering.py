@@ -1,0 +1,125 @@
+"""The import graph of the product packages: no module imports itself back through others
+(function-level and TYPE_CHECKING imports count), and nothing below workers/engine imports it."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("cluster", "workers", "kernels", "kvstore")
+BELOW_ENGINE = ("workers.model", "workers.checkpoint", "workers.sampling", "workers.spec", "workers.reuse",
+                "workers.parallel", "workers.request", "workers.engine_config")
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    out = {}
+    for top in PACKAGES:
+        for path in sorted((root / top).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every known module `name` imports anywhere in its file (a package's own parent and
+    children excluded: importing a submodule runs its package's __init__, not a ring)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                keep = len(parts) - node.level + int(is_pkg)
+                base = ".".join(parts[:keep] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in known}
+    return {n for n in found if n != name and not name.startswith(n + ".") and not n.startswith(name + ".")}
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def rings(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph()
+
+
+def test_no_module_imports_itself_back_through_others(graph):
+    assert rings(graph) == []
+
+
+def test_nothing_below_the_engine_imports_it(graph):
+    bad = sorted((m, t) for m, targets in graph.items() for t in targets
+                 if m.startswith(BELOW_ENGINE) and (t == "workers.engine" or t.startswith("workers.engine.")))
+    assert bad == []
+
+
+def test_workers_keeps_at_most_twelve_modules_at_its_top():
+    top = [p.name for p in (ROOT / "workers").glob("*.py")]
+    assert len(top) <= 12, top
+
+
+def test_the_checker_finds_a_ring_through_a_function_level_import(tmp_path):
+    """The checker itself: a ring closed only inside a function, and an engine import hidden
+    under TYPE_CHECKING, are both found."""
+    pkg = tmp_path / "workers"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "model").mkdir()
+    for d in (pkg, pkg / "engine", pkg / "model"):
+        (d / "__init__.py").write_text("")
+    (pkg / "engine" / "loop.py").write_text("from workers.model.net import Net\n")
+    (pkg / "model" / "net.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.engine import loop\n"
+        "def f():\n    from ..engine.loop import x\n")
+    for top in PACKAGES[:1] + PACKAGES[2:]:
+        (tmp_path / top).mkdir()
+    g = import_graph(tmp_path)
+    assert rings(g) == [["workers.engine.loop", "workers.model.net"]]
+    assert "workers.engine" in g["workers.model.net"] and "workers.engine.loop" in g["workers.model.net"]
