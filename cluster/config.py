@@ -260,19 +260,28 @@ class ServeConfig(_Strict):
         return config
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
+def read_config_file(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The config tree of a kvmesh config (or of a Serve config file's first application args),
+    unvalidated; no file = {} (the embedded defaults)."""
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigFileError(f"cannot read config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"config {path}: expected a mapping at the top level")
+    if "applications" in data:
+        data = (data["applications"] or [{}])[0].get("args") or {}
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                data: dict[str, Any] | None = None) -> ServeConfig:
     """Read a kvmesh config (or a Serve config file's first application args), then apply
-    dotted `overrides` ({"engine.model": DIR}). No file = the embedded defaults."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigFileError(f"cannot read config {path}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigFileError(f"config {path}: expected a mapping at the top level")
-        if "applications" in data:
-            data = (data["applications"] or [{}])[0].get("args") or {}
+    dotted `overrides` ({"engine.model": DIR}). No file = the embedded defaults. `data`: the
+    tree `read_config_file(path)` already read (it is changed in place)."""
+    data = read_config_file(path) if data is None else data
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
