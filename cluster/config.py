@@ -260,6 +260,25 @@ class ServeConfig(_Strict):
         return config
 
 
+def check_parallel_sizes(config: ServeConfig) -> None:
+    """A pool whose tensor_parallel_size cannot split the model fails here, before anything is
+    deployed, when the checkpoint's config.json is readable where the app is built (else the
+    replica fails at start-up with the same message)."""
+    from workers.checkpoint.default_model import default_model_dir
+    path = Path(config.engine.model or default_model_dir()) / "config.json"
+    pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
+    sized = [(name, getattr(config, name)) for name in pools]
+    if not path.is_file() or all(p.tensor_parallel_size == 1 for _, p in sized):
+        return
+    from workers.checkpoint.sharding import check_sizes
+    from workers.model.args import ConfigError, ModelArgs
+    for name, pool in sized:
+        try:
+            check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
+        except ConfigError as e:
+            raise ConfigFileError(f"{name}.tensor_parallel_size: {e}") from None
+
+
 def read_config_file(path: str | os.PathLike | None) -> dict[str, Any]:
     """The config tree of a kvmesh config (or of a Serve config file's first application args),
     unvalidated; no file = {} (the embedded defaults)."""

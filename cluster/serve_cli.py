@@ -95,14 +95,17 @@ def start_ray(address: str | None) -> None:
 
 def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
     """The ServeConfig `kvmesh serve` runs: the config file (or the defaults), then the flags.
-    ConfigFileError (ServeFlagError) where they do not validate or disagree."""
-    from .config import load_config, read_config_file
+    ConfigFileError (ServeFlagError) where they do not validate, disagree, or give a parallel size
+    that does not split the model (checked here, before Ray starts)."""
+    from .config import check_parallel_sizes, load_config, read_config_file
     from .serve_flags import flag_overrides
     data = read_config_file(args.config)
     overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode,
                                    "ingress.api_keys": keys or None}.items() if v is not None}
     overrides.update(flag_overrides(args, data, args.config or "the defaults"))
-    return load_config(args.config, overrides, data=data)
+    config = load_config(args.config, overrides, data=data)
+    check_parallel_sizes(config)
+    return config
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

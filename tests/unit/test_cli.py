@@ -216,6 +216,8 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
      "--prefill-tensor-parallel-size sets the prefill pool, but mode colocated runs one pool"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--decode-tensor-parallel-size", "3"],       # the built-in model: 4 heads, 2 output groups
+     "decode.tensor_parallel_size: tensor_parallel_size=3 does not divide num_attention_heads=4, o_groups=2"),
 ])
 def test_serve_flags_that_cannot_apply_exit_2_before_starting_anything(capsys, argv, message):
     assert main(["serve", *argv]) == 2
