@@ -305,7 +305,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         node = data
         *parents, leaf = dotted.split(".")
         for key in parents:
-            node = node.setdefault(key, {})
+            if node.get(key) is None:          # absent, or an empty YAML section (`prefill:`)
+                node[key] = {}
+            node = node[key]
         node[leaf] = value
     try:
         return ServeConfig.model_validate(data)

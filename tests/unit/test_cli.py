@@ -180,7 +180,8 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
 def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
     from cluster.serve_cli import serve_config
     path = tmp_path / "kvmesh.yaml"
-    path.write_text("engine: {max_num_seqs: 16, kv_cache_dtype: fp8}\ndecode: {engine: {max_num_seqs: 32}}\n")
+    path.write_text("engine: {max_num_seqs: 16, kv_cache_dtype: fp8}\ndecode: {engine: {max_num_seqs: 32}}\n"
+                    "prefill:\n")                                   # an empty section takes the flags too
     config = serve_config(serve_args("--config", str(path), "--decode-max-num-seqs", "32", "--prefill-max-num-seqs",
                                      "16", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2"))
     assert (config.pool_engine(config.prefill).max_num_seqs, config.pool_engine(config.decode).max_num_seqs) == (16, 32)
