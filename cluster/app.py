@@ -9,7 +9,6 @@ Every pool routes with `cluster.routing.KVAwareRouter`.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr

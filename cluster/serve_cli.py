@@ -109,8 +109,8 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .config import ConfigFileError
     from .auth import keys_from_env
+    from .config import ConfigFileError
     keys = (args.api_key or []) + keys_from_env()
     try:
         config = serve_config(args, keys)
