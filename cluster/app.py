@@ -9,7 +9,6 @@ Every pool routes with `cluster.routing.KVAwareRouter`.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
@@ -17,7 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from .auth import keys_from_env
-from .config import HEAD_IP, ConfigFileError, PoolConfig, ServeConfig
+from .config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
 from .ingress import Ingress
 from .pools import Colocated, Decode, Prefill
 from .routing import KVAwareRouter
@@ -40,25 +39,6 @@ def ray_head_ip() -> str:
     if not ray.is_initialized():
         raise RuntimeError(f"the config uses {HEAD_IP}: build the app inside a running Ray cluster")
     return ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
-
-
-def check_parallel_sizes(config: ServeConfig) -> None:
-    """A pool whose tensor_parallel_size cannot split the model fails here, before anything is
-    deployed, when the checkpoint's config.json is readable where the app is built (else the
-    replica fails at start-up with the same message)."""
-    from workers.checkpoint.default_model import default_model_dir
-    path = Path(config.engine.model or default_model_dir()) / "config.json"
-    pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
-    sized = [(name, getattr(config, name)) for name in pools]
-    if not path.is_file() or all(p.tensor_parallel_size == 1 for _, p in sized):
-        return
-    from workers.checkpoint.sharding import check_sizes
-    from workers.model.args import ConfigError, ModelArgs
-    for name, pool in sized:
-        try:
-            check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
-        except ConfigError as e:
-            raise ConfigFileError(f"{name}.tensor_parallel_size: {e}") from None
 
 
 def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Application:

@@ -260,24 +260,54 @@ class ServeConfig(_Strict):
         return config
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
-    """Read a kvmesh config (or a Serve config file's first application args), then apply
-    dotted `overrides` ({"engine.model": DIR}). No file = the embedded defaults."""
-    data: dict[str, Any] = {}
-    if path is not None:
+def check_parallel_sizes(config: ServeConfig) -> None:
+    """A pool whose tensor_parallel_size cannot split the model fails here, before anything is
+    deployed, when the checkpoint's config.json is readable where the app is built (else the
+    replica fails at start-up with the same message)."""
+    from workers.checkpoint.default_model import default_model_dir
+    path = Path(config.engine.model or default_model_dir()) / "config.json"
+    pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
+    sized = [(name, getattr(config, name)) for name in pools]
+    if not path.is_file() or all(p.tensor_parallel_size == 1 for _, p in sized):
+        return
+    from workers.checkpoint.sharding import check_sizes
+    from workers.model.args import ConfigError, ModelArgs
+    for name, pool in sized:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigFileError(f"cannot read config {path}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigFileError(f"config {path}: expected a mapping at the top level")
-        if "applications" in data:
-            data = (data["applications"] or [{}])[0].get("args") or {}
+            check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
+        except ConfigError as e:
+            raise ConfigFileError(f"{name}.tensor_parallel_size: {e}") from None
+
+
+def read_config_file(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The config tree of a kvmesh config (or of a Serve config file's first application args),
+    unvalidated; no file = {} (the embedded defaults)."""
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigFileError(f"cannot read config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"config {path}: expected a mapping at the top level")
+    if "applications" in data:
+        data = (data["applications"] or [{}])[0].get("args") or {}
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                data: dict[str, Any] | None = None) -> ServeConfig:
+    """Read a kvmesh config (or a Serve config file's first application args), then apply
+    dotted `overrides` ({"engine.model": DIR}). No file = the embedded defaults. `data`: the
+    tree `read_config_file(path)` already read (it is changed in place)."""
+    data = read_config_file(path) if data is None else data
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
         for key in parents:
-            node = node.setdefault(key, {})
+            if node.get(key) is None:          # absent, or an empty YAML section (`prefill:`)
+                node[key] = {}
+            node = node[key]
         node[leaf] = value
     try:
         return ServeConfig.model_validate(data)

@@ -1,11 +1,13 @@
-"""``kvmesh plan``: will a model fit, at which tensor-/expert-parallel size, with how much KV?
+"""``kvmesh plan``: will a model fit, at which tensor- / data- / expert-parallel size, with how much KV?
 
     kvmesh plan --config V4-Pro --gpu-memory 141 --gpus 8 [--kv-cache-dtype fp8] [--context 1048576]
     kvmesh plan --model DIR --gpu-memory 80 --gpus 4
 
 `--config` is a config.json or a released shape (V4-Flash, V4-Pro: workers/checkpoint/released.py);
 `--model` reads the checkpoint's safetensors headers (bytes as stored). The numbers are
-`workers.checkpoint.sizing`'s; nothing is loaded.
+`workers.checkpoint.sizing`'s; nothing is loaded. Rows are TP sizes (every rank holds the same
+cache) and DP sizes with expert parallelism (each DP rank its own cache: the KV a node holds
+grows with the ranks).
 """
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ from pathlib import Path
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="weights per rank, KV bytes per token, tokens that fit, TP/EP sizes that fit")
+    p = sub.add_parser("plan", help="weights per rank, KV bytes per token, tokens that fit, TP/DP/EP sizes that fit")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (weights from its safetensors headers)")
     src.add_argument("--config", help="config.json alone, or a released shape: V4-Flash, V4-Pro")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="memory of one device, GiB")
-    p.add_argument("--gpus", type=int, required=True, metavar="N", help="devices per node (largest TP size)")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="devices per node (largest TP x DP size)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
                    help="compressed entries + indexer keys (default auto = the compute dtype)")
     p.add_argument("--context", type=int, help="tokens per request for the `requests` column "
@@ -64,9 +66,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"params": weights.params, "weight_bytes": weights.total,
                           "kv_bytes_per_token": p.kv_bytes_per_token, "slot_bytes": p.layout.slot_bytes,
-                          "sizes": [{"tp": f.tp, "expert_parallel": f.expert_parallel, "fits": f.fits,
+                          "sizes": [{"tp": f.tp, "dp": f.dp, "expert_parallel": f.expert_parallel, "fits": f.fits,
                                      "problems": list(f.problems), "weights_per_rank": f.weights_per_rank,
                                      "free_per_rank": f.free_per_rank, "tokens": f.tokens,
+                                     "tokens_per_node": f.tokens_per_node,
                                      "max_context": f.max_context, "requests_at_context": f.requests_at_context,
                                      "replicas_per_node": f.replicas_per_node} for f in p.fits]}))
     else:

@@ -3,6 +3,12 @@ the URL and an example request.
 
     kvmesh serve                               # a new local Ray, private to this command
     kvmesh serve --address HEAD_IP:6379        # attach to a running cluster (or $RAY_ADDRESS)
+    kvmesh serve --model DIR --tensor-parallel-size 2 --kv-cache-dtype fp8 --decode-max-num-seqs 128
+
+`vllm serve`'s flags for what a config would say (cluster/serve_flags.py): --tensor-parallel-size,
+--enable-expert-parallel, --kv-cache-dtype, --max-model-len, --max-num-seqs, --served-model-name,
+with --prefill-* / --decode-* forms where the pools differ; one that disagrees with the config
+file is an error naming both.
 
 A local run never attaches to a Ray cluster started earlier on the machine
 (`ray.init(address="local")`). Attaching uses Ray's token authentication when a token is
@@ -19,6 +25,8 @@ import socket
 import sys
 import threading
 from pathlib import Path
+
+from .serve_flags import add_vllm_flags
 
 DEFAULT_PORT = 8000
 LOCAL_MIN_CPUS = 4   # logical CPUs for a local Ray, so the default pools fit a small laptop
@@ -42,6 +50,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="attach to this Ray cluster (HOST:PORT or auto) instead of starting a local one "
                         "(default: $RAY_ADDRESS)")
+    add_vllm_flags(p)
     p.set_defaults(handler=cmd_serve)
 
 
@@ -84,14 +93,27 @@ def start_ray(address: str | None) -> None:
         ray.init(address="local", num_cpus=max(LOCAL_MIN_CPUS, os.cpu_count() or 1))
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from .config import ConfigFileError, load_config
-    from .auth import keys_from_env
-    keys = (args.api_key or []) + keys_from_env()
+def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
+    """The ServeConfig `kvmesh serve` runs: the config file (or the defaults), then the flags.
+    ConfigFileError (ServeFlagError) where they do not validate, disagree, or give a parallel size
+    that does not split the model (checked here, before Ray starts)."""
+    from .config import check_parallel_sizes, load_config, read_config_file
+    from .serve_flags import flag_overrides
+    data = read_config_file(args.config)
     overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode,
                                    "ingress.api_keys": keys or None}.items() if v is not None}
+    overrides.update(flag_overrides(args, data, args.config or "the defaults"))
+    config = load_config(args.config, overrides, data=data)
+    check_parallel_sizes(config)
+    return config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .auth import keys_from_env
+    from .config import ConfigFileError
+    keys = (args.api_key or []) + keys_from_env()
     try:
-        config = load_config(args.config, overrides)
+        config = serve_config(args, keys)
         if not args.address:       # attached, the HTTP proxy runs on the cluster's head, not here
             check_port_free(args.host, args.port)
     except (ConfigFileError, PortInUseError) as e:

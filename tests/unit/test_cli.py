@@ -152,3 +152,74 @@ def test_generate_with_speculative_tokens_on_a_checkpoint_without_mtp_exits_2_na
     assert main(["generate", "--model", str(checkpoint), "--input", str(tmp_path / "requests.jsonl"),
                  "--block-tokens", str(BLOCK), "--kv-cache-bytes", "8MiB", "--speculative-tokens", "2"]) == 2
     assert "MTP" in capsys.readouterr().err
+
+
+def serve_args(*argv: str):
+    from cluster.cli import build_parser
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_differ():
+    from cluster.serve_cli import serve_config
+    config = serve_config(serve_args("--tensor-parallel-size", "2", "--enable-expert-parallel", "--kv-cache-dtype",
+                                     "fp8", "--max-model-len", "4096", "--max-num-seqs", "8",
+                                     "--decode-max-num-seqs", "32", "--prefill-tensor-parallel-size", "1",
+                                     "--served-model-name", "v4", "--data-parallel-size", "1"))
+    prefill, decode = config.pool_engine(config.prefill), config.pool_engine(config.decode)
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (1, 2)
+    assert prefill.enable_expert_parallel and decode.enable_expert_parallel
+    assert (prefill.max_num_seqs, decode.max_num_seqs) == (8, 32)
+    assert prefill.max_model_len == decode.max_model_len == 4096
+    assert prefill.kv_cache_dtype == decode.kv_cache_dtype == "fp8" and config.ingress.model_name == "v4"
+    assert len(config.decode.deployment_options("decode")["placement_group_bundles"]) == 2
+    assert "placement_group_bundles" not in config.prefill.deployment_options("prefill")
+    colocated = serve_config(serve_args("--mode", "colocated", "--max-num-seqs", "4"))
+    assert colocated.pool_engine(colocated.colocated).max_num_seqs == 4
+
+
+def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
+    from cluster.serve_cli import serve_config
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text("engine: {max_num_seqs: 16, kv_cache_dtype: fp8}\ndecode: {engine: {max_num_seqs: 32}}\n"
+                    "prefill:\n")                                   # an empty section takes the flags too
+    config = serve_config(serve_args("--config", str(path), "--decode-max-num-seqs", "32", "--prefill-max-num-seqs",
+                                     "16", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2"))
+    assert (config.pool_engine(config.prefill).max_num_seqs, config.pool_engine(config.decode).max_num_seqs) == (16, 32)
+    assert config.decode.tensor_parallel_size == config.prefill.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("yaml,argv,names", [
+    ("decode: {tensor_parallel_size: 4, num_cpus: 1}", ["--tensor-parallel-size", "2"],
+     ["--tensor-parallel-size 2", "decode.tensor_parallel_size: 4"]),
+    ("engine: {max_num_seqs: 16}", ["--decode-max-num-seqs", "32"], ["--decode-max-num-seqs 32", "engine.max_num_seqs: 16"]),
+    ("prefill: {engine: {max_model_len: 2048}}", ["--max-model-len", "4096"],
+     ["--max-model-len 4096", "prefill.engine.max_model_len: 2048"]),
+    ("decode: {engine: {kv_cache_dtype: bfloat16}}", ["--kv-cache-dtype", "fp8"],
+     ["--kv-cache-dtype fp8", "decode.engine.kv_cache_dtype: bfloat16"]),
+    ("ingress: {model_name: flash}", ["--served-model-name", "pro"], ["--served-model-name pro", "ingress.model_name: flash"]),
+    ("decode: {enable_expert_parallel: true}", ["--no-decode-enable-expert-parallel"],
+     ["--no-decode-enable-expert-parallel disagrees", "decode.enable_expert_parallel: True"]),
+], ids=["pool_key", "inherited_engine_key", "pool_engine_key", "shared_key", "ingress_key", "bool"])
+def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tmp_path, capsys, yaml, argv, names):
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text(yaml + "\n")
+    assert main(["serve", "--config", str(path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in names) and str(path) in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: data-parallel attention is not built yet"),
+    (["--decode-data-parallel-size", "4", "--enable-expert-parallel"],
+     "--decode-data-parallel-size 4: data-parallel attention is not built yet"),
+    (["--data-parallel-size", "0"], "--data-parallel-size 0: must be >= 1"),
+    (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
+     "--prefill-tensor-parallel-size sets the prefill pool, but mode colocated runs one pool"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--decode-tensor-parallel-size", "3"],       # the built-in model: 4 heads, 2 output groups
+     "decode.tensor_parallel_size: tensor_parallel_size=3 does not divide num_attention_heads=4, o_groups=2"),
+])
+def test_serve_flags_that_cannot_apply_exit_2_before_starting_anything(capsys, argv, message):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err

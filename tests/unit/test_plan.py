@@ -1,5 +1,5 @@
 """`kvmesh plan` and workers/checkpoint/sizing.py: weights per rank, KV bytes per token, tokens that fit,
-the TP/EP sizes that divide the model; numbers checked by hand on the tiny config and against
+the TP/DP/EP sizes that divide the model; numbers checked by hand on the tiny config and against
 the released V4 shapes."""
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ def test_tiny_weight_split_by_hand():
     assert split.experts == 4 * 3 * (3 * 4 * 32 * 64)                                     # w1 w2 w3 x 4 experts
     assert split.per_rank(2) == split.replicated + split.tensor // 2 + split.experts // 2
     assert split.per_rank(1) == split.total
+    # data-parallel attention: attention, embedding and head whole on every rank, experts split over all
+    assert split.per_rank(1, 4) == split.replicated + split.tensor + split.experts // 4
+    assert split.per_rank(2, 2) == split.replicated + split.tensor // 2 + split.experts // 4
 
 
 def test_weights_from_config_equal_the_checkpoints_headers(dense_dir):
@@ -67,13 +70,18 @@ def test_tiny_plan_by_hand():
     # compressed KV per token, float32: CSA (16/4 entries x (32 + 16)) + HCA (16/16 x 32), per 16 tokens
     block = (16 // 4) * (32 + 16) * 4 + (16 // 16) * 32 * 4
     assert p.block_bytes == block and p.kv_bytes_per_token == block / 16 == 56
-    assert [(f.tp, f.expert_parallel) for f in p.fits] == [(1, False), (2, False), (2, True), (4, False), (4, True)]
+    # TP sizes (with / without EP), then DP sizes with EP whose tp x dp divides 4 experts, by ranks;
+    # TP 4 inside a DP rank is left out (o_groups 2)
+    assert [(f.tp, f.dp, f.expert_parallel) for f in p.fits] == [
+        (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, True),
+        (4, 1, False), (4, 1, True), (2, 2, True), (1, 4, True)]
     for f in p.fits:
-        free = int(0.004 * GiB * 0.75) - split.per_rank(f.tp)
-        blocks = (free - p.layout.slot_bytes) // block
-        assert (f.free_per_rank, f.tokens, f.max_context) == (free, blocks * 16, min(4096, blocks * 16))
-        assert f.requests_at_context == free // (math.ceil(100 / 16) * block + p.layout.slot_bytes)
-        assert f.replicas_per_node == 4 // f.tp and f.fits == (f.tp <= 2)       # o_groups 2
+        free = int(0.004 * GiB * 0.75) - split.per_rank(f.tp, f.dp)
+        blocks = (free - p.layout.slot_bytes) // block              # on one rank
+        assert (f.free_per_rank, f.tokens, f.max_context) == (free, f.dp * blocks * 16, min(4096, blocks * 16))
+        assert f.requests_at_context == f.dp * (free // (math.ceil(100 / 16) * block + p.layout.slot_bytes))
+        assert f.replicas_per_node == 4 // (f.tp * f.dp) and f.tokens_per_node == f.tokens * f.replicas_per_node
+        assert f.fits == (f.tp <= 2)       # o_groups 2
     full = plan(a, split, 0.004, 4, block_tokens=16, swa_policy="full")
     assert full.block_bytes > p.block_bytes           # blocks also hold the SWA K=V under `full`
 
@@ -86,6 +94,11 @@ def test_sizes_that_do_not_divide_the_model_are_named():
         "o_groups 2 is not divisible by tensor_parallel_size 3",
         "moe_intermediate_size 32 is not divisible by tensor_parallel_size 3"]
     assert parallel_problems(a, 8, True)[-1] == "n_routed_experts 4 is not divisible by tensor_parallel_size 8"
+    # data-parallel attention splits only the experts, over all the replica's ranks
+    assert parallel_problems(a, 1, True, dp=4) == []
+    assert parallel_problems(a, 1, True, dp=3) == ["n_routed_experts 4 is not divisible by data_parallel_size 3"]
+    assert parallel_problems(a, 2, True, dp=4) == [
+        "n_routed_experts 4 is not divisible by tensor_parallel_size x data_parallel_size 2 x 4 = 8"]
 
 
 def test_released_shapes_have_their_published_sizes():
@@ -98,22 +111,53 @@ def test_released_shapes_have_their_published_sizes():
     a = ModelArgs.from_dict(RELEASED_CONFIGS["V4-Pro"])
     p = plan(a, pro, 141, 8, swa_policy="zero")
     assert p.kv_bytes_per_token == 9848
-    fits = {(f.tp, f.expert_parallel): f for f in p.fits}
-    assert fits[(8, True)].fits and not fits[(4, True)].fits and not fits[(1, False)].fits
-    assert fits[(6, True)].problems and "num_attention_heads 128" in fits[(6, True)].problems[0]
+    fits = {(f.tp, f.dp, f.expert_parallel): f for f in p.fits}
+    assert fits[(8, 1, True)].fits and not fits[(4, 1, True)].fits and not fits[(1, 1, False)].fits
+    assert fits[(6, 1, True)].problems and "num_attention_heads 128" in fits[(6, 1, True)].problems[0]
 
 
 def test_plan_cli_for_a_released_shape_and_a_checkpoint(dense_dir, capsys):
     assert main(["plan", "--config", "V4-Pro", "--gpu-memory", "141", "--gpus", "8", "--swa-policy", "zero"]) == 0
     out = capsys.readouterr().out
     assert "9,848.0 B/token compressed" in out and "1,598.8 B parameters" in out
-    rows = {tuple(line.split()[:2]): line for line in out.splitlines() if line[:1].isdigit()}
-    assert rows[("8", "on")].endswith("yes") and rows[("1", "off")].endswith("weights exceed the device")
+    rows = {tuple(line.split()[:3]): line for line in out.splitlines() if line[:1].isdigit()}
+    assert rows[("8", "1", "on")].endswith("yes") and rows[("1", "1", "off")].endswith("weights exceed the device")
+    assert rows[("3", "1", "on")].endswith("no: TP does not divide num_attention_heads 128, o_groups 16, "
+                                           "vocab_size 129280")
+    assert rows[("1", "8", "on")].endswith("yes") and rows[("2", "4", "on")].endswith("yes")
     assert main(["plan", "--model", str(dense_dir), "--gpu-memory", "1", "--gpus", "2", "--json",
                  "--kv-cache-dtype", "fp8", "--block-tokens", "16"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["weight_bytes"] == split_from_checkpoint(dense_dir).total
-    assert [s["tp"] for s in got["sizes"]] == [1, 2, 2] and all(s["fits"] for s in got["sizes"])
+    assert [(s["tp"], s["dp"], s["expert_parallel"]) for s in got["sizes"]] == [
+        (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, True)] and all(s["fits"] for s in got["sizes"])
+    dp2 = got["sizes"][-1]
+    assert dp2["replicas_per_node"] == 1 and dp2["tokens"] == dp2["tokens_per_node"] > 1.9 * got["sizes"][0]["tokens"]
+
+
+def _per_node(p, tp: int, dp: int) -> int:
+    return next(f.tokens_per_node for f in p.fits if (f.tp, f.dp, f.expert_parallel) == (tp, dp, True))
+
+
+def test_dp8_ep8_holds_7x_the_kv_of_tp8_on_v4_flash():
+    """vLLM measured 7.7x on V4-Flash (8 x H200, FP8 KV): each DP rank holds its own cache and only
+    1/8 of the routed experts, and the 8.4 GiB of attention / embedding / shared expert it replicates
+    cost little of the 127 GiB a rank can use."""
+    a = ModelArgs.from_dict(RELEASED_CONFIGS["V4-Flash"])
+    for policy in ("full", "zero"):
+        p = plan(a, split_from_config(a), 141, 8, kv_cache_dtype="fp8", swa_policy=policy)
+        assert 7 <= _per_node(p, 1, 8) / _per_node(p, 8, 1) < 8, policy
+
+
+def test_v4_pro_dp8_is_weight_bound_on_one_141_gib_node():
+    """V4-Pro's 27.2 GiB of attention (19.2), embedding, head and shared experts, whole on each of 8
+    ranks next to 1/8 of its 778 GiB of experts, leave 2.5 GiB a rank for KV: DP8 holds less than TP8
+    (23.2 GiB on one shared cache); TP2 inside each of 4 DP ranks is the best split of one node."""
+    a = ModelArgs.from_dict(RELEASED_CONFIGS["V4-Pro"])
+    p = plan(a, split_from_config(a), 141, 8, kv_cache_dtype="fp8")
+    tp8 = _per_node(p, 8, 1)
+    assert _per_node(p, 1, 8) < tp8 < _per_node(p, 4, 2) < _per_node(p, 2, 4)
+    assert 2 < _per_node(p, 2, 4) / tp8 < 3
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,24 +1,31 @@
 """Sizing a replica before deploying it (`kvmesh plan`): weights per rank, KV bytes per
-token, the tokens that fit, the largest context, and the TP / EP sizes that divide the model.
+token, the tokens that fit, the largest context, and the TP / DP / EP sizes that divide the model.
 
-How a replica of `tp` ranks holds the weights (DeepSeek's reference sharding):
+A replica is `dp` data-parallel ranks of `tp` tensor-parallel ranks each (`dp` = 1: plain tensor
+parallelism; `dp` > 1: data-parallel attention, DESIGN.md §9). How it holds the weights
+(DeepSeek's reference sharding):
 
     split by TP      query heads (attn.wq_b, attn_sink), the grouped output projection
                      (attn.wo_a by group, attn.wo_b by its input), the shared expert (by its
                      intermediate size; the loader replicates it instead where a cut would split
                      an FP8 scale block, which V4's shapes never do up to 8 ranks; counted split
-                     here), the embedding and the head (by vocabulary)
-    routed experts   whole experts per rank with expert parallelism, every expert's
-                     intermediate size split without it: 1/tp of the bytes either way
+                     here), the embedding and the head (by vocabulary); with `dp` > 1 these
+                     are split by the `tp` ranks inside one DP rank and replicated across DP ranks
+    routed experts   split over all tp x dp ranks: whole experts per rank with expert
+                     parallelism, every expert's intermediate size split without it; 1/(tp x dp)
+                     of the bytes either way (DP rows are planned with expert parallelism)
     replicated       wq_a, wkv, the norms, compressors and indexers, the router, mHC
 
-The compressed KV is shared by all heads, so every rank holds the same cache: a replica's
-token capacity is one rank's free memory over the KV bytes per token (not tp times it).
+The compressed KV is shared by all heads, so every TP rank holds the same cache: a TP replica's
+token capacity is one rank's free memory over the KV bytes per token (not tp times it). Each DP
+rank is its own attention engine with its own cache, so a DP replica holds dp times one rank's
+tokens, while one request (its context) still lives on one DP rank.
 
     free per rank   = device memory x (1 - reserve) - weights per rank
-    tokens that fit = free // block bytes x block_tokens - the state slots of the requests
-    largest context = the most tokens one request fits (blocks + one state slot), capped at
-                      max_position_embeddings
+    tokens per rank = free // block bytes x block_tokens - the state slots of the requests
+    tokens          = dp x tokens per rank (a replica's KV tokens over all its ranks)
+    largest context = the most tokens one request fits on one DP rank (blocks + one state
+                      slot), capped at max_position_embeddings
 
 Weights come from the safetensors headers (`--model`: bytes as stored, quantized dtypes at
 their size, scales included) or from config.json alone (`--config`): the model built on
@@ -78,8 +85,9 @@ class WeightSplit:
     def total(self) -> int:
         return self.replicated + self.tensor + self.experts
 
-    def per_rank(self, tp: int) -> int:
-        return self.replicated + math.ceil(self.tensor / tp) + math.ceil(self.experts / tp)
+    def per_rank(self, tp: int, dp: int = 1) -> int:
+        """Bytes one rank holds in a replica of `dp` DP ranks of `tp` TP ranks each."""
+        return self.replicated + math.ceil(self.tensor / tp) + math.ceil(self.experts / (tp * dp))
 
 
 def split_from_checkpoint(model_dir: str | Path) -> WeightSplit:
@@ -143,13 +151,24 @@ def split_from_config(args: ModelArgs, mtp_layers: int | None = None) -> WeightS
     return split
 
 
-def parallel_problems(args: ModelArgs, tp: int, expert_parallel: bool) -> list[str]:
-    """Why `tp` ranks cannot split this model (empty: they can)."""
-    checks = [("num_attention_heads", args.num_attention_heads), ("o_groups", args.o_groups),
-              ("vocab_size", args.vocab_size)]
-    checks.append(("n_routed_experts", args.n_routed_experts) if expert_parallel
+def attention_problems(args: ModelArgs, tp: int) -> list[str]:
+    """Why `tp` ranks cannot split the attention (heads, output groups) and the vocabulary."""
+    return [f"{key} {value} is not divisible by tensor_parallel_size {tp}" for key, value in
+            (("num_attention_heads", args.num_attention_heads), ("o_groups", args.o_groups),
+             ("vocab_size", args.vocab_size)) if value % tp]
+
+
+def parallel_problems(args: ModelArgs, tp: int, expert_parallel: bool, dp: int = 1) -> list[str]:
+    """Why a replica of `dp` data-parallel ranks of `tp` tensor-parallel ranks each cannot split
+    this model (empty: it can). Attention splits by `tp`; the routed experts by all tp x dp ranks."""
+    problems = attention_problems(args, tp)
+    key, value = (("n_routed_experts", args.n_routed_experts) if expert_parallel
                   else ("moe_intermediate_size", args.moe_intermediate_size))
-    return [f"{key} {value} is not divisible by tensor_parallel_size {tp}" for key, value in checks if value % tp]
+    if value % (tp * dp):
+        ranks = (f"tensor_parallel_size {tp}" if dp == 1 else f"data_parallel_size {dp}" if tp == 1
+                 else f"tensor_parallel_size x data_parallel_size {tp} x {dp} = {tp * dp}")
+        problems.append(f"{key} {value} is not divisible by {ranks}")
+    return problems
 
 
 def kv_layout(args: ModelArgs, kv_cache_dtype: str = "auto", block_tokens: int = 128,
@@ -162,20 +181,29 @@ def kv_layout(args: ModelArgs, kv_cache_dtype: str = "auto", block_tokens: int =
 
 @dataclass(frozen=True)
 class Fit:
-    """One replica size on one device type."""
+    """One replica size on one device type: `dp` data-parallel ranks of `tp` tensor-parallel ranks."""
     tp: int
+    dp: int
     expert_parallel: bool
     problems: tuple[str, ...]
     weights_per_rank: int
     free_per_rank: int               # for the KV cache, after weights and the reserve
-    tokens: int                      # cached tokens a replica holds (one state slot each `context`)
-    max_context: int
+    tokens: int                      # cached tokens a replica holds over all its DP ranks
+    max_context: int                 # one request lives on one DP rank
     requests_at_context: int
     replicas_per_node: int
 
     @property
     def fits(self) -> bool:
         return not self.problems and self.max_context > 0
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def tokens_per_node(self) -> int:
+        return self.tokens * self.replicas_per_node
 
 
 @dataclass(frozen=True)
@@ -209,18 +237,31 @@ def plan(args: ModelArgs, weights: WeightSplit, device_gib: float, gpus: int, *,
     device = int(device_gib * GiB)
     context = context or args.max_position_embeddings
     per_request = -(-context // block_tokens) * block_b + slot_b
-    fits = []
-    sizes = [d for d in range(1, gpus + 1) if not args.num_attention_heads % d or not args.n_routed_experts % d]
-    for tp in sizes:
-        for ep in (False, True) if tp > 1 else (False,):
-            problems = tuple(parallel_problems(args, tp, ep))
-            w = weights.per_rank(tp)
-            free = max(0, int(device * (1 - reserve)) - w)
-            blocks = max(0, (free - slot_b) // block_b)
-            fits.append(Fit(tp, ep, problems, w, free, blocks * block_tokens,
-                            min(args.max_position_embeddings, blocks * block_tokens),
-                            free // per_request, gpus // tp))
+    fits = [_fit(args, weights, int(device * (1 - reserve)), block_b, slot_b, block_tokens, per_request,
+                 gpus, tp, dp, ep) for tp, dp, ep in replica_sizes(args, gpus)]
     return Plan(weights, layout, swa_blocks, device, reserve, context, tuple(fits))
+
+
+def replica_sizes(args: ModelArgs, gpus: int) -> list[tuple[int, int, bool]]:
+    """(tp, dp, expert_parallel) worth a row, by ranks: TP sizes that divide the heads or the experts
+    (with and without EP), then DP sizes with EP whose tp x dp divides the experts (tp splitting
+    the attention cleanly)."""
+    tps = [d for d in range(1, gpus + 1) if not args.num_attention_heads % d or not args.n_routed_experts % d]
+    rows = [(tp, 1, ep) for tp in tps for ep in ((False, True) if tp > 1 else (False,))]
+    rows += [(tp, dp, True) for tp in tps if not attention_problems(args, tp)
+             for dp in range(2, gpus // tp + 1) if not args.n_routed_experts % (tp * dp)]
+    return sorted(rows, key=lambda r: (r[0] * r[1], r[1], r[2]))
+
+
+def _fit(args: ModelArgs, weights: WeightSplit, usable: int, block_b: int, slot_b: int, block_tokens: int,
+         per_request: int, gpus: int, tp: int, dp: int, ep: bool) -> Fit:
+    w = weights.per_rank(tp, dp)
+    free = max(0, usable - w)
+    rank_tokens = max(0, (free - slot_b) // block_b) * block_tokens
+    return Fit(tp=tp, dp=dp, expert_parallel=ep, problems=tuple(parallel_problems(args, tp, ep, dp)),
+               weights_per_rank=w, free_per_rank=free, tokens=dp * rank_tokens,
+               max_context=min(args.max_position_embeddings, rank_tokens),
+               requests_at_context=dp * (free // per_request), replicas_per_node=gpus // (tp * dp))
 
 
 def _count(n: float) -> str:
@@ -239,19 +280,32 @@ def format_plan(p: Plan, label: str) -> str:
              f"KV cache ({kv}, block_tokens {lay.block_tokens}): {lay.bytes_per_token():,.1f} B/token compressed"
              + (f", {p.kv_bytes_per_token:,.1f} B/token resident with the `full` policy's SWA K=V"
                 if p.swa_blocks else "") + f"; {lay.slot_bytes:,} B state slot per request; "
-             "every rank holds the same cache",
+             "the TP ranks of a replica hold the same cache, each DP rank its own",
              f"device {p.device_bytes / scale:,.1f} {unit}, reserve {p.reserve:.0%} for activations / CUDA / NCCL; "
              f"requests at {p.context:,} tokens each", ""]
-    rows = [("TP", "EP", f"weights/rank {unit}", f"KV free/rank {unit}", "tokens/replica", "max context",
-             "requests", "replicas/node", "fits")]
+    rows = [("TP", "DP", "EP", f"weights/rank {unit}", f"KV free/rank {unit}", "tokens/replica", "tokens/node",
+             "max context", "requests", "replicas/node", "fits")]
     for f in p.fits:
-        why = ("no: TP does not divide " + ", ".join(p.split(" is not")[0] for p in f.problems) if f.problems
-               else "yes" if f.fits else "no: weights exceed the device")
-        rows.append((str(f.tp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / scale:,.1f}",
-                     f"{f.free_per_rank / scale:,.1f}", f"{f.tokens:,}", f"{f.max_context:,}",
-                     f"{f.requests_at_context:,}", str(f.replicas_per_node), why))
+        rows.append((str(f.tp), str(f.dp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / scale:,.1f}",
+                     f"{f.free_per_rank / scale:,.1f}", f"{f.tokens:,}", f"{f.tokens_per_node:,}",
+                     f"{f.max_context:,}", f"{f.requests_at_context:,}", str(f.replicas_per_node), _why(f)))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(c.rjust(width[i]) if 0 < i < len(r) - 1 else c.ljust(width[i])
                                for i, c in enumerate(r)).rstrip())
     return "\n".join(lines)
+
+
+SIZE_LABELS = {"tensor_parallel_size": "TP", "data_parallel_size": "DP",
+               "tensor_parallel_size x data_parallel_size": "TP x DP"}
+
+
+def _why(f: Fit) -> str:
+    """The `fits` cell: yes, or what does not divide what ("no: TP does not divide o_groups 16")."""
+    if not f.problems:
+        return "yes" if f.fits else "no: weights exceed the device"
+    by: dict[str, list[str]] = {}
+    for problem in f.problems:
+        what, _, size = problem.partition(" is not divisible by ")
+        by.setdefault(SIZE_LABELS[re.sub(r" [\d x=]+$", "", size)], []).append(what)
+    return "no: " + "; ".join(f"{label} does not divide {', '.join(whats)}" for label, whats in by.items())
