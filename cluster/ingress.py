@@ -47,7 +47,7 @@ from .locator import PrefixLocator
 from .messages import GenRequest
 from .metrics import Metrics, RequestTimer, scrape_pools
 from .responses import Reply, sse
-from .text import render_chat
+from .text import chat_prompt_ids
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster")
@@ -290,17 +290,11 @@ class Ingress:
     def _tokenize_body(self, body) -> list[int]:
         if body.prompt is not None:
             return self.tokenizer.encode(body.prompt)
-        return self._chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return self._chat_ids(body.as_chat())
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-        """Chat messages through the checkpoint's template (or the plain one) -> token ids."""
-        try:
-            text = render_chat(self.tokenizer.chat_template, [(m.role, m.text) for m in messages],
-                               add_generation_prompt, **{**self.tokenizer.special_tokens, **(kwargs or {})})
-        except Exception as e:  # a template's raise_exception, or a broken template
-            raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-        encode = self.tokenizer.encode_rendered if self.tokenizer.chat_template else self.tokenizer.encode
-        return encode(text)
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """Chat messages in the checkpoint's format (its template, V4's own, or the plain one) -> ids."""
+        return chat_prompt_ids(self.tokenizer, body)
 
     def _prompt(self, endpoint: str, raw: bytes):
         """-> (request body, token ids of each prompt, max_tokens, logprobs wanted)."""
@@ -309,7 +303,7 @@ class Ingress:
             ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
             return body, ids, body.max_tokens, body.logprobs is not None
         body = parse_body(raw, ChatCompletionRequest)
-        ids = self._chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = self._chat_ids(body)
         return body, [ids], body.token_limit, body.logprobs
 
     async def _serve(self, endpoint: str, raw: bytes):
