@@ -46,7 +46,7 @@ from .limits import read_body
 from .locator import PrefixLocator
 from .messages import GenRequest
 from .metrics import Metrics, RequestTimer, scrape_pools
-from .responses import Reply, sse
+from .responses import Reply, ReplyFormat, sse
 from .text import chat_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class _Events:
             async for choice, delta in self._deltas():
                 detail = delta.token_ids and (b.return_token_ids or b.logprobs is not None and b.logprobs is not False)
                 first = choice.index not in offsets
-                if not (delta.text or detail or choice.done or (first and choice.echo)):
+                if not (delta.text or delta.reasoning or delta.calls or detail or choice.done or (first and choice.echo)):
                     continue
                 if chat:
                     event = r.chat_chunk(choice, delta, b.logprobs, b.top_n, b.return_token_ids)
@@ -190,6 +190,18 @@ class _Events:
         except Exception as e:
             yield sse(to_api_error(e, self.ingress.config.ingress.retry_after_s).body())
         yield sse("[DONE]")
+
+
+def stop_ids(tokenizer, body) -> frozenset[int]:
+    """The ids that end a sequence of this request (as the engine's stop check has them)."""
+    return frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else frozenset(tokenizer.stop_token_ids))
+
+
+def reply_format(tokenizer, endpoint: str, body) -> ReplyFormat | None:
+    """Chat replies in V4's format are parsed into reasoning, content and tool calls."""
+    if endpoint != "chat" or tokenizer.chat_format != "dsv4":
+        return None
+    return ReplyFormat(body.thinking_mode, bool(body.offered_tools), body.parallel_tool_calls)
 
 
 @serve.deployment
@@ -318,8 +330,9 @@ class Ingress:
             reqs = [await self._request(endpoint, body, ids, max_tokens, logprobs, f"{rid}-{i}", echo)
                     for i, ids in enumerate(prompts)]
             resp = Reply(rid, self.model_name, self.tokenizer, body.stop_strings, prompts,
-                            body.num_sequences, keep=body.n,
-                            echo=[self.tokenizer.decode(p) for p in prompts] if echo else None)
+                         body.num_sequences, keep=body.n,
+                         echo=[self.tokenizer.decode(p) for p in prompts] if echo else None,
+                         stop_ids=stop_ids(self.tokenizer, body), fmt=reply_format(self.tokenizer, endpoint, body))
             chunks = merge([self.dispatch.stream(r) for r in reqs])
             first = await chunks.__anext__()      # errors before the first token are still a status code
         except Exception as e:
@@ -342,6 +355,10 @@ class Ingress:
         if bad:
             raise bad_request(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {limits['vocab_size']})",
                               "prompt")
+        outside = sorted(int(k) for k in body.logit_bias or {} if int(k) >= limits["vocab_size"])
+        if outside:
+            raise bad_request(f"logit_bias: token ids {outside[:5]} are outside the vocabulary "
+                              f"[0, {limits['vocab_size']})", "logit_bias")
         room = limits["max_model_len"] - len(ids)
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
