@@ -337,6 +337,22 @@ class ChatCompletionRequest(_Request):
         return "max" if self.reasoning_effort in ("max", "xhigh") else None
 
     @property
+    def guide(self) -> tuple[str, str] | None:
+        """`tool_choice` "required" or a named function constrain the reply to a DSML block of
+        valid calls (cluster/dsv4_grammar.py); else response_format's guide."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if not forced:
+            return super().guide
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("cannot be combined with tool_choice required or a named function", "response_format")
+        from .dsv4_grammar import tool_call_grammar
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        try:
+            return ("ebnf", tool_call_grammar(self.offered_tools, self.thinking_mode, self.parallel_tool_calls, name))
+        except Exception as e:        # a parameter schema xgrammar cannot turn into a grammar
+            raise bad_request(f"tools: a parameter schema cannot be compiled: {e}", "tools") from None
+
+    @property
     def offered_tools(self) -> list[dict]:
         """The tools rendered into the prompt (none with tool_choice "none")."""
         if self.tool_choice == "none":
