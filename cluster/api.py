@@ -291,7 +291,7 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None     # type: ignore[valid-type]
@@ -378,7 +378,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None     # type: ignore[valid-type]
     thinking: ThinkingSwitch | None = None

@@ -95,3 +95,12 @@ def tool_call_grammar(tools: list[dict], mode: str, parallel: bool = True, name:
     else:
         rules.append('root ::= "\\n\\n" block')
     return "\n".join(rules)
+
+
+def after_reasoning(guide: tuple[str, str]) -> tuple[str, str]:
+    """A `response_format` guide for a V4 reply in thinking mode: the reasoning, `</think>`, then
+    the JSON (the guide alone would force JSON where the reasoning goes)."""
+    kind, schema = guide
+    rules = _json_rules(json.loads(schema) if kind == "json_schema" else {"type": "object"}, "json_")
+    return ("ebnf", "\n".join([rules, 'reasoning ::= ([^<] | "<" [^/<])*',
+                               f"root ::= reasoning {_lit(END_THINK)} json_root"]))

@@ -42,6 +42,7 @@ from .api import (
 from .auth import ApiKeys
 from .config import ServeConfig
 from .dispatch import Dispatcher, WorkerFailed
+from .dsv4_grammar import after_reasoning
 from .limits import read_body
 from .locator import PrefixLocator
 from .messages import GenRequest
@@ -365,6 +366,9 @@ class Ingress:
                               f"model's context of {limits['max_model_len']} tokens", "max_tokens")
         try:
             params = body.sampling_params(max_tokens or room, logprobs)
+            fmt = reply_format(self.tokenizer, endpoint, body)
+            if fmt and fmt.mode == "thinking" and params.guide and params.guide[0] != "ebnf":
+                params = dataclasses.replace(params, guide=after_reasoning(params.guide))
             if echo and body.logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             params.validate()

@@ -96,3 +96,27 @@ def test_an_uncompilable_grammar_is_an_invalid_request_naming_tools(engine):
     from workers.sampling.params import SamplingParams
     with pytest.raises(InvalidRequestError, match="tools"):
         engine.add_request("bad-ebnf", [5, 6], SamplingParams(guide=("ebnf", "root ::= (")))
+
+
+def test_json_mode_in_thinking_mode_reasons_first_then_gives_the_object(engine):
+    """response_format with V4 thinking: the grammar lets the reasoning and `</think>` come
+    first, so the JSON lands in content, not in reasoning_content."""
+    from cluster.dsv4_grammar import after_reasoning
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 200,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    ids = chat_prompt_ids(engine.tokenizer, body)
+    params = body.sampling_params(200, False)
+    guide = after_reasoning(params.guide)
+    for seed in range(3):
+        out = engine.generate([ids], params.__class__(**{**params.__dict__, "guide": guide, "temperature": 1.0,
+                                                         "seed": seed}))[0]
+        if out.finish_reason != "stop":
+            continue
+        parser = ReplyParser("thinking", tools=False)
+        parsed = [parser.feed(engine.tokenizer.decode_markup(out.token_ids)), parser.finish()]
+        assert json.loads("".join(p.content for p in parsed)) in ({"ok": True}, {"ok": False})
+        return
+    pytest.fail("no seed finished")
