@@ -169,7 +169,7 @@ def _render(i: int, messages: list[dict], mode: str, drop: bool, effort: str | N
         shown = mode == THINKING and not after_task and (not drop or i > last)
         reasoning = (m.get("reasoning") or "") + END_THINK if shown else ""
         calls = render_tool_calls(m["tool_calls"]) if m.get("tool_calls") else ""
-        text += reasoning + (m.get("content") or "") + calls + ("" if m.get("prefix") else EOS)
+        text += reasoning + (m.get("content") or "") + calls + EOS
     else:
         raise ValueError(f"unknown role {role!r}")
     if i + 1 < len(messages) and messages[i + 1]["role"] not in ("assistant", "latest_reminder"):

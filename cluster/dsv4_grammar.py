@@ -29,7 +29,7 @@ def _lit(text: str) -> str:
 
 def _renamed(ebnf: str, prefix: str) -> str:
     """xgrammar's EBNF with every rule name prefixed (string literals and classes left alone)."""
-    names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", ebnf, flags=re.M))
+    names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", ebnf, flags=re.MULTILINE))
     out, i = [], 0
     while i < len(ebnf):
         c = ebnf[i]

@@ -183,7 +183,7 @@ class ReplyParser:
             cut = self.tools and keep and text[len(text) - keep:].startswith(CALLS_OPEN[:2])
             self.buf = ""
             return text[:len(text) - keep].rstrip(" \n") if cut else text
-        if not final and self.tools:         # blank lines may be the separator before a block
+        if self.tools:                       # blank lines may be the separator before a block
             keep = len(text) - len(text[:len(text) - keep].rstrip(" \n"))
         self.buf = text[len(text) - keep:]
         return text[:len(text) - keep]

@@ -89,7 +89,7 @@ def test_tool_choice_needs_known_tools_and_excludes_json_mode():
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                               "tool_choice": "required"})
     with pytest.raises(Exception, match="cannot be combined"):
-        request(tool_choice="required", response_format={"type": "json_object"}).guide
+        _ = request(tool_choice="required", response_format={"type": "json_object"}).guide
 
 
 def test_an_uncompilable_grammar_is_an_invalid_request_naming_tools(engine):
