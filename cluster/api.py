@@ -386,7 +386,14 @@ class TokenizeRequest(BaseModel):
     def as_chat(self) -> ChatCompletionRequest:
         fields = ("messages", "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
                   "reasoning_effort", "thinking")
-        return ChatCompletionRequest.model_validate({k: getattr(self, k) for k in fields}, strict=False)
+        try:
+            return ChatCompletionRequest.model_validate({k: getattr(self, k) for k in fields}, strict=False)
+        except ValidationError as e:          # a check across chat fields (tool_choice needs tools, ...)
+            err = e.errors()[0]
+            cause = (err.get("ctx") or {}).get("error")
+            field = cause.field if isinstance(cause, InvalidRequestError) else \
+                ".".join(str(p) for p in err["loc"]) or None
+            raise bad_request(err["msg"].removeprefix("Value error, "), field) from None
 
     @model_validator(mode="after")
     def _one_input(self):

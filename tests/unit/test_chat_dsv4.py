@@ -145,3 +145,11 @@ def test_bad_history_arguments_are_a_bad_request(v4_tokenizer):
     with pytest.raises(Exception, match="must be JSON text") as e:
         chat_prompt_ids(v4_tokenizer, b)
     assert e.value.param == "messages.tool_calls.function.arguments"
+
+
+def test_tokenize_refuses_what_the_chat_request_refuses_with_a_400():
+    from cluster.api import APIError
+    with pytest.raises(APIError) as e:
+        TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                        "tool_choice": "required"}).as_chat()
+    assert e.value.status == 400 and e.value.param == "tool_choice" and "needs tools" in e.value.message
