@@ -4,11 +4,13 @@ Every request model forbids unknown fields and coerces nothing ("1" is not 1), s
 malformed request is a 400 naming the field, never a 5xx from deeper down.
 vLLM extensions accepted: `ignore_eos`, `min_tokens`, `top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `return_token_ids`, and for chat `chat_template_kwargs` (e.g. V4's
-`{"thinking": true}`). A field this server does not implement (`suffix`,
-`tools`, ...) is a 400 naming it, never silently ignored.
+`{"thinking": true}`); DeepSeek's `thinking: {"type": "enabled"|"disabled"}` and
+`reasoning_effort`. A field this server does not implement (`suffix`, ...) is a 400
+naming it, never silently ignored.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -205,17 +207,81 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str | None = None          # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    reasoning_content: str | None = None          # DeepSeek's / SGLang's name
+    reasoning: str | None = None                  # vLLM's
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def as_dict(self) -> dict:
+        """The message as DeepSeek-V4's encoder reads it (cluster/chat_dsv4.py)."""
+        out = {"role": self.role, "content": self.text, "reasoning": self.reasoning or self.reasoning_content}
+        if self.tool_calls:
+            for c in self.tool_calls:
+                try:
+                    json.loads(c.function.arguments or "{}")
+                except ValueError:
+                    raise InvalidRequestError("must be JSON text", "messages.tool_calls.function.arguments") from None
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ThinkingSwitch(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["enabled", "disabled"]
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 class ChatCompletionRequest(_Request):
@@ -225,6 +291,11 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None     # type: ignore[valid-type]
+    thinking: ThinkingSwitch | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -240,6 +311,54 @@ class ChatCompletionRequest(_Request):
             raise InvalidRequestError("requires logprobs to be true", "top_logprobs")
         return self
 
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise InvalidRequestError("tool names must be unique", "tools")
+        if self.tool_choice not in (None, "auto", "none") and not names:
+            raise InvalidRequestError("needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise InvalidRequestError(f"names {self.tool_choice.function.name!r}, which is not among the tools",
+                                      "tool_choice")
+        return self
+
+    @property
+    def thinking_mode(self) -> str:
+        """V4's mode: thinking unless a switch turns it off (V4 thinks by default, as DeepSeek's API does)."""
+        kwargs = self.chat_template_kwargs or {}
+        off = [kwargs.get(k) is False for k in ("thinking", "enable_thinking")]
+        off += [self.thinking is not None and self.thinking.type == "disabled", self.reasoning_effort == "none"]
+        return "chat" if any(off) else "thinking"
+
+    @property
+    def effort(self) -> str | None:
+        """V4's reasoning effort: "max" (its prefix) for max / xhigh, else none."""
+        return "max" if self.reasoning_effort in ("max", "xhigh") else None
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        """`tool_choice` "required" or a named function constrain the reply to a DSML block of
+        valid calls (cluster/dsv4_grammar.py); else response_format's guide."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if not forced:
+            return super().guide
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("cannot be combined with tool_choice required or a named function", "response_format")
+        from .dsv4_grammar import tool_call_grammar
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        try:
+            return ("ebnf", tool_call_grammar(self.offered_tools, self.thinking_mode, self.parallel_tool_calls, name))
+        except Exception as e:        # a parameter schema xgrammar cannot turn into a grammar
+            raise bad_request(f"tools: a parameter schema cannot be compiled: {e}", "tools") from None
+
+    @property
+    def offered_tools(self) -> list[dict]:
+        """The tools rendered into the prompt (none with tool_choice "none")."""
+        if self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -250,7 +369,8 @@ class ChatCompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+    """vLLM's /tokenize: a prompt, or chat messages rendered as the chat request would render
+    them (the same chat fields)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
@@ -258,6 +378,22 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None     # type: ignore[valid-type]
+    thinking: ThinkingSwitch | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        fields = ("messages", "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
+                  "reasoning_effort", "thinking")
+        try:
+            return ChatCompletionRequest.model_validate({k: getattr(self, k) for k in fields}, strict=False)
+        except ValidationError as e:          # a check across chat fields (tool_choice needs tools, ...)
+            err = e.errors()[0]
+            cause = (err.get("ctx") or {}).get("error")
+            field = cause.field if isinstance(cause, InvalidRequestError) else \
+                ".".join(str(p) for p in err["loc"]) or None
+            raise bad_request(err["msg"].removeprefix("Value error, "), field) from None
 
     @model_validator(mode="after")
     def _one_input(self):

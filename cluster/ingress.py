@@ -42,12 +42,13 @@ from .api import (
 from .auth import ApiKeys
 from .config import ServeConfig
 from .dispatch import Dispatcher, WorkerFailed
+from .dsv4_grammar import after_reasoning
 from .limits import read_body
 from .locator import PrefixLocator
 from .messages import GenRequest
 from .metrics import Metrics, RequestTimer, scrape_pools
-from .responses import Reply, sse
-from .text import render_chat
+from .responses import Reply, ReplyFormat, sse
+from .text import chat_prompt_ids
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster")
@@ -174,7 +175,7 @@ class _Events:
             async for choice, delta in self._deltas():
                 detail = delta.token_ids and (b.return_token_ids or b.logprobs is not None and b.logprobs is not False)
                 first = choice.index not in offsets
-                if not (delta.text or detail or choice.done or (first and choice.echo)):
+                if not (delta.text or delta.reasoning or delta.calls or detail or choice.done or (first and choice.echo)):
                     continue
                 if chat:
                     event = r.chat_chunk(choice, delta, b.logprobs, b.top_n, b.return_token_ids)
@@ -190,6 +191,18 @@ class _Events:
         except Exception as e:
             yield sse(to_api_error(e, self.ingress.config.ingress.retry_after_s).body())
         yield sse("[DONE]")
+
+
+def stop_ids(tokenizer, body) -> frozenset[int]:
+    """The ids that end a sequence of this request (as the engine's stop check has them)."""
+    return frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else frozenset(tokenizer.stop_token_ids))
+
+
+def reply_format(tokenizer, endpoint: str, body) -> ReplyFormat | None:
+    """Chat replies in V4's format are parsed into reasoning, content and tool calls."""
+    if endpoint != "chat" or tokenizer.chat_format != "dsv4":
+        return None
+    return ReplyFormat(body.thinking_mode, bool(body.offered_tools), body.parallel_tool_calls)
 
 
 @serve.deployment
@@ -290,17 +303,11 @@ class Ingress:
     def _tokenize_body(self, body) -> list[int]:
         if body.prompt is not None:
             return self.tokenizer.encode(body.prompt)
-        return self._chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return self._chat_ids(body.as_chat())
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-        """Chat messages through the checkpoint's template (or the plain one) -> token ids."""
-        try:
-            text = render_chat(self.tokenizer.chat_template, [(m.role, m.text) for m in messages],
-                               add_generation_prompt, **{**self.tokenizer.special_tokens, **(kwargs or {})})
-        except Exception as e:  # a template's raise_exception, or a broken template
-            raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-        encode = self.tokenizer.encode_rendered if self.tokenizer.chat_template else self.tokenizer.encode
-        return encode(text)
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """Chat messages in the checkpoint's format (its template, V4's own, or the plain one) -> ids."""
+        return chat_prompt_ids(self.tokenizer, body)
 
     def _prompt(self, endpoint: str, raw: bytes):
         """-> (request body, token ids of each prompt, max_tokens, logprobs wanted)."""
@@ -309,7 +316,7 @@ class Ingress:
             ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
             return body, ids, body.max_tokens, body.logprobs is not None
         body = parse_body(raw, ChatCompletionRequest)
-        ids = self._chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = self._chat_ids(body)
         return body, [ids], body.token_limit, body.logprobs
 
     async def _serve(self, endpoint: str, raw: bytes):
@@ -324,8 +331,9 @@ class Ingress:
             reqs = [await self._request(endpoint, body, ids, max_tokens, logprobs, f"{rid}-{i}", echo)
                     for i, ids in enumerate(prompts)]
             resp = Reply(rid, self.model_name, self.tokenizer, body.stop_strings, prompts,
-                            body.num_sequences, keep=body.n,
-                            echo=[self.tokenizer.decode(p) for p in prompts] if echo else None)
+                         body.num_sequences, keep=body.n,
+                         echo=[self.tokenizer.decode(p) for p in prompts] if echo else None,
+                         stop_ids=stop_ids(self.tokenizer, body), fmt=reply_format(self.tokenizer, endpoint, body))
             chunks = merge([self.dispatch.stream(r) for r in reqs])
             first = await chunks.__anext__()      # errors before the first token are still a status code
         except Exception as e:
@@ -348,12 +356,19 @@ class Ingress:
         if bad:
             raise bad_request(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {limits['vocab_size']})",
                               "prompt")
+        outside = sorted(int(k) for k in body.logit_bias or {} if int(k) >= limits["vocab_size"])
+        if outside:
+            raise bad_request(f"logit_bias: token ids {outside[:5]} are outside the vocabulary "
+                              f"[0, {limits['vocab_size']})", "logit_bias")
         room = limits["max_model_len"] - len(ids)
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                               f"model's context of {limits['max_model_len']} tokens", "max_tokens")
         try:
             params = body.sampling_params(max_tokens or room, logprobs)
+            fmt = reply_format(self.tokenizer, endpoint, body)
+            if fmt and fmt.mode == "thinking" and params.guide and params.guide[0] != "ebnf":
+                params = dataclasses.replace(params, guide=after_reasoning(params.guide))
             if echo and body.logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             params.validate()

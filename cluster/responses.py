@@ -5,6 +5,11 @@ sequence i of prompt p. `Choice` folds its chunks into text (stop strings applie
 token ids, logprobs and top logprobs; `Reply` shapes the choices as
 `text_completion` / `chat.completion` objects or as their streamed `.chunk` events
 (Server-Sent Events, `data: {...}` then `data: [DONE]`), with usage over all of them.
+
+The token that ends a sequence (EOS, a `stop_token_ids` id) is never text, also when the
+tokenizer does not mark it special. In DeepSeek-V4's chat format (`ReplyFormat`) the text is
+decoded with its markup kept and parsed (cluster/dsv4_output.py) into `reasoning_content`,
+`content` and `tool_calls`.
 """
 from __future__ import annotations
 
@@ -12,21 +17,35 @@ import json
 import time
 from typing import NamedTuple
 
+from .dsv4_output import ReplyParser, ToolCall
 from .messages import Chunk
 from .text import Detokenizer
 
 
 class Delta(NamedTuple):
-    text: str
+    text: str                        # content
     token_ids: list[int]
     logprobs: list[float]
     tops: list[list[tuple[int, float]]]
+    reasoning: str = ""
+    calls: tuple[ToolCall, ...] = ()
+
+
+class ReplyFormat(NamedTuple):
+    """How chat replies are parsed: V4's thinking/chat mode, tool calls looked for, parallel kept."""
+    mode: str
+    tools: bool
+    parallel: bool = True
 
 
 class Choice:
-    def __init__(self, index: int, tokenizer, stops: list[str], echo: str = ""):
-        self.index, self.echo = index, echo
-        self.detok = Detokenizer(tokenizer.decode, stops)
+    def __init__(self, index: int, tokenizer, stops: list[str], echo: str = "",
+                 stop_ids: frozenset[int] = frozenset(), fmt: ReplyFormat | None = None):
+        self.index, self.echo, self.stop_ids = index, echo, stop_ids
+        self.detok = Detokenizer(tokenizer.decode_markup if fmt else tokenizer.decode, stops)
+        self.parser = ReplyParser(fmt.mode, fmt.tools, fmt.parallel) if fmt else None
+        self.reasoning, self.content = "", ""
+        self.calls: list[ToolCall] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.tops: list[list[tuple[int, float]]] = []
@@ -49,28 +68,52 @@ class Choice:
         self.logprobs += chunk.logprobs
         tops = list(chunk.top_logprobs) or [[] for _ in chunk.token_ids]
         self.tops += tops
-        text = self.detok.add(chunk.token_ids)
+        ids = chunk.token_ids
+        if chunk.finished and chunk.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]               # the end-of-sequence token is not text
+        text = self.detok.add(ids)
         if self.detok.stopped:
             self.finish_reason = "stop"
         elif chunk.finished:
             text += self.detok.finish()
             self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
-        return Delta(text, chunk.token_ids, chunk.logprobs, tops)
+        if self.parser is None:
+            return Delta(text, chunk.token_ids, chunk.logprobs, tops)
+        out = self.parser.feed(text, final=self.done)
+        self.reasoning, self.content, self.calls = self.reasoning + out.reasoning, self.content + out.content, \
+            self.calls + out.calls
+        if self.calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+        return Delta(out.content, chunk.token_ids, chunk.logprobs, tops, out.reasoning, tuple(out.calls))
 
     def whole(self) -> Delta:
         return Delta(self.text, self.token_ids, self.logprobs, self.tops)
 
+    def message(self) -> dict:
+        """The chat message: content, and in V4's format reasoning_content (also as `reasoning`,
+        vLLM's name) and tool_calls."""
+        if self.parser is None:
+            return {"role": "assistant", "content": self.text}
+        msg = {"role": "assistant", "content": self.content if self.content or not self.calls else None,
+               "reasoning_content": self.reasoning or None, "reasoning": self.reasoning or None}
+        if self.calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
+        return msg
+
 
 class Reply:
     def __init__(self, request_id: str, model: str, tokenizer, stops: list[str], prompts: list[list[int]],
-                 n: int, keep: int | None = None, echo: list[str] | None = None):
+                 n: int, keep: int | None = None, echo: list[str] | None = None,
+                 stop_ids: frozenset[int] = frozenset(), fmt: ReplyFormat | None = None):
         """n sequences per prompt; keep: return only the best `keep` of them by cumulative
-        logprob (best_of); echo: each prompt's text, prepended to its choices' text."""
+        logprob (best_of); echo: each prompt's text, prepended to its choices' text; stop_ids:
+        the ids that end a sequence (their text is dropped); fmt: V4's reply parsing."""
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer, self.prompts, self.n, self.keep = tokenizer, prompts, n, keep or n
         self.echo = echo
         self.prompt_logprobs: list[list] = [[] for _ in prompts]   # echo + logprobs: per prompt token
-        self.choices = {p * n + i: Choice(p * n + i, tokenizer, stops, echo[p] if echo else "")
+        self.choices = {p * n + i: Choice(p * n + i, tokenizer, stops, echo[p] if echo else "", stop_ids, fmt)
                         for p in range(len(prompts)) for i in range(n)}
         self.cached = [0] * len(prompts)
 
@@ -184,8 +227,7 @@ class Reply:
     def chat(self, logprobs: bool, top_n: int, return_token_ids: bool) -> dict:
         choices = []
         for c in self.final_choices():
-            body = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "logprobs": None}
+            body = {"index": c.index, "message": c.message(), "finish_reason": c.finish_reason, "logprobs": None}
             if logprobs:
                 body["logprobs"] = self.chat_logprobs(c.whole(), top_n)
             if return_token_ids:
@@ -206,7 +248,14 @@ class Reply:
         return body
 
     def chat_chunk(self, choice: Choice, delta: Delta, logprobs: bool, top_n: int, return_token_ids: bool) -> dict:
-        body: dict = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+        out: dict = {}
+        if delta.reasoning:
+            out["reasoning_content"] = out["reasoning"] = delta.reasoning
+        if delta.text:
+            out["content"] = delta.text
+        if delta.calls:
+            out["tool_calls"] = [piece for c in delta.calls for piece in _call_deltas(c)]
+        body: dict = {"index": choice.index, "delta": out,
                       "logprobs": self.chat_logprobs(delta, top_n) if logprobs else None,
                       "finish_reason": choice.finish_reason}
         if return_token_ids:
@@ -215,6 +264,12 @@ class Reply:
 
     def usage_chunk(self, obj: str) -> dict:
         return {**self._head(obj), "choices": [], "usage": self.usage()}
+
+
+def _call_deltas(call: ToolCall) -> list[dict]:
+    """A call as a stream sends it: index, id and name once, then the arguments in pieces."""
+    head = {"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+    return [head] + [{"index": call.index, "function": {"arguments": p}} for p in call.pieces]
 
 
 def sse(obj: dict | str) -> str:

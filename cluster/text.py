@@ -1,5 +1,9 @@
 """Text at the API edge: chat prompts and incremental detokenization with stop strings.
 
+A chat request's prompt comes from the checkpoint's Jinja template when it has one, else
+from DeepSeek-V4's own format (cluster/chat_dsv4.py) for a V4 tokenizer, else from the
+plain template below.
+
 The plain chat template (used when a checkpoint ships none) is one header line per
 message, then the assistant header the model continues from:
 
@@ -8,6 +12,8 @@ message, then the assistant header the model continues from:
 from __future__ import annotations
 
 import json
+
+from . import chat_dsv4
 
 REPLACEMENT = "\ufffd"   # what a decoder emits for an incomplete UTF-8 sequence
 
@@ -36,6 +42,32 @@ def render_chat(template: str | None, messages: list[tuple[str, str]], add_gener
     return env.from_string(template).render(
         messages=[{"role": r, "content": c} for r, c in messages],
         add_generation_prompt=add_generation_prompt, **variables)
+
+
+def chat_prompt_ids(tokenizer, body) -> list[int]:
+    """A ChatCompletionRequest's prompt ids in the tokenizer's chat format; every refusal is a 400."""
+    from .api import bad_request
+    if tokenizer.chat_format == "dsv4":
+        try:
+            messages = [m.as_dict() for m in body.messages]
+            text = chat_dsv4.encode_messages(messages, body.thinking_mode, body.effort, body.offered_tools)
+        except ValueError as e:      # a malformed message (InvalidRequestError names its field)
+            field = getattr(e, "field", None)
+            raise bad_request(str(e) if field else f"messages: {e}", field or "messages") from None
+        if not body.add_generation_prompt:
+            text = text.removesuffix(chat_dsv4.THINK).removesuffix(chat_dsv4.END_THINK) \
+                .removesuffix(chat_dsv4.ASSISTANT)
+        return tokenizer.encode_rendered(text)
+    if body.tools and body.tool_choice != "none":
+        raise bad_request("tools need a checkpoint in DeepSeek-V4's chat format (its tokenizer, no template)",
+                          "tools")
+    kwargs = {**tokenizer.special_tokens, **(body.chat_template_kwargs or {})}
+    try:
+        text = render_chat(tokenizer.chat_template, [(m.role, m.text) for m in body.messages],
+                           body.add_generation_prompt, **kwargs)
+    except Exception as e:  # a template's raise_exception, or a broken template
+        raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+    return (tokenizer.encode_rendered if tokenizer.chat_template else tokenizer.encode)(text)
 
 
 class Detokenizer:

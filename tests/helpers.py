@@ -164,3 +164,32 @@ def assert_clean_end(tokens: list[int], errors: list[dict], want: list[int]) -> 
         assert tokens == want[:len(tokens)]
     else:
         assert tokens == want
+
+
+V4_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>", "<｜User｜>", "<｜Assistant｜>",
+              "<｜latest_reminder｜>"]
+V4_MARKUP = ["<think>", "</think>", "｜DSML｜"]       # added tokens; special or not, as a file may have them
+V4_CORPUS = ["You are a helpful assistant.", "What's the weather in Beijing?", "The weather is sunny, 22°C.",
+             '<｜DSML｜invoke name="get_weather">', '<｜DSML｜parameter name="location" string="true">Paris',
+             "</｜DSML｜parameter>", "</｜DSML｜invoke>", "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
+             '{"type": "object", "properties": {"city": {"type": "string"}}}', "<tool_result>", "</tool_result>"] * 4
+
+
+def write_v4_tokenizer(path: Path, vocab_size: int = 300, markup_special: bool = False) -> Path:
+    """A byte-level BPE tokenizer with DeepSeek-V4's special tokens (BOS 0, EOS 1, pad 2, the turn
+    tokens) and `<think>`, `</think>`, `｜DSML｜` as added tokens, written beside a tiny checkpoint
+    (at most `vocab_size` ids, so every id has a row in the model's embedding)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(V4_CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab_size - len(V4_MARKUP), special_tokens=V4_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(t, special=markup_special, normalized=False) for t in V4_MARKUP])
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": V4_SPECIAL[0], "eos_token": V4_SPECIAL[1],
+         "pad_token": V4_SPECIAL[2]}))
+    return path

@@ -138,3 +138,27 @@ def test_batch_sampler_min_p_and_per_row_parameters():
 def test_invalid_new_sampling_values_name_the_field(field, kw):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**kw).validate()
+
+
+def test_json_object_mode_yields_an_object_even_when_an_array_is_pushed(engine):
+    """OpenAI's JSON mode promises an object; the schema {"type": "object"} is compiled (as
+    vLLM does), not the grammar of any JSON value, which let a model open a top-level array."""
+    bracket = ord("[") + 3                                           # the byte tokenizer's id of "["
+    out = engine.generate([SHORT], SamplingParams(max_tokens=60, temperature=0.0, guide=("json_object", ""),
+                                                  logit_bias=((bracket, 100.0),)))[0]
+    text = engine.tokenizer.decode(out.token_ids)
+    assert text.startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    guide = engine.guides.guide(("json_object", ""))
+    assert not guide.allowed()[bracket] and guide.allowed()[ord("{") + 3]
+
+
+def test_logit_bias_outside_the_vocabulary_is_an_invalid_request_naming_it(engine):
+    vocab = engine.args.vocab_size
+    with pytest.raises(InvalidRequestError, match=r"logit_bias: token ids \[%d\] are outside" % vocab) as e:
+        engine.add_request("bias-out", SHORT, SamplingParams(logit_bias=((vocab, 5.0),)))
+    assert e.value.field == "logit_bias"
+    engine.add_request("bias-in", SHORT, SamplingParams(max_tokens=1, logit_bias=((vocab - 1, 5.0),)))
+    while engine.has_unfinished():
+        engine.step()

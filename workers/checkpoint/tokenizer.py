@@ -7,6 +7,9 @@ these files: tokenizer.json's post-processor decides (transformers ignores token
 `encode_rendered(text)` adds nothing (a rendered chat template carries its own BOS).
 The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`;
 generation ends on the tokenizer's EOS and generation_config.json's `eos_token_id`s.
+`chat_format` says how chat prompts are made: "template", "dsv4" (a DeepSeek-V4 checkpoint
+without a template whose tokenizer has V4's turn tokens: the format DeepSeek's encoder
+defines, cluster/chat_dsv4.py) or "plain".
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import json
 from pathlib import Path
 
 BYTE_OFFSET = 3   # ids 0,1,2 = bos, eos, pad; byte b -> b + 3
+DSV4_TURN_TOKENS = ("<｜User｜>", "<｜Assistant｜>")   # one id each in a tokenizer made for V4's format
 
 
 class Tokenizer:
@@ -23,6 +27,7 @@ class Tokenizer:
     chat_template: str | None = None
     special_tokens: dict[str, str] = {}      # bos_token, eos_token, ... as the template sees them
     stop_token_ids: tuple[int, ...] = ()     # end-of-turn ids (the tokenizer's EOS)
+    chat_format: str = "plain"
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -32,6 +37,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
+
+    def decode_markup(self, ids: list[int]) -> str:
+        """Text with the format's markup tokens kept (`</think>`, ...), BOS/EOS/pad dropped."""
+        return self.decode(ids)
 
 
 class ByteTokenizer(Tokenizer):
@@ -70,6 +79,13 @@ class HFTokenizer(Tokenizer):
         gen_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
         ends = ([] if self.eos_id is None else [self.eos_id]) + [int(i) for i in gen_eos]
         self.stop_token_ids = tuple(dict.fromkeys(ends))     # the tokenizer's EOS + generation_config's
+        self._dropped = {i for i in (self.bos_id, self.eos_id, self._id(_token_text(cfg.get("pad_token"))))
+                         if i is not None}
+        self.chat_format = "template" if self.chat_template else \
+            "dsv4" if _model_type(path.parent) == "deepseek_v4" and self._has_v4_turns() else "plain"
+
+    def _has_v4_turns(self) -> bool:
+        return all(len(self._tok.encode(t, add_special_tokens=False).ids) == 1 for t in DSV4_TURN_TOKENS)
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -82,6 +98,14 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_markup(self, ids: list[int]) -> str:
+        return self._tok.decode([i for i in ids if i not in self._dropped], skip_special_tokens=False)
+
+
+def _model_type(model_dir: Path) -> str | None:
+    cfg = model_dir / "config.json"
+    return json.loads(cfg.read_text()).get("model_type") if cfg.exists() else None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:

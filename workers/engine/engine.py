@@ -138,6 +138,10 @@ class Engine:
         if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         params.validate()
+        outside = sorted(t for t, _ in params.logit_bias if t >= self.args.vocab_size)
+        if outside:
+            raise InvalidRequestError(f"token ids {outside[:5]} are outside the vocabulary [0, "
+                                      f"{self.args.vocab_size})", "logit_bias")
         ids = self.encode(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(

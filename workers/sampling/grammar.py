@@ -17,7 +17,8 @@ import torch
 
 from .params import InvalidRequestError
 
-GUIDE_KINDS = ("json_object", "json_schema")
+GUIDE_KINDS = ("json_object", "json_schema", "ebnf")      # ebnf: a grammar the API layer wrote (tool calls)
+JSON_OBJECT_SCHEMA = '{"type": "object"}'     # what json_object compiles (vLLM compiles the same)
 
 
 class Guide:
@@ -72,9 +73,15 @@ class GuideCompiler:
             if kind not in GUIDE_KINDS:
                 raise InvalidRequestError(f"unknown type {kind!r}", "response_format")
             try:
-                self._compiled[spec] = (self._compiler.compile_builtin_json_grammar() if kind == "json_object"
-                                        else self._compiler.compile_json_schema(schema, any_whitespace=False))
+                if kind == "ebnf":
+                    self._compiled[spec] = self._compiler.compile_grammar(schema)
+                else:
+                    if kind == "json_object":      # a JSON *object*, as OpenAI's JSON mode promises (not any value)
+                        schema = JSON_OBJECT_SCHEMA
+                    self._compiled[spec] = self._compiler.compile_json_schema(schema, any_whitespace=False)
             except Exception as e:  # xgrammar raises RuntimeError / ValueError on an unusable schema
+                if kind == "ebnf":
+                    raise InvalidRequestError(f"the tools' schemas cannot be compiled: {e}", "tools") from None
                 raise InvalidRequestError(f"the JSON schema cannot be compiled: {e}", "response_format") from None
         return self._compiled[spec]
 
