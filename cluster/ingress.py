@@ -217,7 +217,8 @@ class Ingress:
             infos = [await self.pools[n].info.remote() for n in names]
             self.limits = {"max_model_len": min(i["max_model_len"] for i in infos),
                            "vocab_size": infos[0]["vocab_size"]}
-            self.locator.configure(infos[0].get("fingerprint"), infos[0]["block_tokens"])
+            self.locator.configure(infos[0].get("fingerprint"), infos[0]["block_tokens"],
+                                   infos[0].get("index_namespace"))
         return self.limits
 
     async def _worker_stats(self) -> list:

@@ -2,9 +2,12 @@
 
 Layout under the store root (a local path, ``file://``, ``s3://``, ...)::
 
-    {root}/{fingerprint[:16]}/FINGERPRINT              the full fingerprint (claims the namespace)
-    {root}/{fingerprint[:16]}/block/{hash_hex}.kv       one object per block
-    {root}/{fingerprint[:16]}/checkpoint/{hash_hex}.kv  one object per checkpoint
+    {root}/{ns}/FINGERPRINT              the full fingerprint (claims the namespace)
+    {root}/{ns}/block/{hash_hex}.kv       one object per block
+    {root}/{ns}/checkpoint/{hash_hex}.kv  one object per checkpoint
+
+    ns = fingerprint[:16]                 without a store key
+    ns = {fingerprint[:16]}-k{key_id}     with one (kvstore.hashing.store_namespace)
 
 Objects are in the format of :mod:`kvstore.objects`; filesystem primitives live
 in :mod:`kvstore.store_fs`. The store is the truth and
@@ -22,6 +25,8 @@ the index a hint (DESIGN §4):
   again by this process).
 * With a ``key`` (kvstore.mac) objects carry a MAC and only those it verifies
   are used; without one the store trusts whoever can write to it (said once).
+  Each key has its own namespace, so a node with a wrong key never reads, removes
+  or overwrites the objects of another key (or the unkeyed ones).
 * Capacity is per fingerprint namespace. A put that goes over it evicts (and
   unpublishes) the least recently used objects: this process's reads and
   writes, seeded from file mtimes. A put never fails for space; an object
@@ -41,9 +46,9 @@ from typing import NamedTuple, Sequence
 import pyarrow.fs as pafs
 import torch
 
-from kvstore.hashing import check_fingerprint, hash_hex, parse_hash_hex
+from kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
+                             store_namespace)
 from kvstore.index import PrefixIndex
-from kvstore.hashing import FINGERPRINT_MIN_CHARS
 from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
 from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
@@ -55,7 +60,6 @@ log = logging.getLogger(__name__)
 
 OBJECT_SUFFIX = ".kv"
 FINGERPRINT_FILE = "FINGERPRINT"
-NAMESPACE_CHARS = 16
 _OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{%d,}$" % FINGERPRINT_MIN_CHARS)
 DEFAULT_READ_TIMEOUT_S = 10.0
@@ -105,6 +109,16 @@ def _local_size(path: str) -> int | None:
         return None
 
 
+def _namespace_of(fingerprint: str, key: StoreKey | None, namespace: str | None) -> str:
+    own = store_namespace(fingerprint, key.key_id if key is not None else None)
+    if namespace is None or namespace == own:
+        return own
+    if key is not None or not NAMESPACE_RE.match(namespace) or not namespace.startswith(own):
+        raise ValueError(f"namespace {namespace!r} is not one of fingerprint {fingerprint[:16]}"
+                         + (f" under this store key (that is {own!r})" if key is not None else ""))
+    return namespace
+
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"object kind must be one of {KINDS}, got {kind!r}")
@@ -129,14 +143,19 @@ class ObjectStore(CacheTier):
         key: StoreKey | None = None,
         read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S,
         staging_bytes: int = 0,
+        namespace: str | None = None,
     ) -> None:
+        """``namespace``: open this namespace directory (a name `list_namespaces` gave) instead
+        of the one that ``fingerprint`` and ``key`` name, for tools that list and trim a
+        namespace without holding its key (`kvmesh store`)."""
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
         self._fingerprint = check_fingerprint(fingerprint)
         self._capacity = capacity_bytes
         self._unread_first = evict_unread_first  # objects never read since written go first
         self._fs, root = resolve_uri(uri)
-        self._dir = f"{root}/{fingerprint[:NAMESPACE_CHARS]}"
+        self._namespace = _namespace_of(self._fingerprint, key, namespace)
+        self._dir = f"{root}/{self._namespace}"
         self._index: PrefixIndex | None = None
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU first
@@ -168,14 +187,20 @@ class ObjectStore(CacheTier):
         return self._fingerprint
 
     @property
+    def namespace(self) -> str:
+        """The namespace directory's name: the index of this store must use the same."""
+        return self._namespace
+
+    @property
     def capacity_bytes(self) -> int | None:
         return self._capacity
 
     def attach_index(self, index: PrefixIndex | None) -> None:
         """Publish future puts to (and unpublish evictions from) ``index``."""
-        if index is not None and index.fingerprint != self._fingerprint:
+        if index is not None and (index.fingerprint, index.namespace) != (self._fingerprint, self._namespace):
             raise ValueError(
-                f"index fingerprint {index.fingerprint[:16]} does not match store {self._fingerprint[:16]}"
+                f"index namespace {index.namespace} (fingerprint {index.fingerprint[:16]}) does not match "
+                f"store namespace {self._namespace}"
             )
         self._index = index
 

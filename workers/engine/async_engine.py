@@ -132,8 +132,10 @@ class AsyncEngine:
     def info(self) -> dict:
         """What the ingress needs to know about this engine's model and limits."""
         e = self.engine
+        index = e.prefix.index
         return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
-                "block_tokens": e.config.block_tokens, "fingerprint": e.fingerprint, "model_dir": str(e.model_dir)}
+                "block_tokens": e.config.block_tokens, "fingerprint": e.fingerprint, "model_dir": str(e.model_dir),
+                "index_namespace": index.namespace if index is not None else None}
 
     async def release_held(self, request_id: str) -> None:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
