@@ -152,6 +152,8 @@ class AsyncEngine:
         params.validate()
         if request_id in self._streams:  # a second stream would steal (and abort) the first one's
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        if params.guide:    # compiled here, off the engine loop (bounded); the loop then finds it cached
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.guides.compile, params.guide)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         with self._lock:
