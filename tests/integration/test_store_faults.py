@@ -98,10 +98,11 @@ def test_a_bad_file_at_an_object_path_is_a_miss_and_the_output_is_the_cold_runs(
     assert out.token_ids == cold and out.finish_reason == "length"
     assert out.cached_tokens == 3 * BT                 # blocks 0..2 were still good
     s = reader.prefix.store.stats()
-    assert s.corrupt + s.read_errors == 1
+    assert s.corrupt + s.read_errors == 1 and s.quarantined == 0
     reader.flush()
+    assert path.is_file() and not path.is_symlink()      # removed once, then the recomputed block stored again
     again = engine(model_dir, tmp_path).generate([PROMPT], GREEDY)[0]
-    assert again.token_ids == cold
+    assert again.token_ids == cold and again.cached_tokens == (len(PROMPT) - 1) // BT * BT
 
 
 def test_an_undeletable_corrupt_object_is_quarantined_not_retried(model_dir, cold, tmp_path, caplog):
@@ -118,6 +119,9 @@ def test_an_undeletable_corrupt_object_is_quarantined_not_retried(model_dir, col
         assert path.exists()
         named = [r for r in caplog.records if r.name == "kvstore.store" and str(path) in r.getMessage()]
         assert len(named) == 2                             # the cause, then "cannot remove": once each
+        restarted = engine(model_dir, tmp_path)            # the quarantine is in the store: not read again
+        assert restarted.generate([PROMPT], GREEDY)[0].token_ids == cold
+        assert restarted.prefix.store.stats().corrupt == 0
 
 
 @pytest.mark.parametrize("kind,policy", [("block", "full"), ("checkpoint", f"periodic:{2 * BT}")])
