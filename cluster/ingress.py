@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -50,7 +51,9 @@ from .responses import Reply, sse
 from .text import render_chat
 
 log = logging.getLogger(__name__)
-api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster")
+# FastAPI's own /docs, /redoc and /openapi.json would answer without the API key: served below, behind it.
+api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -271,6 +274,17 @@ class Ingress:
         if bad:
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        self._auth(request)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        self._auth(request)     # with API keys, the page's own fetch of /openapi.json needs one too
+        return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
+                                   title="kvmesh API")
 
     @api.get("/metrics")
     async def metrics(self, request: Request):
