@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 from cluster.dispatch import Dispatcher, WorkerFailed
 from cluster.messages import Chunk, GenRequest, Handoff
 from cluster.metrics import Metrics
-from workers.sampling.params import SamplingParams
+from workers.sampling.params import InvalidRequestError, SamplingParams
 
 
 class Stream:
@@ -95,3 +95,19 @@ def test_a_single_sequence_request_still_resumes_as_a_continuation():
     tokens, metrics = run(pools, n=1)
     assert tokens == [(0, 10), (0, 20)] and retries(metrics) == 1
     assert pools.prefilled == ["r", "r-r1"]
+
+
+def test_a_request_refused_for_its_own_content_is_never_retried():
+    """A 400 from a worker (here the compile budget of a schema) is the request's fault: re-running
+    it would only repeat the work (the issue's schema was compiled twice)."""
+    class Refusing(Pools):
+        def remote(self, req, handoff=None, hint=None):
+            self.prefilled.append(req.request_id)
+
+            async def refuse():
+                raise InvalidRequestError("compiling the JSON schema exceeded its time budget", "response_format")
+            return refuse()
+    pools = Refusing(n=1, fail_after=0)
+    with pytest.raises(InvalidRequestError, match="response_format"):
+        run(pools, n=1)
+    assert pools.prefilled == ["r"]
