@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore.hashing import store_namespace
+from kvstore.mac import StoreKey
 from kvstore.objects import decode_object, encode_object
 from kvstore.store import FINGERPRINT_FILE
 from tests.helpers import random_prompt, write_tiny_checkpoint
 from workers.engine import Engine, StoreUnavailable
+from workers.engine.async_engine import AsyncEngine
 from workers.engine_config import EngineConfig
 from workers.sampling.params import SamplingParams
 
@@ -200,6 +203,13 @@ def test_a_node_with_a_wrong_key_costs_only_its_own_reuse(model_dir, cold, tmp_p
     out, stats = run_once(model_dir, tmp_path, store_key=KEY_A)
     assert out.token_ids == cold and out.cached_tokens == (len(PROMPT) - 1) // BT * BT
     assert stats.corrupt == 0
+    keyed = AsyncEngine(engine=engine(model_dir, tmp_path, store_key=KEY_A))      # what the ingress is told
+    try:
+        ns = store_namespace(keyed.fingerprint, StoreKey(KEY_A).key_id)
+        assert keyed.info()["index_namespace"] == keyed.engine.prefix.index.namespace == ns
+        assert keyed.engine.prefix.store.namespace == ns and KEY_A not in ns
+    finally:
+        keyed.shutdown()
 
 
 def test_key_rotation_keeps_old_key_nodes_reusing_until_the_old_namespace_is_removed(model_dir, cold, tmp_path):
