@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from workers.checkpoint.default_model import ensure_default_model
 from workers.checkpoint.tokenizer import load_tokenizer
+from workers.sampling.grammar import check_schema_size
 from workers.sampling.params import InvalidRequestError
 
 from .api import (
@@ -219,7 +220,8 @@ class Ingress:
             names = ["colocated"] if self.config.mode == "colocated" else ["prefill", "decode"]
             infos = [await self.pools[n].info.remote() for n in names]
             self.limits = {"max_model_len": min(i["max_model_len"] for i in infos),
-                           "vocab_size": infos[0]["vocab_size"]}
+                           "vocab_size": infos[0]["vocab_size"],
+                           "max_schema_bytes": min(i["max_schema_bytes"] for i in infos)}
             self.locator.configure(infos[0].get("fingerprint"), infos[0]["block_tokens"],
                                    infos[0].get("index_namespace"))
         return self.limits
@@ -372,6 +374,8 @@ class Ingress:
             if echo and body.logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             params.validate()
+            if params.guide:        # refused here, before any worker sees it
+                check_schema_size(params.guide[1], limits["max_schema_bytes"])
         except InvalidRequestError as e:
             raise bad_request(str(e), e.field) from None
         return GenRequest(request_id, ids, params)

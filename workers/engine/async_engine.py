@@ -135,7 +135,8 @@ class AsyncEngine:
         index = e.prefix.index
         return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
                 "block_tokens": e.config.block_tokens, "fingerprint": e.fingerprint, "model_dir": str(e.model_dir),
-                "index_namespace": index.namespace if index is not None else None}
+                "index_namespace": index.namespace if index is not None else None,
+                "max_schema_bytes": e.config.max_schema_bytes}
 
     async def release_held(self, request_id: str) -> None:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))

@@ -102,10 +102,7 @@ class GuideCompiler:
         kind, schema = spec
         if kind not in GUIDE_KINDS:
             raise InvalidRequestError(f"unknown type {kind!r}", "response_format")
-        if len(schema.encode()) > self.limits.max_schema_bytes:
-            raise InvalidRequestError(
-                f"the JSON schema is {len(schema.encode())} bytes, over the limit of {self.limits.max_schema_bytes} "
-                f"(engine.max_schema_bytes)", "response_format")
+        check_schema_size(schema, self.limits.max_schema_bytes)
         with self._lock:
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)
@@ -143,6 +140,14 @@ class GuideCompiler:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+
+def check_schema_size(schema: str, max_bytes: int) -> None:
+    """InvalidRequestError (naming `response_format` and the limit) for a schema over `max_bytes`."""
+    size = len(schema.encode())
+    if size > max_bytes:
+        raise InvalidRequestError(f"the JSON schema is {size} bytes, over the limit of {max_bytes} "
+                                  f"(engine.max_schema_bytes)", "response_format")
 
 
 def check_schema(schema: object) -> str:
