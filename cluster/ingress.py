@@ -43,7 +43,7 @@ from .api import (
 )
 from .auth import ApiKeys
 from .config import ServeConfig
-from .dispatch import Dispatcher, WorkerFailed
+from .dispatch import RETRYABLE, Dispatcher, WorkerFailed
 from .limits import read_body
 from .locator import PrefixLocator
 from .messages import GenRequest
@@ -52,6 +52,7 @@ from .responses import Reply, sse
 from .text import render_chat
 
 log = logging.getLogger(__name__)
+DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand
 # FastAPI's own /docs, /redoc and /openapi.json would answer without the API key: served below, behind it.
 api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster",
               docs_url=None, redoc_url=None, openapi_url=None)
@@ -86,11 +87,18 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
         return bad_request(str(cause).split("\n")[0], cause.field)
     if isinstance(cause, BackPressureError):
         return overloaded(retry_after_s)
-    if isinstance(cause, WorkerFailed):
-        return APIError(503, str(cause), type="service_unavailable", code="worker_failed",
+    if isinstance(cause, WorkerFailed) or isinstance(e, RETRYABLE) or isinstance(cause, RETRYABLE):
+        return APIError(503, str(cause).split("\n")[0], type="service_unavailable", code="worker_failed",
                         headers={"Retry-After": str(retry_after_s)})
     log.exception("request failed", exc_info=e)
     return APIError(500, f"internal error: {type(cause).__name__}: {cause}", type="internal_error")
+
+
+@api.exception_handler(Exception)
+async def _unhandled(_request: Request, err: Exception):
+    """Whatever a route did not turn into an APIError still gets the JSON body (a dead worker
+    a 503 with Retry-After), never Starlette's plain-text 500."""
+    return _error_response(to_api_error(err, DEFAULT_RETRY_AFTER_S))
 
 
 async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
