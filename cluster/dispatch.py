@@ -6,7 +6,10 @@
 A worker that dies, stalls past `token_timeout_s`, or fails a handoff does not hang
 the client: the request is re-run (up to `max_retries`) as a continuation — the prompt
 plus the tokens already sent, for the tokens still owed — so a greedy stream completes
-exactly as it would have; after that, `WorkerFailed` (a clean error) is raised.
+exactly as it would have; after that, `WorkerFailed` (a clean error) is raised. An n > 1
+request is retried the same way until its first tokens are sent (they wait for decode's
+first chunk), and ends with `WorkerFailed` after that. A request that failed for its own
+content (InvalidRequestError: a 400) is never retried.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from workers.engine.async_engine import EngineDeadError
 from workers.parallel.collectives import RankFailed
 
 from .limits import prefill_budget_s
-from .messages import Chunk, GenRequest, RouteHint
+from .messages import Chunk, GenRequest, Handoff, RouteHint
 from .metrics import Metrics
 from .transfer import HandoffError
 
@@ -51,6 +54,20 @@ def continuation(req: GenRequest, sent: list[int]) -> GenRequest:
     return GenRequest(f"{req.request_id}-r{len(sent)}", req.prompt + sent, params)
 
 
+def first_chunks(handoff: Handoff) -> list[Chunk]:
+    """The first token of each of the request's sequences, as prefill sampled them."""
+    last = len(handoff.siblings)
+    ended = handoff.finish_reason if handoff.finished else handoff.first_finish
+    chunks = [Chunk([handoff.first_token], [handoff.first_logprob], ended is not None, ended,
+                    handoff.prompt_len, handoff.cached_tokens, top_logprobs=[list(handoff.first_top)],
+                    all_finished=handoff.finished and not last, prompt_logprobs=handoff.prompt_logprobs)]
+    for i, (token, logprob, top, finish) in enumerate(handoff.siblings, start=1):   # the forks' first tokens
+        chunks.append(Chunk([token], [logprob], finish is not None, finish, handoff.prompt_len,
+                            handoff.cached_tokens, index=i, top_logprobs=[list(top)],
+                            all_finished=handoff.finished and i == last))
+    return chunks
+
+
 class Dispatcher:
     def __init__(self, mode: str, pools: dict, metrics: Metrics, token_timeout_s: float, max_retries: int,
                  prefix_hint: Callable[[list[int]], RouteHint] | None = None, prefill_s_per_1k_tokens: float = 0.0):
@@ -63,8 +80,11 @@ class Dispatcher:
     async def stream(self, req: GenRequest) -> AsyncIterator[Chunk]:
         sent: list[int] = []
         for attempt in range(self.max_retries + 1):
+            again = continuation(req, sent)
+            if attempt and not sent:    # a fresh id: the failed attempt's cache may still be held under the old
+                again = replace(again, request_id=f"{req.request_id}-a{attempt}")
             try:
-                async for chunk in self._attempt(continuation(req, sent)):
+                async for chunk in self._attempt(again):
                     sent += chunk.token_ids
                     yield replace(chunk, prompt_tokens=len(req.prompt),
                                   cached_tokens=min(chunk.cached_tokens, len(req.prompt)))
@@ -90,19 +110,21 @@ class Dispatcher:
             handoff = await self._first(self.pools["prefill"].prefill.remote(req, hint=hint), budget)
         if handoff.worker is not None:
             self.metrics.workers.update(handoff.worker)
-        last = len(handoff.siblings)
-        ended = handoff.finish_reason if handoff.finished else handoff.first_finish
-        yield Chunk([handoff.first_token], [handoff.first_logprob], ended is not None, ended,
-                    handoff.prompt_len, handoff.cached_tokens, top_logprobs=[list(handoff.first_top)],
-                    all_finished=handoff.finished and not last, prompt_logprobs=handoff.prompt_logprobs)
-        for i, (token, logprob, top, finish) in enumerate(handoff.siblings, start=1):   # the forks' first tokens
-            yield Chunk([token], [logprob], finish is not None, finish, handoff.prompt_len,
-                        handoff.cached_tokens, index=i, top_logprobs=[list(top)],
-                        all_finished=handoff.finished and i == last)
+        firsts = first_chunks(handoff)
         if handoff.finished:
+            for chunk in firsts:
+                yield chunk
             return
+        # n > 1 cannot resume as a continuation once tokens were sent: its first tokens wait for
+        # decode's first chunk, so a decode that fails before it leaves the request retryable.
+        held = firsts if req.params.n > 1 else []
+        for chunk in firsts if not held else []:
+            yield chunk
         async for chunk in self._stream("decode", self.pools["decode"].options(stream=True)
                                         .decode.remote(req, handoff, hint=RouteHint())):
+            for first in held:
+                yield first
+            held = []
             if chunk.transfer is not None:
                 self.metrics.transfer(chunk.transfer)
             yield chunk

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from workers.checkpoint.default_model import ensure_default_model
 from workers.checkpoint.tokenizer import load_tokenizer
+from workers.sampling.grammar import check_schema_size
 from workers.sampling.params import InvalidRequestError
 
 from .api import (
@@ -41,7 +43,7 @@ from .api import (
 )
 from .auth import ApiKeys
 from .config import ServeConfig
-from .dispatch import Dispatcher, WorkerFailed
+from .dispatch import RETRYABLE, Dispatcher, WorkerFailed
 from .dsv4_grammar import after_reasoning
 from .limits import read_body
 from .locator import PrefixLocator
@@ -51,7 +53,10 @@ from .responses import Reply, ReplyFormat, sse
 from .text import chat_prompt_ids
 
 log = logging.getLogger(__name__)
-api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster")
+DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand
+# FastAPI's own /docs, /redoc and /openapi.json would answer without the API key: served below, behind it.
+api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -83,11 +88,18 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
         return bad_request(str(cause).split("\n")[0], cause.field)
     if isinstance(cause, BackPressureError):
         return overloaded(retry_after_s)
-    if isinstance(cause, WorkerFailed):
-        return APIError(503, str(cause), type="service_unavailable", code="worker_failed",
+    if isinstance(cause, WorkerFailed) or isinstance(e, RETRYABLE) or isinstance(cause, RETRYABLE):
+        return APIError(503, str(cause).split("\n")[0], type="service_unavailable", code="worker_failed",
                         headers={"Retry-After": str(retry_after_s)})
     log.exception("request failed", exc_info=e)
     return APIError(500, f"internal error: {type(cause).__name__}: {cause}", type="internal_error")
+
+
+@api.exception_handler(Exception)
+async def _unhandled(_request: Request, err: Exception):
+    """Whatever a route did not turn into an APIError still gets the JSON body (a dead worker
+    a 503 with Retry-After), never Starlette's plain-text 500."""
+    return _error_response(to_api_error(err, DEFAULT_RETRY_AFTER_S))
 
 
 async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
@@ -229,8 +241,10 @@ class Ingress:
             names = ["colocated"] if self.config.mode == "colocated" else ["prefill", "decode"]
             infos = [await self.pools[n].info.remote() for n in names]
             self.limits = {"max_model_len": min(i["max_model_len"] for i in infos),
-                           "vocab_size": infos[0]["vocab_size"]}
-            self.locator.configure(infos[0].get("fingerprint"), infos[0]["block_tokens"])
+                           "vocab_size": infos[0]["vocab_size"],
+                           "max_schema_bytes": min(i["max_schema_bytes"] for i in infos)}
+            self.locator.configure(infos[0].get("fingerprint"), infos[0]["block_tokens"],
+                                   infos[0].get("index_namespace"))
         return self.limits
 
     async def _worker_stats(self) -> list:
@@ -283,6 +297,17 @@ class Ingress:
         if bad:
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        self._auth(request)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        self._auth(request)     # with API keys, the page's own fetch of /openapi.json needs one too
+        return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
+                                   title="kvmesh API")
 
     @api.get("/metrics")
     async def metrics(self, request: Request):
@@ -367,6 +392,9 @@ class Ingress:
         try:
             params = body.sampling_params(max_tokens or room, logprobs)
             fmt = reply_format(self.tokenizer, endpoint, body)
+            if params.guide:        # refused here, before any worker sees it
+                check_schema_size(params.guide[1], limits["max_schema_bytes"],
+                                  "tools" if params.guide[0] == "ebnf" else "response_format")
             if fmt and fmt.mode == "thinking" and params.guide and params.guide[0] != "ebnf":
                 params = dataclasses.replace(params, guide=after_reasoning(params.guide))
             if echo and body.logprobs is not None:

@@ -22,11 +22,12 @@ class PrefixLocator:
         self.hasher: PrefixHasher | None = None
         self.index: PrefixIndex | None = None
 
-    def configure(self, fingerprint: str | None, block_tokens: int) -> None:
-        """Called once the workers report their model fingerprint (None: the engine has no index)."""
+    def configure(self, fingerprint: str | None, block_tokens: int, namespace: str | None = None) -> None:
+        """Called once the workers report their model fingerprint and index namespace (which
+        carries their store key's id; None: the engine has no index)."""
         if fingerprint and self.spec.startswith(SHARED_INDEX_SCHEMES) and self.index is None:
             self.hasher = PrefixHasher(fingerprint, block_tokens)
-            self.index = make_index(self.spec, fingerprint)
+            self.index = make_index(self.spec, fingerprint, namespace=namespace)
 
     def hint(self, prompt: list[int]) -> RouteHint:
         if self.index is None or self.hasher is None:

@@ -35,6 +35,7 @@ class WorkerStats:
     nixl_bytes: int = 0             # bytes this worker read over NIXL
     ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
     fallbacks: int = 0
+    held_timeouts: int = 0          # prefill: held caches released because decode never read them
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class WorkerSnapshots:
         yield from self._vllm_named(workers)
         rows: dict[str, list[tuple[list[str], float]]] = {}
         for w in workers:
-            values = {**w.engine, "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes, "fallbacks": w.fallbacks}
+            values = {**w.engine, "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes, "fallbacks": w.fallbacks,
+                      "held_timeouts": w.held_timeouts}
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     rows.setdefault(key, []).append(([w.pool, w.worker_id], float(value)))

@@ -43,7 +43,7 @@ class _Worker:
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
         engine_config = config.pool_engine(pool, self.worker_id)
         self.engine = AsyncEngine(engine_config, launcher=self.launcher)
-        self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
+        self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "held_timeouts": 0}
         self.ray = RayTransport(self.engine.fingerprint, config.handoff.release_timeout_s)
 
     def _nixl(self) -> tuple[NixlTransport | None, str | None]:
@@ -97,7 +97,8 @@ class Colocated(_Worker):
 
 class Prefill(_Worker):
     """Runs prompts, holds each request's blocks + state slot until decode has read them
-    (NIXL notification `release:<id>`), an explicit release, or `release_timeout_s`."""
+    (NIXL notification `release:<id>`), an explicit release, or `release_timeout_s` (a decode
+    call that never comes: counted, /metrics `kvmesh_worker_held_timeouts`)."""
     POOL = "prefill"
 
     def __init__(self, config: ServeConfig):
@@ -180,6 +181,7 @@ class Prefill(_Worker):
                 now = time.monotonic()
                 for rid in [r for r, deadline in self.held.items() if deadline < now]:
                     log.warning("request %s: decode never read its cache; released after timeout", rid)
+                    self.counters["held_timeouts"] += 1
                     await self.release(rid)
             except Exception:
                 log.exception("prefill release loop")

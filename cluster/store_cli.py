@@ -4,10 +4,13 @@ Wired into the main CLI with `add_store_parser(subparsers)`; the parsed
 arguments go to `run_store(args)`, which returns a process exit code. Also
 runnable alone: `python -m cluster.store_cli store stats --store /path`.
 
-Every command works per fingerprint namespace (`{root}/{fingerprint[:16]}`):
-all namespaces under the store root, or only the one named by `--fingerprint`
-(the full fingerprint or its 16-char prefix). `--capacity` is per namespace,
-as it is for `ObjectStore`.
+Every command works per namespace (`{root}/{fingerprint[:16]}`, or
+`{root}/{fingerprint[:16]}-k{key_id}` for objects written under a store key): all
+namespaces under the store root, those of one fingerprint (`--fingerprint`, the full
+fingerprint or its 16-char prefix), or one namespace by name (`--namespace`, as `stats`
+prints it: how an old key's namespace is removed after a key rotation). `--capacity` is
+per namespace, as it is for `ObjectStore`. No command needs the store key: none reads
+an object's contents.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ def add_store_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--store", required=True, help="store URI: a path, file://..., s3://...")
         sub.add_argument("--fingerprint", help="only this namespace (full fingerprint or 16-char prefix)")
+        sub.add_argument("--namespace", help="only this namespace directory (as `stats` names it)")
         sub.add_argument("--capacity", type=int, help="bytes per namespace (required for gc)")
         if name == "gc":
             sub.add_argument("--index", help="also unpublish evicted objects from this index spec")
+            sub.add_argument("--all", action="store_true", help="evict every object (e.g. an old key's namespace)")
     parser.set_defaults(func=run_store)
     return parser
 
@@ -65,55 +70,59 @@ def _open_stores(args: argparse.Namespace) -> list[ObjectStore]:
     if args.capacity is not None and args.capacity <= 0:
         raise StoreCliError(f"--capacity must be a positive number of bytes, got {args.capacity}")
     namespaces = list_namespaces(args.store)
-    wanted = args.fingerprint
+    wanted, name = args.fingerprint, getattr(args, "namespace", None)
     if wanted is not None:
-        namespaces = {ns: fp for ns, fp in namespaces.items() if ns == wanted[:16]}
+        namespaces = {ns: fp for ns, fp in namespaces.items() if ns[:16] == wanted[:16]}
         if not namespaces:
             raise StoreCliError(f"no namespace for fingerprint {wanted} in {args.store}")
+    if name is not None:
+        namespaces = {ns: fp for ns, fp in namespaces.items() if ns == name}
+        if not namespaces:
+            raise StoreCliError(f"no namespace {name} in {args.store}")
     stores = []
     for ns, fingerprint in sorted(namespaces.items()):
         if fingerprint is None:
             print(f"skipping {ns}: no FINGERPRINT file (not written by kvmesh)", file=sys.stderr)
             continue
-        stores.append(ObjectStore(args.store, fingerprint, args.capacity))
+        stores.append(ObjectStore(args.store, fingerprint, args.capacity, namespace=ns))
     return stores
 
 
 def _print_stats(stores: list[ObjectStore], out: TextIO) -> None:
-    row = "{:<16}  {:<10}  {:>9}  {:>14}  {:>14}"
+    row = "{:<35}  {:<10}  {:>9}  {:>14}  {:>14}"
     print(row.format("namespace", "kind", "objects", "bytes", "capacity"), file=out)
     for store in stores:
         stats = store.stats()
         capacity = "-" if stats.capacity_bytes is None else str(stats.capacity_bytes)
         for kind in KINDS:
-            print(row.format(store.fingerprint[:16], kind, stats.objects[kind], stats.bytes[kind], ""), file=out)
+            print(row.format(store.namespace, kind, stats.objects[kind], stats.bytes[kind], ""), file=out)
         total = sum(stats.objects.values())
-        print(row.format(store.fingerprint[:16], "total", total, stats.total_bytes, capacity), file=out)
+        print(row.format(store.namespace, "total", total, stats.total_bytes, capacity), file=out)
 
 
 def _print_listing(stores: list[ObjectStore], out: TextIO) -> None:
     for store in stores:
-        print(f"{store.fingerprint}", file=out)
+        print(f"{store.fingerprint}" + (f" ({store.namespace})" if "-k" in store.namespace else ""), file=out)
         for kind in KINDS:
             for h in sorted(store.list(kind)):
                 print(f"  {kind}/{h:016x}", file=out)
 
 
 def _gc(stores: list[ObjectStore], args: argparse.Namespace, out: TextIO) -> None:
-    if args.capacity is None:
-        raise StoreCliError("gc needs --capacity BYTES (the size to evict down to, per namespace)")
+    if args.capacity is None and not args.all:
+        raise StoreCliError("gc needs --capacity BYTES (the size to evict down to, per namespace) or --all")
     for store in stores:
-        index = make_index(args.index, store.fingerprint) if args.index else None
+        index = make_index(args.index, store.fingerprint, namespace=store.namespace) if args.index else None
         store.attach_index(index)
         try:
-            evicted = store.gc()
+            evicted = store.gc(0 if args.all else None)
         finally:
             if index is not None:
                 index.close()
         stats = store.stats()
         print(
-            f"{store.fingerprint[:16]}: evicted {evicted} objects, "
-            f"{stats.total_bytes} of {args.capacity} bytes used",
+            f"{store.namespace}: evicted {evicted} objects, "
+            f"{stats.total_bytes} of {0 if args.all else args.capacity} bytes used",
             file=out,
         )
 

@@ -31,7 +31,10 @@ U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 HASH_HEX_CHARS = 16  # a u64 hash as zero-padded lowercase hex
 FINGERPRINT_MIN_CHARS = 16  # namespaces use fingerprint[:16]
+NAMESPACE_CHARS = 16
+KEY_ID_CHARS = 16
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
+NAMESPACE_RE = re.compile(r"^[0-9a-f]{%d}(-k[0-9a-f]{%d})?$" % (NAMESPACE_CHARS, KEY_ID_CHARS))
 _SEED_DOMAIN = b"kvmesh-block-seed-v1:"  # keeps the seed distinct from other uses of the digest
 
 
@@ -80,6 +83,22 @@ def check_fingerprint(fingerprint: str) -> str:
             f"(see model_fingerprint), got {fingerprint!r}"
         )
     return fingerprint
+
+
+def store_namespace(fingerprint: str, key_id: str | None = None) -> str:
+    """The store directory and index namespace of one fingerprint's objects.
+
+    Unkeyed: ``fingerprint[:16]``. Under a store key: ``{fingerprint[:16]}-k{key_id}``
+    (kvstore.mac.StoreKey.key_id), so objects of different keys, and unkeyed ones, never
+    share a path or an index entry: a node with a wrong key loses only its own reuse.
+    Block hashes do not depend on the key (nodes of any key agree on prefix identity).
+    """
+    ns = check_fingerprint(fingerprint)[:NAMESPACE_CHARS]
+    if key_id is None:
+        return ns
+    if len(key_id) != KEY_ID_CHARS or not _HEX_RE.match(key_id):
+        raise ValueError(f"key_id must be {KEY_ID_CHARS} lowercase hex chars, got {key_id!r}")
+    return f"{ns}-k{key_id}"
 
 
 def fingerprint_seed(fingerprint: str) -> int:

@@ -12,8 +12,8 @@ Three tiers of entries, all keyed by block chain hash (`kvstore.hashing`):
 * **memory** — a worker holds the block in its device/host pool, under a lease
   that expires unless re-published.
 
-Every index instance is bound to one model fingerprint; different models never
-see each other's entries. `make_index` builds one from a deployment spec.
+Every index instance is bound to one model fingerprint and namespace; different
+models, and stores of different keys, never see each other's entries. `make_index` builds one from a deployment spec.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class EmbeddedIndex(PrefixIndex):
     leases doubles since the last sweep, so dead workers cannot grow it forever.
     """
 
-    def __init__(self, fingerprint: str, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(fingerprint)
+    def __init__(self, fingerprint: str, clock: Callable[[], float] = time.monotonic,
+                 namespace: str | None = None) -> None:
+        super().__init__(fingerprint, namespace)
         self._clock = clock
         self._lock = threading.Lock()
         self._blocks: set[int] = set()
@@ -135,23 +136,26 @@ class EmbeddedIndex(PrefixIndex):
             return len(self._blocks) + len(self._checkpoints)
 
 
-def make_index(spec: str, fingerprint: str, store: ObjectListing | None = None) -> PrefixIndex:
+def make_index(spec: str, fingerprint: str, store: ObjectListing | None = None,
+               namespace: str | None = None) -> PrefixIndex:
     """Build the index a deployment asks for.
 
     `"local"`: an EmbeddedIndex, rebuilt from `store` when one is given.
     `"redis://host:port/db"` (or `rediss://`, `unix://`): a RedisIndex.
     Anything else raises ValueError naming the spec. The caller still attaches
-    the index to the store (`store.attach_index`) so puts publish to it.
+    the index to the store (`store.attach_index`) so puts publish to it. The
+    namespace is `store`'s (else `namespace`, else the fingerprint's unkeyed one).
     """
+    namespace = store.namespace if store is not None else namespace
     if spec == "local":
-        index = EmbeddedIndex(fingerprint)
+        index = EmbeddedIndex(fingerprint, namespace=namespace)
         if store is not None:
             index.rebuild_from(store)
         return index
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from kvstore.redis_index import RedisIndex  # lazy: embedded users need no redis
 
-        return RedisIndex(spec, fingerprint)
+        return RedisIndex(spec, fingerprint, namespace=namespace)
     raise ValueError(
         f"unknown prefix index spec {spec!r}: expected 'local' or 'redis://host:port/db'"
     )

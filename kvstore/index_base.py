@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Iterable, NamedTuple, Protocol, Sequence
 
-from kvstore.hashing import check_fingerprint
+from kvstore.hashing import NAMESPACE_RE, check_fingerprint, store_namespace
 
 BLOCK = "block"
 CHECKPOINT = "checkpoint"
@@ -61,6 +61,9 @@ class ObjectListing(Protocol):
     @property
     def fingerprint(self) -> str: ...
 
+    @property
+    def namespace(self) -> str: ...
+
     def list(self, kind: str) -> list[int]: ...
 
 
@@ -68,8 +71,9 @@ class PrefixIndex(abc.ABC):
     """Interface of every prefix index (embedded and Redis share one conformance suite).
 
     Contract:
-    * An instance is bound to `fingerprint` at construction; all reads and
-      writes touch only that namespace.
+    * An instance is bound to `fingerprint` and a namespace at construction (default
+      `fingerprint[:16]`; a keyed store's, kvstore.hashing.store_namespace, when it
+      indexes one); all reads and writes touch only that namespace.
     * Methods are thread-safe.
     * Publishing is idempotent; removing something absent is a no-op.
     * Store-tier entries (blocks, checkpoints) never expire; callers publish
@@ -77,12 +81,19 @@ class PrefixIndex(abc.ABC):
     * Memory-tier entries are leases of `ttl_s` seconds; publishing again renews.
     """
 
-    def __init__(self, fingerprint: str) -> None:
+    def __init__(self, fingerprint: str, namespace: str | None = None) -> None:
         self._fingerprint = check_fingerprint(fingerprint)
+        self._namespace = namespace or store_namespace(fingerprint)
+        if not NAMESPACE_RE.match(self._namespace) or not self._namespace.startswith(store_namespace(fingerprint)):
+            raise ValueError(f"index namespace {self._namespace!r} is not one of fingerprint {fingerprint[:16]}")
 
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
 
     @abc.abstractmethod
     def lookup(self, hashes: Sequence[int]) -> LookupResult:
@@ -133,10 +144,10 @@ class PrefixIndex(abc.ABC):
         return len(blocks) + len(checkpoints)
 
     def _listing(self, store: ObjectListing) -> tuple[list[int], list[int]]:
-        if store.fingerprint != self._fingerprint:
+        if (store.fingerprint, store.namespace) != (self._fingerprint, self._namespace):
             raise ValueError(
-                f"store fingerprint {store.fingerprint[:16]} does not match "
-                f"index fingerprint {self._fingerprint[:16]}"
+                f"store namespace {store.namespace} (fingerprint {store.fingerprint[:16]}) does not match "
+                f"index namespace {self._namespace}"
             )
         return store.list(BLOCK), store.list(CHECKPOINT)
 

@@ -199,6 +199,17 @@ def decode_object(
     view = memoryview(buf).cast("B")
     if view.readonly:
         view = memoryview(bytearray(view))
+    try:
+        return _decode(view, expect_fingerprint, expect_hash, expect_kind, lazy, key)
+    except CorruptObjectError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RuntimeError,
+            struct.error) as e:     # a checksummed but malformed object: still just a corrupt one
+        raise CorruptObjectError(f"malformed object: {type(e).__name__}: {e}") from e
+
+
+def _decode(view: memoryview, expect_fingerprint: str, expect_hash: int, expect_kind: str | None, lazy: bool,
+            key: StoreKey | None) -> CacheObject:
     header = _verified_header(view, key)
     if header.get("fingerprint") != expect_fingerprint:
         raise CorruptObjectError(
@@ -277,7 +288,9 @@ def _checked_entry(data_length: int, entry: dict) -> tuple[str, torch.dtype, tup
         shape = tuple(int(d) for d in entry["shape"])
         offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptObjectError(f"malformed tensor table entry {entry!r}: {e!r}") from e
+        raise CorruptObjectError(f"malformed tensor table entry {str(entry)[:200]}: {e!r}") from e
+    if not isinstance(name, str):
+        raise CorruptObjectError(f"tensor name {str(name)[:80]} is not a string")
     if min(shape, default=0) < 0 or math.prod(shape) * dtype.itemsize != nbytes:
         raise CorruptObjectError(f"tensor {name!r}: shape {list(shape)} of {dtype} is not {nbytes} bytes")
     if offset < 0 or offset % DATA_ALIGN or offset + nbytes > data_length:

@@ -1,6 +1,7 @@
 """The cluster prefix index in Redis (same contract as EmbeddedIndex, see kvstore.index).
 
-Key layout, `ns = fingerprint[:16]`, `hex = hash_hex(h)`::
+Key layout, `ns` the namespace (`fingerprint[:16]`, or `{fingerprint[:16]}-k{key_id}` for a
+keyed store: kvstore.hashing.store_namespace), `hex = hash_hex(h)`::
 
     kvmesh:{ns}:b:{hex}   string "1"         block object is in the store
     kvmesh:{ns}:c:{hex}   string "1"         checkpoint object is in the store
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 KEY_PREFIX = "kvmesh"
-NAMESPACE_CHARS = 16
 DEFAULT_SOCKET_TIMEOUT_S = 1.0
 DEFAULT_BACKOFF_INITIAL_S = 0.1
 DEFAULT_BACKOFF_MAX_S = 30.0
@@ -84,14 +84,15 @@ class RedisIndex(PrefixIndex):
         backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S,
         backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
         clock: Callable[[], float] = time.monotonic,
+        namespace: str | None = None,
     ) -> None:
-        super().__init__(fingerprint)
+        super().__init__(fingerprint, namespace)
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError(
                 f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
             )
         self._url = redact_url(url)     # for logs; the client keeps the real one
-        self._ns = f"{KEY_PREFIX}:{fingerprint[:NAMESPACE_CHARS]}"
+        self._ns = f"{KEY_PREFIX}:{self.namespace}"
         # No client-level retries: our own backoff decides when to try again.
         self._client = redis.Redis.from_url(
             url,

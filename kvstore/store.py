@@ -2,9 +2,13 @@
 
 Layout under the store root (a local path, ``file://``, ``s3://``, ...)::
 
-    {root}/{fingerprint[:16]}/FINGERPRINT              the full fingerprint (claims the namespace)
-    {root}/{fingerprint[:16]}/block/{hash_hex}.kv       one object per block
-    {root}/{fingerprint[:16]}/checkpoint/{hash_hex}.kv  one object per checkpoint
+    {root}/{ns}/FINGERPRINT              the full fingerprint (claims the namespace)
+    {root}/{ns}/QUARANTINE               unusable objects that could not be removed, one per line
+    {root}/{ns}/block/{hash_hex}.kv       one object per block
+    {root}/{ns}/checkpoint/{hash_hex}.kv  one object per checkpoint
+
+    ns = fingerprint[:16]                 without a store key
+    ns = {fingerprint[:16]}-k{key_id}     with one (kvstore.hashing.store_namespace)
 
 Objects are in the format of :mod:`kvstore.objects`; filesystem primitives live
 in :mod:`kvstore.store_fs`. The store is the truth and
@@ -18,10 +22,15 @@ the index a hint (DESIGN §4):
   served as a miss. It never returns wrong data, and never raises or hangs for
   what it finds: an I/O error, a directory or FIFO at an object's path, a read
   past ``read_timeout_s`` are misses too, logged once per cause with the
-  object's name. An object that cannot be removed is quarantined (never read
-  again by this process).
+  object's name. Each is removed once (a directory at an object's path too), so
+  the prefix can be stored again. An object that cannot be removed is
+  quarantined: listed in the namespace's QUARANTINE file, so no process reads
+  it again, this one after a restart included (a hung read is quarantined by
+  this process only: the mount may recover).
 * With a ``key`` (kvstore.mac) objects carry a MAC and only those it verifies
   are used; without one the store trusts whoever can write to it (said once).
+  Each key has its own namespace, so a node with a wrong key never reads, removes
+  or overwrites the objects of another key (or the unkeyed ones).
 * Capacity is per fingerprint namespace. A put that goes over it evicts (and
   unpublishes) the least recently used objects: this process's reads and
   writes, seeded from file mtimes. A put never fails for space; an object
@@ -41,9 +50,9 @@ from typing import NamedTuple, Sequence
 import pyarrow.fs as pafs
 import torch
 
-from kvstore.hashing import check_fingerprint, hash_hex, parse_hash_hex
+from kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
+                             store_namespace)
 from kvstore.index import PrefixIndex
-from kvstore.hashing import FINGERPRINT_MIN_CHARS
 from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
 from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
@@ -55,7 +64,7 @@ log = logging.getLogger(__name__)
 
 OBJECT_SUFFIX = ".kv"
 FINGERPRINT_FILE = "FINGERPRINT"
-NAMESPACE_CHARS = 16
+QUARANTINE_FILE = "QUARANTINE"     # "kind hash_hex" per line: unusable objects that could not be removed
 _OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{%d,}$" % FINGERPRINT_MIN_CHARS)
 DEFAULT_READ_TIMEOUT_S = 10.0
@@ -105,6 +114,16 @@ def _local_size(path: str) -> int | None:
         return None
 
 
+def _namespace_of(fingerprint: str, key: StoreKey | None, namespace: str | None) -> str:
+    own = store_namespace(fingerprint, key.key_id if key is not None else None)
+    if namespace is None or namespace == own:
+        return own
+    if key is not None or not NAMESPACE_RE.match(namespace) or not namespace.startswith(own):
+        raise ValueError(f"namespace {namespace!r} is not one of fingerprint {fingerprint[:16]}"
+                         + (f" under this store key (that is {own!r})" if key is not None else ""))
+    return namespace
+
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"object kind must be one of {KINDS}, got {kind!r}")
@@ -129,14 +148,19 @@ class ObjectStore(CacheTier):
         key: StoreKey | None = None,
         read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S,
         staging_bytes: int = 0,
+        namespace: str | None = None,
     ) -> None:
+        """``namespace``: open this namespace directory (a name `list_namespaces` gave) instead
+        of the one that ``fingerprint`` and ``key`` name, for tools that list and trim a
+        namespace without holding its key (`kvmesh store`)."""
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
         self._fingerprint = check_fingerprint(fingerprint)
         self._capacity = capacity_bytes
         self._unread_first = evict_unread_first  # objects never read since written go first
         self._fs, root = resolve_uri(uri)
-        self._dir = f"{root}/{fingerprint[:NAMESPACE_CHARS]}"
+        self._namespace = _namespace_of(self._fingerprint, key, namespace)
+        self._dir = f"{root}/{self._namespace}"
         self._index: PrefixIndex | None = None
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU first
@@ -148,6 +172,7 @@ class ObjectStore(CacheTier):
         self._key = key
         self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
         self._quarantine: set[tuple[str, int]] = set()
+        self._undeletable: set[tuple[str, int]] = set()     # the persisted part of the quarantine
         self._logged: set[str] = set()   # causes already logged
         # get_many reads blocks into this reused buffer; touched once now so a restore never
         # page-faults its way through fresh memory.
@@ -156,6 +181,8 @@ class ObjectStore(CacheTier):
             for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
                 self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
             self._claim_namespace()
+            self._undeletable = self._read_quarantine()
+            self._quarantine |= self._undeletable
         except OSError as e:
             raise StoreUnavailableError(f"store {uri}: cannot use {self._dir}: {e}") from e
         self._say_trust(uri)
@@ -168,14 +195,20 @@ class ObjectStore(CacheTier):
         return self._fingerprint
 
     @property
+    def namespace(self) -> str:
+        """The namespace directory's name: the index of this store must use the same."""
+        return self._namespace
+
+    @property
     def capacity_bytes(self) -> int | None:
         return self._capacity
 
     def attach_index(self, index: PrefixIndex | None) -> None:
         """Publish future puts to (and unpublish evictions from) ``index``."""
-        if index is not None and index.fingerprint != self._fingerprint:
+        if index is not None and (index.fingerprint, index.namespace) != (self._fingerprint, self._namespace):
             raise ValueError(
-                f"index fingerprint {index.fingerprint[:16]} does not match store {self._fingerprint[:16]}"
+                f"index namespace {index.namespace} (fingerprint {index.fingerprint[:16]}) does not match "
+                f"store namespace {self._namespace}"
             )
         self._index = index
 
@@ -198,6 +231,32 @@ class ObjectStore(CacheTier):
             raise ValueError(
                 f"store namespace {self._dir} belongs to fingerprint {owner}, not {self._fingerprint}"
             )
+
+    def _read_quarantine(self) -> set[tuple[str, int]]:
+        try:
+            text = read_text(self._fs, f"{self._dir}/{QUARANTINE_FILE}") or ""
+        except OSError as e:     # unreadable: each object is read (and quarantined) once again
+            log.warning("store quarantine list %s/%s is unreadable (%s): ignored", self._dir, QUARANTINE_FILE, e)
+            return set()
+        found = set()
+        for line in text.splitlines():
+            kind, _, hex_ = line.strip().partition(" ")
+            try:
+                found.add((kind, parse_hash_hex(hex_))) if kind in KINDS else None
+            except ValueError:
+                pass        # a damaged line only loses that entry (it is read, and quarantined, again)
+        return found
+
+    def _write_quarantine(self) -> None:
+        """Persist the quarantined objects that still exist (hung reads are this process's only)."""
+        with self._lock:
+            listed = sorted(self._undeletable)
+        text = "".join(f"{kind} {hash_hex(h)}\n" for kind, h in listed)
+        try:
+            write_atomic(self._fs, f"{self._dir}/{QUARANTINE_FILE}", [text.encode()])
+        except OSError as e:
+            self._log_once("quarantine-file", "cannot record the quarantine in %s (%s): other processes "
+                           "will read those objects once each", self._dir, e)
 
     def _path(self, kind: str, h: int) -> str:
         return f"{self._dir}/{kind}/{hash_hex(h)}{OBJECT_SUFFIX}"
@@ -223,6 +282,8 @@ class ObjectStore(CacheTier):
             self._track(kind, h, None, skipped=1)
             return 0
         write_atomic(self._fs, self._path(kind, h), parts)
+        if (kind, h) in self._quarantine:       # replaced after all: usable again
+            self._lift_quarantine(kind, h)
         self._track(kind, h, size, writes=1, bytes_written=size)
         self._update_index(kind, h, present=True)
         if self._capacity is not None:
@@ -364,15 +425,27 @@ class ObjectStore(CacheTier):
         try:
             self.delete(kind, h)
         except OSError as e:
-            self._quarantine_add(kind, h)
-            self._log_once("undeletable", "cannot remove unusable store object %s (%s): quarantined, "
-                           "this process will not read it again", path, e)
+            self._quarantine_add(kind, h, persist=True)
+            self._log_once("undeletable", "cannot remove unusable store object %s (%s): quarantined "
+                           "(%s), no process will read it again", path, e, QUARANTINE_FILE)
 
-    def _quarantine_add(self, kind: str, h: int) -> None:
+    def _quarantine_add(self, kind: str, h: int, persist: bool = False) -> None:
         with self._lock:
             if (kind, h) not in self._quarantine:
                 self._quarantine.add((kind, h))
                 self._counters["quarantined"] += 1
+            if persist:
+                self._undeletable.add((kind, h))
+        if persist:
+            self._write_quarantine()
+
+    def _lift_quarantine(self, kind: str, h: int) -> None:
+        with self._lock:
+            self._quarantine.discard((kind, h))
+            persisted = (kind, h) in self._undeletable
+            self._undeletable.discard((kind, h))
+        if persisted:
+            self._write_quarantine()
 
     def _log_once(self, cause: str, msg: str, *args) -> None:
         """Warn at the first occurrence of each cause (naming its object); debug after that, so
@@ -388,13 +461,14 @@ class ObjectStore(CacheTier):
         return self._fs.get_file_info(self._path(kind, h)).type == pafs.FileType.File
 
     def list(self, kind: str) -> list[int]:
-        """Hashes of every ``kind`` object in the store (a fresh listing)."""
+        """Hashes of every ``kind`` object in the store (a fresh listing), quarantined ones left out."""
         return [h for h, _ in self._list_files(kind)]
 
     def _list_files(self, kind: str) -> list[tuple[int, pafs.FileInfo]]:
         _check_kind(kind)
         files = list_files(self._fs, f"{self._dir}/{kind}", _OBJECT_RE)
-        return [(parse_hash_hex(match.group(1)), info) for match, info in files]
+        listed = [(parse_hash_hex(match.group(1)), info) for match, info in files]
+        return [(h, info) for h, info in listed if (kind, h) not in self._quarantine]
 
     # -- eviction ----------------------------------------------------------------
 
@@ -403,13 +477,19 @@ class ObjectStore(CacheTier):
         _check_kind(kind)
         self._update_index(kind, h, present=False)
         self._track(kind, h, None)
+        path = self._path(kind, h)
         try:
-            self._fs.delete_file(self._path(kind, h))
+            if self._fs.get_file_info(path).type == pafs.FileType.Directory:
+                self._fs.delete_dir(path)       # a directory where an object belongs: it blocks every put
+            else:
+                self._fs.delete_file(path)
         except FileNotFoundError:
-            return False
-        with self._lock:
-            self._quarantine.discard((kind, h))
-        return True
+            removed = False
+        else:
+            removed = True
+        if (kind, h) in self._quarantine:
+            self._lift_quarantine(kind, h)
+        return removed
 
     def gc(self, target_bytes: int | None = None) -> int:
         """Rescan the store, then evict LRU objects until at most ``target_bytes``

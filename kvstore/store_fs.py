@@ -20,9 +20,10 @@ from typing import Sequence
 
 import pyarrow.fs as pafs
 
+from kvstore.hashing import NAMESPACE_RE
+
 STALE_TMP_S = 3600.0  # a temp file older than this was left by a crashed writer
 _TMP_SUFFIX = ".tmp"
-_NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 def resolve_uri(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -81,11 +82,12 @@ def read_into(f, view: memoryview) -> int:
 
 
 def list_namespace_dirs(uri: str, marker: str) -> dict[str, str | None]:
-    """Namespace directory (16 hex chars) under the root -> contents of its `marker` file."""
+    """Namespace directory (kvstore.hashing.store_namespace) under the root -> contents of its
+    `marker` file."""
     filesystem, root = resolve_uri(uri)
     found: dict[str, str | None] = {}
     for info in filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
-        if info.type == pafs.FileType.Directory and _NAMESPACE_RE.match(info.base_name):
+        if info.type == pafs.FileType.Directory and NAMESPACE_RE.match(info.base_name):
             try:
                 found[info.base_name] = read_text(filesystem, f"{info.path}/{marker}")
             except OSError:     # a directory or an unreadable file where the marker should be

@@ -10,7 +10,8 @@ from typing import Callable, Iterator, NamedTuple
 
 import pytest
 
-from kvstore.hashing import PrefixHasher
+from kvstore.hashing import PrefixHasher, store_namespace
+from kvstore.mac import StoreKey
 from kvstore.index import EmbeddedIndex, LookupResult, PrefixIndex, make_index
 from kvstore.redis_index import RedisIndex
 
@@ -32,7 +33,7 @@ class FakeClock:
 
 
 class Harness(NamedTuple):
-    make: Callable[[str], PrefixIndex]  # a new index bound to a fingerprint
+    make: Callable[..., PrefixIndex]  # a new index bound to a fingerprint (and a namespace of it)
     wait: Callable[[float], None]  # let this many seconds of lease time pass
     ttl_s: float  # a lease short enough for a fast test
 
@@ -43,8 +44,8 @@ def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     if request.param == "embedded":
         clock = FakeClock()
 
-        def make(fp: str) -> PrefixIndex:
-            made.append(EmbeddedIndex(fp, clock=clock))
+        def make(fp: str, namespace: str | None = None) -> PrefixIndex:
+            made.append(EmbeddedIndex(fp, clock=clock, namespace=namespace))
             return made[-1]
 
         def wait(seconds: float) -> None:
@@ -54,8 +55,8 @@ def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     else:
         url = request.getfixturevalue("redis_server")
 
-        def make(fp: str) -> PrefixIndex:
-            made.append(RedisIndex(url, fp))
+        def make(fp: str, namespace: str | None = None) -> PrefixIndex:
+            made.append(RedisIndex(url, fp, namespace=namespace))
             return made[-1]
 
         yield Harness(make, time.sleep, ttl_s=0.4)  # server-clock leases, 1 ms granularity
@@ -155,6 +156,19 @@ def test_namespaces_isolate_fingerprints(harness: Harness) -> None:
     b.publish_blocks(hs[:1])
     b.clear()
     assert a.lookup(hs) == LookupResult(6, (0,), {"w1": 6})  # clear only touched b
+
+
+def test_namespaces_isolate_store_keys_of_one_fingerprint(harness: Harness) -> None:
+    fp = _fingerprint()
+    one, two = (harness.make(fp, store_namespace(fp, StoreKey(k * 32).key_id)) for k in "12")
+    unkeyed = harness.make(fp)
+    hs = _chain(fp)
+    one.publish_blocks(hs)
+    one.publish_checkpoint(hs[0])
+    assert two.lookup(hs) == unkeyed.lookup(hs) == LookupResult(0, (), {})
+    two.remove_blocks(hs)           # what a wrong-key node does after its misses
+    unkeyed.clear()
+    assert one.lookup(hs) == LookupResult(6, (0,), {})
 
 
 def test_clear_empties_the_namespace(harness: Harness) -> None:

@@ -190,6 +190,8 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
         time.sleep(0.05)
     assert held("disagg") == 0, "decode's READ notification did not release the prefill cache"
     # a handoff nobody decodes (the client went away): released after release_timeout_s
+    timeouts = f"{urls['disaggregated']}/metrics", "kvmesh_worker_held_timeouts"
+    before = prefill_metric(*timeouts)
     prefill = serve.get_deployment_handle("Prefill", "disagg")
     orphan = prefill.prefill.remote(GenRequest("orphan-1", [5] * 300, SamplingParams(max_tokens=8))).result()
     assert orphan.offer.transport == "nixl" and held("disagg") == 1
@@ -198,6 +200,28 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
     while held("disagg") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert held("disagg") == 0
+    assert prefill_metric(*timeouts) == before + 1          # the timeout release shows in /metrics
+
+
+def prefill_metric(url: str, name: str) -> float:
+    text = httpx.get(url, timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and 'pool="prefill"' in line)
+
+
+def test_the_issues_1_4_mb_schema_is_a_400_naming_response_format_and_serving_goes_on(urls, client):
+    """Issue 23: 13,000 properties (1.4 MB) once grew a prefill replica to ~20 GB; now it is
+    refused before any work, in a second, and the next request is served."""
+    schema = {"type": "object", "properties": {f"property_number_{i:05d}": {"type": "string", "description": "x" * 60}
+                                               for i in range(13_000)}}
+    for mode in MODES:
+        start = time.monotonic()
+        r = client.post(f"{urls[mode]}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "response_format" and "max_schema_bytes" in err["message"]
+        assert time.monotonic() - start < 10
+        assert client.post(f"{urls[mode]}/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
 
 
 def metric(text: str, name: str) -> float:

@@ -54,7 +54,8 @@ def test_without_or_with_a_wrong_key_every_route_but_health_is_401(urls, clients
     base = urls["disaggregated"]
     for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEYS[0]}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("GET", "/metrics"), ("POST", "/tokenize"), ("GET", "/version")):
+                             ("GET", "/metrics"), ("POST", "/tokenize"), ("GET", "/version"), ("GET", "/docs"),
+                             ("GET", "/openapi.json")):
             r = httpx.request(method, base + path, headers=headers, json={"prompt": "hi"}, timeout=30)
             assert r.status_code == 401, (path, headers, r.text)
             err = r.json()["error"]
@@ -68,6 +69,19 @@ def test_without_or_with_a_wrong_key_every_route_but_health_is_401(urls, clients
         assert openai.OpenAI(base_url=f"{base}/v1", api_key=key).models.list().data
     text = httpx.get(base + "/metrics", headers=AUTH, timeout=30).text
     assert not any(k in text for k in KEYS)
+
+
+def test_the_api_docs_answer_with_the_key_and_without_keys_configured(urls):
+    base = urls["disaggregated"]
+    spec = httpx.get(base + "/openapi.json", headers=AUTH, timeout=30)
+    assert spec.status_code == 200 and "/v1/completions" in spec.json()["paths"]
+    page = httpx.get(base + "/docs", headers=AUTH, timeout=30)
+    assert page.status_code == 200 and "/openapi.json" in page.text
+    open_base = urls["colocated"]          # no keys: open, and the page points under the route prefix
+    page = httpx.get(open_base + "/docs", timeout=30)
+    assert page.status_code == 200 and "/colocated/openapi.json" in page.text
+    assert httpx.get(open_base + "/openapi.json", timeout=30).status_code == 200
+    assert httpx.get(base + "/redoc", timeout=30).status_code == 404      # not served: nothing unauthenticated
 
 
 # ---- n, best_of, logprobs, echo -------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_prefix_computed_on_one_node_is_reused_on_the_other(two_nodes):
     first = complete(url)
     assert first["choices"][0]["token_ids"] == cold
     fingerprint = next(iter(infos.values()))["fingerprint"]
-    index = make_index(config.engine.index, fingerprint)
+    index = make_index(config.engine.index, fingerprint, namespace=next(iter(infos.values()))["index_namespace"])
     hashes = PrefixHasher(fingerprint, BLOCK).hashes(PROMPT)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

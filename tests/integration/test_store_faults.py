@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore.hashing import store_namespace
+from kvstore.mac import StoreKey
 from kvstore.objects import decode_object, encode_object
 from kvstore.store import FINGERPRINT_FILE
 from tests.helpers import random_prompt, write_tiny_checkpoint
 from workers.engine import Engine, StoreUnavailable
+from workers.engine.async_engine import AsyncEngine
 from workers.engine_config import EngineConfig
 from workers.sampling.params import SamplingParams
 
@@ -98,10 +101,11 @@ def test_a_bad_file_at_an_object_path_is_a_miss_and_the_output_is_the_cold_runs(
     assert out.token_ids == cold and out.finish_reason == "length"
     assert out.cached_tokens == 3 * BT                 # blocks 0..2 were still good
     s = reader.prefix.store.stats()
-    assert s.corrupt + s.read_errors == 1
+    assert s.corrupt + s.read_errors == 1 and s.quarantined == 0
     reader.flush()
+    assert path.is_file() and not path.is_symlink()      # removed once, then the recomputed block stored again
     again = engine(model_dir, tmp_path).generate([PROMPT], GREEDY)[0]
-    assert again.token_ids == cold
+    assert again.token_ids == cold and again.cached_tokens == (len(PROMPT) - 1) // BT * BT
 
 
 def test_an_undeletable_corrupt_object_is_quarantined_not_retried(model_dir, cold, tmp_path, caplog):
@@ -118,6 +122,9 @@ def test_an_undeletable_corrupt_object_is_quarantined_not_retried(model_dir, col
         assert path.exists()
         named = [r for r in caplog.records if r.name == "kvstore.store" and str(path) in r.getMessage()]
         assert len(named) == 2                             # the cause, then "cannot remove": once each
+        restarted = engine(model_dir, tmp_path)            # the quarantine is in the store: not read again
+        assert restarted.generate([PROMPT], GREEDY)[0].token_ids == cold
+        assert restarted.prefix.store.stats().corrupt == 0
 
 
 @pytest.mark.parametrize("kind,policy", [("block", "full"), ("checkpoint", f"periodic:{2 * BT}")])
@@ -176,3 +183,50 @@ def test_a_store_written_with_one_key_and_read_with_another_reuses_nothing(model
     assert same.token_ids == cold and same.cached_tokens > 0
     other = engine(model_dir, tmp_path, store_key=KEY_B).generate([PROMPT], GREEDY)[0]
     assert other.token_ids == cold and other.cached_tokens == 0
+
+
+def run_once(model_dir, store: Path, **kw):
+    e = engine(model_dir, store, **kw)
+    out = e.generate([PROMPT], GREEDY)[0]
+    e.flush()
+    e.close()
+    return out, e.prefix.store.stats()
+
+
+def test_a_node_with_a_wrong_key_costs_only_its_own_reuse(model_dir, cold, tmp_path):
+    """Key one writes, key two (a typo) and an unkeyed node run, recompute and write; key
+    one's next run still reuses the whole prefix: nothing of key one's was removed or overwritten."""
+    seed_store(model_dir, tmp_path, store_key=KEY_A)
+    for key in (KEY_B, None):
+        out, stats = run_once(model_dir, tmp_path, store_key=key)
+        assert out.token_ids == cold and out.cached_tokens == 0 and stats.corrupt == 0 and stats.writes > 0
+    out, stats = run_once(model_dir, tmp_path, store_key=KEY_A)
+    assert out.token_ids == cold and out.cached_tokens == (len(PROMPT) - 1) // BT * BT
+    assert stats.corrupt == 0
+    keyed = AsyncEngine(engine=engine(model_dir, tmp_path, store_key=KEY_A))      # what the ingress is told
+    try:
+        ns = store_namespace(keyed.fingerprint, StoreKey(KEY_A).key_id)
+        assert keyed.info()["index_namespace"] == keyed.engine.prefix.index.namespace == ns
+        assert keyed.engine.prefix.store.namespace == ns and KEY_A not in ns
+    finally:
+        keyed.shutdown()
+
+
+def test_key_rotation_keeps_old_key_nodes_reusing_until_the_old_namespace_is_removed(model_dir, cold, tmp_path):
+    """docs/deploy.md's rotation, step by step: new-key nodes start a namespace of their own
+    while old-key nodes go on reusing theirs; once none runs the old key, `kvmesh store gc
+    --namespace OLD --all` removes the old objects and nothing of the new key's."""
+    from cluster.store_cli import main as store_cli
+    full = (len(PROMPT) - 1) // BT * BT
+    seed_store(model_dir, tmp_path, store_key=KEY_A)                        # before: everyone on key A
+    new, _ = run_once(model_dir, tmp_path, store_key=KEY_B)                # 1. the first node on key B
+    assert new.token_ids == cold and new.cached_tokens == 0
+    old, _ = run_once(model_dir, tmp_path, store_key=KEY_A)                # 2. rollout: A nodes unharmed
+    assert old.token_ids == cold and old.cached_tokens == full
+    again, _ = run_once(model_dir, tmp_path, store_key=KEY_B)              # ... and B nodes share B's
+    assert again.token_ids == cold and again.cached_tokens == full
+    old_ns = engine(model_dir, tmp_path, store_key=KEY_A).prefix.store.namespace
+    assert store_cli(["store", "gc", "--store", str(tmp_path), "--namespace", old_ns, "--all"]) == 0   # 3.
+    assert not list((tmp_path / old_ns / "block").glob("*.kv"))
+    after, _ = run_once(model_dir, tmp_path, store_key=KEY_B)
+    assert after.token_ids == cold and after.cached_tokens == full

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cluster.store_cli import add_store_parser, run_store
-from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint
+from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint, store_namespace
+from kvstore.mac import StoreKey
 from kvstore.index import EmbeddedIndex, make_index
 from kvstore.objects import (
     CHECKSUM_OFFSET,
@@ -237,6 +238,58 @@ def test_store_namespaces_are_claimed_by_one_fingerprint(tmp_path: Path) -> None
     collision = FP[:16] + "0" * 16
     with pytest.raises(ValueError, match="belongs to fingerprint"):
         ObjectStore(str(tmp_path / "store"), collision)
+
+
+def test_a_wrong_store_key_never_removes_or_overwrites_another_keys_objects(tmp_path: Path) -> None:
+    """The issue-23 scenario at the store: key one writes, key two (and an unkeyed node) run
+    on the same root, miss and write; key one's objects are still there and verify."""
+    root = str(tmp_path / "store")
+    one, two = StoreKey("1" * 32), StoreKey("2" * 32)
+    first = ObjectStore(root, FP, key=one)
+    first.put("block", HS[0], None, 4, _tensors(1))
+    for key in (two, None):
+        node = ObjectStore(root, FP, key=key)
+        assert node.get("block", HS[0]) is None and node.stats().corrupt == 0   # a plain miss
+        node.put("block", HS[0], None, 4, _tensors(2))      # recomputed: written in its own namespace
+    again = ObjectStore(root, FP, key=one)
+    _assert_same(again.get("block", HS[0]).tensors, _tensors(1))
+    assert again.stats().corrupt == 0
+    spaces = list_namespaces(root)
+    assert set(spaces) == {FP[:16], f"{FP[:16]}-k{one.key_id}", f"{FP[:16]}-k{two.key_id}"}
+    assert set(spaces.values()) == {FP}
+
+
+def test_the_key_id_names_a_key_without_revealing_it() -> None:
+    one = StoreKey("1" * 32)
+    assert one.key_id == StoreKey("1" * 32).key_id != StoreKey("1" * 31 + "2").key_id
+    assert len(one.key_id) == 16 and "1" * 16 not in one.key_id
+    assert store_namespace(FP, one.key_id) == f"{FP[:16]}-k{one.key_id}" and store_namespace(FP) == FP[:16]
+    with pytest.raises(ValueError, match="key_id"):
+        store_namespace(FP, "not-hex")
+
+
+def test_an_index_serves_only_its_stores_namespace(tmp_path: Path) -> None:
+    keyed = ObjectStore(str(tmp_path / "store"), FP, key=StoreKey("1" * 32))
+    assert make_index("local", FP, keyed).namespace == keyed.namespace
+    with pytest.raises(ValueError, match="namespace"):
+        keyed.attach_index(EmbeddedIndex(FP))       # the unkeyed namespace's index
+    with pytest.raises(ValueError, match="namespace"):
+        EmbeddedIndex(FP).rebuild_from(keyed)
+    with pytest.raises(ValueError, match="not one of fingerprint"):
+        EmbeddedIndex(FP, namespace=f"{OTHER_FP[:16]}-k{'0' * 16}")
+
+
+def test_store_cli_removes_an_old_keys_namespace_and_nothing_else(tmp_path: Path) -> None:
+    root = str(tmp_path / "store")
+    old, new = ObjectStore(root, FP, key=StoreKey("o" * 32)), ObjectStore(root, FP, key=StoreKey("n" * 32))
+    for store in (old, new):
+        store.put("block", HS[0], None, 4, _tensors())
+    code, out = _cli("store", "stats", "--store", root)
+    assert code == 0 and old.namespace in out and new.namespace in out
+    code, out = _cli("store", "gc", "--store", root, "--namespace", old.namespace, "--all")
+    assert code == 0 and f"{old.namespace}: evicted 1 objects" in out and new.namespace not in out
+    assert old.list("block") == [] and new.get("block", HS[0]) is not None
+    assert _cli("store", "gc", "--store", root, "--namespace", "0" * 16, "--all")[0] == 2
 
 
 def test_file_uri_is_the_same_store(tmp_path: Path) -> None:

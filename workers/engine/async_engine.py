@@ -132,8 +132,11 @@ class AsyncEngine:
     def info(self) -> dict:
         """What the ingress needs to know about this engine's model and limits."""
         e = self.engine
+        index = e.prefix.index
         return {"max_model_len": e.max_model_len, "vocab_size": e.args.vocab_size,
-                "block_tokens": e.config.block_tokens, "fingerprint": e.fingerprint, "model_dir": str(e.model_dir)}
+                "block_tokens": e.config.block_tokens, "fingerprint": e.fingerprint, "model_dir": str(e.model_dir),
+                "index_namespace": index.namespace if index is not None else None,
+                "max_schema_bytes": e.config.max_schema_bytes}
 
     async def release_held(self, request_id: str) -> None:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
@@ -150,6 +153,8 @@ class AsyncEngine:
         params.validate()
         if request_id in self._streams:  # a second stream would steal (and abort) the first one's
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        if params.guide:    # compiled here, off the engine loop (bounded); the loop then finds it cached
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.guides.compile, params.guide)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         with self._lock:

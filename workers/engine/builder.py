@@ -5,7 +5,7 @@
 
 Order matters and is fixed here: the model decides the cache layout; the layout and the memory
 budget size the block and slot pools; the fingerprint (model config, weights, dtype, layout)
-names the store and index namespace; the prefix cache sits on the pools and the tiers; the
+and the store key's id name the store and index namespace; the prefix cache sits on the pools and the tiers; the
 KV-cache manager is the only allocator over all of them.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors, size_pools
-from kvstore.hashing import PrefixHasher, model_fingerprint
+from kvstore.hashing import PrefixHasher, model_fingerprint, store_namespace
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex, make_index
 from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
@@ -138,7 +138,8 @@ def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None
              if config.store else None)
     index = None
     if store is not None or config.index != "local":
-        index = make_index(config.index, fingerprint, store)
+        index = make_index(config.index, fingerprint, store,
+                           namespace=store_namespace(fingerprint, key.key_id if key is not None else None))
         if store is not None:
             store.attach_index(index)
             if config.index != "local":   # the store is the truth: re-seed a shared index from it

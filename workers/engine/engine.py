@@ -27,7 +27,7 @@ from workers.model.args import ConfigError
 from workers.parallel.collectives import RankFailed
 from workers.parallel.replica import RankLauncher
 from workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
-from workers.sampling.grammar import GuideCompiler
+from workers.sampling.grammar import GrammarLimits, GuideCompiler
 from workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
 from workers.spec.mtp import MTPDrafter
 from workers.spec.speculative import Drafter, DraftLimits, Speculator
@@ -64,7 +64,9 @@ class Engine:
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.scheduler = Scheduler(self.kv, self.slots.num_slots, config.max_batched_tokens, on_admit=self._admit)
         eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
-        self.guides = GuideCompiler(self.tokenizer, a.vocab_size, sorted(eos))
+        self.guides = GuideCompiler(self.tokenizer, a.vocab_size, sorted(eos),
+                                    GrammarLimits(config.max_schema_bytes, config.grammar_compile_timeout_s,
+                                                  config.grammar_compile_memory_bytes))
         self.outputs = OutputProcessor(self.tokenizer, eos, self.guides, self.table, self.scheduler, self.prefix,
                                        self.counters)
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
@@ -110,6 +112,7 @@ class Engine:
         self.prefix.flush()
 
     def close(self) -> None:
+        self.guides.close()
         self.prefix.close()
         if self.ranks is not None:
             self.ranks.close()
