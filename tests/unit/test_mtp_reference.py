@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import TINY_BASE, TINY_CONFIGS, random_prompt
+from tests.helpers import TINY_BASE, TINY_CONFIGS, mtp_logits, random_prompt
 
 NAME = "swa_csa_hca"
 PROMPT = 21          # > 2 SWA windows (8), crosses CSA (4) and HCA (16) windows
@@ -116,41 +116,11 @@ def reference_mtp_logits(ref, mtp: dict, tokens: list[int]) -> tuple[torch.Tenso
     return h[0], logits[0]
 
 
-def kvmesh_mtp_logits(path, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same from kvmesh: the main forward (keep_streams) over the prompt as one prefill,
-    then `MTPLayer.predict` + `Transformer.logits` through the layer's own head, as the
-    drafter runs them."""
-    from kvstore.cache_tensors import CacheTensors, LayerCache
-    from kvstore.layout import CacheLayout, LayoutParams, SWASpec
-    from workers.checkpoint.loader import load_model
-    from workers.model.step import StepInput
-    args, model = load_model(path)
-    layout = CacheLayout.build(LayoutParams(args.layer_types, args.head_dim, args.index_head_dim, args.csa_ratio,
-                                            args.hca_ratio, args.sliding_window, "float32", "auto",
-                                            args.rope_head_dim), 16)
-    cache = CacheTensors(layout, num_blocks=4, num_slots=1)
-
-    def step(ids: list[int], blocks: int) -> StepInput:
-        t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-        s = len(ids)
-        return StepInput(tokens=t(ids), positions=torch.arange(s), q_seq=torch.zeros(s, dtype=torch.long),
-                         starts=t([0]), lengths=t([s]), slots=t([0]),
-                         block_table=torch.arange(blocks, dtype=torch.int32).unsqueeze(0), ring_from=t([0]),
-                         keep_tokens=t([0]), logits_at=torch.arange(s))
-    _, streams = model(step(tokens, 4), cache, keep_streams=True)
-    ring = LayerCache(SWASpec(block_tokens=0, head_dim=args.head_dim, window=args.sliding_window, dtype="float32"),
-                      num_blocks=0, num_slots=1)
-    layer, mstep = model.mtp[0], step(tokens[1:], 1)
-    with torch.inference_mode():
-        x = layer.predict(streams[:-1], mstep.tokens, model.embed, mstep, ring, model.ropes, model.ops)
-        return streams, model.logits(x, layer)
-
-
 def test_mtp_layer_logits_match_an_independent_v4_mtp_implementation(models):
     path, ref, mtp = models
     tokens = random_prompt(PROMPT, seed=3)
     ref_streams, ref_logits = reference_mtp_logits(ref, mtp, tokens)
-    streams, logits = kvmesh_mtp_logits(path, tokens)
+    streams, logits = mtp_logits(path, tokens)
     torch.testing.assert_close(streams, ref_streams, atol=TOL, rtol=TOL)
     assert logits.shape == ref_logits.shape == (PROMPT - 1, ref.config.vocab_size)
     torch.testing.assert_close(logits, ref_logits, atol=TOL, rtol=TOL)
