@@ -123,7 +123,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
-    final, decode_steps, decode_cpu = {}, [], []
+    final, decode_steps, decode_cpu, decode_cpu_tokens = {}, [], [], 0
     while engine.has_unfinished():
         before, cpu_before = time.perf_counter(), time.thread_time()
         outputs = engine.step()
@@ -131,6 +131,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         if len(outputs) == len(prompts) and all(stamps[o.request_id] for o in outputs):
             decode_steps.append(now - before)
             decode_cpu.append(time.thread_time() - cpu_before)
+            decode_cpu_tokens += sum(len(o.new_token_ids) for o in outputs)    # > 1 each with drafts
         for out in outputs:
             stamps[out.request_id] += [now] * len(out.new_token_ids)
             if out.finished:
@@ -149,7 +150,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         preemptions=engine.scheduler.preemptions - preempted_before,
         step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None,
         step_min_ms=min(decode_steps) * 1e3 if decode_steps else None,
-        decode_cpu_tok_s=len(prompts) * len(decode_cpu) / sum(decode_cpu) if decode_cpu else None,
+        decode_cpu_tok_s=decode_cpu_tokens / sum(decode_cpu) if decode_cpu else None,
         step_cpu_ms=statistics.median(decode_cpu) * 1e3 if decode_cpu else None)
     return result, [final[r].token_ids for r in ids]
 
@@ -366,19 +367,20 @@ def speculative_main(engine: Engine, levels: list[int], args) -> list[str]:
                 runs[c, k][-1]["equal"] = sum(a == b for a, b in zip(runs[c, k][-1]["tokens"], plain))
             print(f"speculative round {r} c={c} done", file=sys.stderr)
     engine.set_drafter(None)
-    lines = ["| batch | k | decode tok/s | vs k=0 | end-to-end tok/s | vs k=0 | acceptance | drafts / step "
-             "| tokens / step | greedy equal to k=0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | k | decode tok/s | vs k=0 | end-to-end tok/s | vs k=0 | decode tok / CPU-s | vs k=0 "
+             "| acceptance | drafts / step | tokens / step | greedy equal to k=0 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    metrics = ("decode_tok_s", "e2e_tok_s", "decode_cpu_tok_s")
     for c in levels:
-        base = {m: statistics.median(getattr(x["result"], m) for x in runs[c, 0]) for m in ("decode_tok_s", "e2e_tok_s")}
+        base = {m: statistics.median(getattr(x["result"], m) for x in runs[c, 0]) for m in metrics}
         for k in ks:
             xs = runs[c, k]
-            dec = statistics.median(x["result"].decode_tok_s for x in xs)
-            e2e = statistics.median(x["result"].e2e_tok_s for x in xs)
+            dec, e2e, cpu = (statistics.median(getattr(x["result"], m) for x in xs) for m in metrics)
             drafted, accepted = sum(x["drafted"] for x in xs), sum(x["accepted"] for x in xs)
             steps = sum(x["drafted_steps"] for x in xs)
             equal = "-" if k == 0 else f"{sum(x['equal'] for x in xs)}/{c * len(xs)}"
             lines.append(f"| {c} | {k} | {dec:,.1f} | {dec / base['decode_tok_s']:.2f}x | {e2e:,.1f} "
-                         f"| {e2e / base['e2e_tok_s']:.2f}x | " + (f"{accepted / max(drafted, 1):.2f} | "
+                         f"| {e2e / base['e2e_tok_s']:.2f}x | {cpu:,.1f} | {cpu / base['decode_cpu_tok_s']:.2f}x | " + (f"{accepted / max(drafted, 1):.2f} | "
                          f"{drafted / max(steps, 1):.2f} | {1 + accepted / max(steps, 1):.2f}" if k else "- | - | 1")
                          + f" | {equal} |")
     return lines
