@@ -21,6 +21,8 @@ bench: setup
 	OMP_NUM_THREADS=1 .venv/bin/python bench/serve.py
 
 # What only a CUDA device can verify, in <= 8 minutes: one table, and gpu_check.json in $OUT
-# when set. Prints one "no CUDA" line and exits 0 elsewhere. Needs no network (no setup step).
-gpu-check:
-	OMP_NUM_THREADS=1 $(or $(wildcard .venv/bin/python),python3) bench/gpu_check.py $(if $(OUT),--out $(OUT))
+# when set. Prints one "no CUDA" line and exits 0 elsewhere. Sets up .venv only if it is missing
+# (a lent device may have no network); PY=... runs another interpreter.
+PY ?= .venv/bin/python
+gpu-check: $(if $(wildcard $(PY)),,setup)
+	OMP_NUM_THREADS=1 $(PY) bench/gpu_check.py $(if $(OUT),--out $(OUT))

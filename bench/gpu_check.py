@@ -290,7 +290,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"     # before the kernels are first imported
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print(f"gpu-check: torch is not importable by {sys.executable} (run `make setup`)", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available() and not args.interpret
     if not cuda and not args.interpret:
         print(NO_CUDA)
