@@ -1,5 +1,5 @@
 # The two commands of the README: `make serve` and `make test`. Both set up .venv first.
-.PHONY: setup serve test test-fast bench
+.PHONY: setup serve test test-fast bench gpu-check
 
 setup:
 	./scripts/setup.sh
@@ -19,3 +19,10 @@ bench: setup
 	OMP_NUM_THREADS=1 .venv/bin/python bench/engine.py
 	OMP_NUM_THREADS=1 .venv/bin/python bench/prefix_reuse.py
 	OMP_NUM_THREADS=1 .venv/bin/python bench/serve.py
+
+# What only a CUDA device can verify, in <= 8 minutes: one table, and gpu_check.json in $OUT
+# when set. Prints one "no CUDA" line and exits 0 elsewhere. Sets up .venv only if it is missing
+# (a lent device may have no network); PY=... runs another interpreter.
+PY ?= .venv/bin/python
+gpu-check: $(if $(wildcard $(PY)),,setup)
+	OMP_NUM_THREADS=1 $(PY) bench/gpu_check.py $(if $(OUT),--out $(OUT))

@@ -45,6 +45,12 @@ collectives (all-reduce per sublayer, embedding all-reduce, logits all-gather; w
 slowest rank included), sending each step's message to the other ranks, and the rest
 (compute). Ranks > 0 are local processes with --threads intra-op threads each.
 
+With --speculative K the comparison is instead kvmesh against itself with the checkpoint's MTP
+layer drafting k = 0, 1, .., K tokens per step, alternated within each round, at each
+--concurrency (e.g. `--speculative 3 --concurrency 1,8,32 --max-tokens 64`), on English
+openings whose continuation is the model's own text: decode and end-to-end tok/s and their
+ratio to k = 0, acceptance, drafts and tokens per drafted step, greedy tokens equal to k = 0.
+
 With --quantized the comparison is instead kvmesh against itself on one released-format
 checkpoint (FP8 block-scaled linears, FP4 experts, ~96M parameters, generated here): as
 shipped (weights kept quantized, dequantized just in time) vs the same weights dequantized to
@@ -67,6 +73,7 @@ import platform
 import statistics
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,7 +85,6 @@ from workers.checkpoint.default_model import ensure_default_model  # noqa: E402
 from workers.engine import Engine
 from workers.engine_config import EngineConfig  # noqa: E402
 from workers.sampling.params import SamplingParams  # noqa: E402
-from workers.spec.speculative import OracleDrafter  # noqa: E402
 
 FIRST_TOKEN_ID = 3          # ids below are bos / eos / pad in the default model
 WARMUP_SEED = 10_000
@@ -117,7 +123,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
-    final, decode_steps, decode_cpu = {}, [], []
+    final, decode_steps, decode_cpu, decode_cpu_tokens = {}, [], [], 0
     while engine.has_unfinished():
         before, cpu_before = time.perf_counter(), time.thread_time()
         outputs = engine.step()
@@ -125,6 +131,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         if len(outputs) == len(prompts) and all(stamps[o.request_id] for o in outputs):
             decode_steps.append(now - before)
             decode_cpu.append(time.thread_time() - cpu_before)
+            decode_cpu_tokens += sum(len(o.new_token_ids) for o in outputs)    # > 1 each with drafts
         for out in outputs:
             stamps[out.request_id] += [now] * len(out.new_token_ids)
             if out.finished:
@@ -143,7 +150,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         preemptions=engine.scheduler.preemptions - preempted_before,
         step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None,
         step_min_ms=min(decode_steps) * 1e3 if decode_steps else None,
-        decode_cpu_tok_s=len(prompts) * len(decode_cpu) / sum(decode_cpu) if decode_cpu else None,
+        decode_cpu_tok_s=decode_cpu_tokens / sum(decode_cpu) if decode_cpu else None,
         step_cpu_ms=statistics.median(decode_cpu) * 1e3 if decode_cpu else None)
     return result, [final[r].token_ids for r in ids]
 
@@ -319,32 +326,63 @@ def step_sweep(engine: Engine, levels: list[int], args, vocab: int, rounds: int 
 
 
 # ---- speculative decoding (--speculative K) -----------------------------------------------------------
-def speculative_rows(engine: Engine, levels: list[int], args, vocab: int) -> list[str]:
-    """Per concurrency: plain decode vs an oracle draft (the plain run's own greedy tokens:
-    every draft right) vs a wrong draft (every draft off by one token: all rejected), k drafts
-    per step, on one engine without prefix reuse. The tiny models' MTP layers are random, so
-    these two bound what a real draft gives: the speed-up at 100% and the cost at 0% acceptance."""
-    lines = [f"| concurrency | plain decode tok/s | oracle draft (k={args.speculative}) decode tok/s | speed-up "
-             "| acceptance | wrong draft decode tok/s | ratio | acceptance | greedy equal |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for i, c in enumerate(levels):
-        prompts = make_prompts(c, args.prompt_len, vocab, seed=50_000 + i)
-        engine.set_drafter(None)
-        plain, tokens = run_kvmesh(engine, prompts, args.max_tokens)
-        cells, equal = [], 0
-        for wrong in (False, True):
-            cont = {tuple(p): [(t + 1) % vocab if wrong else t for t in out] for p, out in zip(prompts, tokens)}
-            engine.set_drafter(OracleDrafter(cont), args.speculative)
-            before = (engine.counters.draft_tokens, engine.counters.accepted_draft_tokens)
-            r, spec_tokens = run_kvmesh(engine, prompts, args.max_tokens)
-            drafted = engine.counters.draft_tokens - before[0]
-            accepted = engine.counters.accepted_draft_tokens - before[1]
-            equal += sum(a == b for a, b in zip(spec_tokens, tokens))
-            cells += [f"{r.decode_tok_s:,.1f}", f"{r.decode_tok_s / plain.decode_tok_s:.2f}x",
-                      f"{accepted / max(drafted, 1):.0%}"]
-        engine.set_drafter(None)
-        lines.append(f"| {c} | {plain.decode_tok_s:,.1f} | " + " | ".join(cells) + f" | {equal}/{2 * c} |")
-        print(f"speculative c={c} done", file=sys.stderr)
+# Openings in the style of the built-in model's corpus: what follows each is the model's own text.
+OPENINGS = ("The king said to his servants,", "In the beginning", "And the LORD spoke to Moses, saying,",
+            "Then Jesus said to them,", "Blessed is the man who", "Now it happened in those days that",
+            "Hear, O Israel:", "The word of the LORD came to me, saying,", "He answered them,",
+            "And it came to pass", "My son, keep my words,", "Praise the LORD!", "I will lift up my eyes",
+            "The people of the land", "When the men of the city", "Therefore thus says the Lord",
+            "And God said,", "After these things", "She said to him,", "They went out of the city",
+            "Give thanks to the LORD,", "The heavens declare", "Woe to you,", "Behold, I send",
+            "The sons of Aaron", "Let everything that has breath", "Joseph said to his brothers,",
+            "So David went up", "The priest shall take", "Wisdom cries aloud", "At that time",
+            "You shall not")
+
+
+def speculative_main(engine: Engine, levels: list[int], args) -> list[str]:
+    """The checkpoint's MTP layer as the draft, k = 0..K drafts per step, at each batch size:
+    every (batch, k) is run once per round and the k alternate inside a round (their order
+    rotating between rounds), so a burst of other load hits every k alike; the table shows
+    medians. Greedy tokens of every k > 0 run are compared with the k = 0 run of its round."""
+    from workers.spec.mtp import MTPDrafter
+    if not len(engine.model.mtp):
+        raise SystemExit("--speculative drafts with the checkpoint's MTP layer, and this one has none")
+    ks = list(range(args.speculative + 1))
+    runs = {(c, k): [] for c in levels for k in ks}
+    for r in range(args.repeats):
+        for c in levels:
+            prompts = [engine.encode(OPENINGS[(i + r) % len(OPENINGS)]) for i in range(c)]
+            plain = None
+            for k in ks[r % len(ks):] + ks[:r % len(ks)]:
+                engine.set_drafter(MTPDrafter(engine.model, engine.slots.num_slots) if k else None, k)
+                before = dataclasses.replace(engine.counters)
+                result, tokens = run_kvmesh(engine, prompts, args.max_tokens)
+                after = engine.counters
+                runs[c, k].append(dict(result=result, tokens=tokens, steps=after.steps - before.steps,
+                                       drafted=after.draft_tokens - before.draft_tokens,
+                                       accepted=after.accepted_draft_tokens - before.accepted_draft_tokens,
+                                       drafted_steps=after.drafted_steps - before.drafted_steps))
+                plain = tokens if k == 0 else plain
+            for k in ks[1:]:
+                runs[c, k][-1]["equal"] = sum(a == b for a, b in zip(runs[c, k][-1]["tokens"], plain))
+            print(f"speculative round {r} c={c} done", file=sys.stderr)
+    engine.set_drafter(None)
+    lines = ["| batch | k | decode tok/s | vs k=0 | end-to-end tok/s | vs k=0 | decode tok / CPU-s | vs k=0 "
+             "| acceptance | drafts / step | tokens / step | greedy equal to k=0 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    metrics = ("decode_tok_s", "e2e_tok_s", "decode_cpu_tok_s")
+    for c in levels:
+        base = {m: statistics.median(getattr(x["result"], m) for x in runs[c, 0]) for m in metrics}
+        for k in ks:
+            xs = runs[c, k]
+            dec, e2e, cpu = (statistics.median(getattr(x["result"], m) for x in xs) for m in metrics)
+            drafted, accepted = sum(x["drafted"] for x in xs), sum(x["accepted"] for x in xs)
+            steps = sum(x["drafted_steps"] for x in xs)
+            equal = "-" if k == 0 else f"{sum(x['equal'] for x in xs)}/{c * len(xs)}"
+            lines.append(f"| {c} | {k} | {dec:,.1f} | {dec / base['decode_tok_s']:.2f}x | {e2e:,.1f} "
+                         f"| {e2e / base['e2e_tok_s']:.2f}x | {cpu:,.1f} | {cpu / base['decode_cpu_tok_s']:.2f}x | " + (f"{accepted / max(drafted, 1):.2f} | "
+                         f"{drafted / max(steps, 1):.2f} | {1 + accepted / max(steps, 1):.2f}" if k else "- | - | 1")
+                         + f" | {equal} |")
     return lines
 
 
@@ -485,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sweep", action="store_true",
                         help="only kvmesh's decode step time per batch size (no reference; sizes interleaved)")
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
-                        help="also measure speculative decoding with K drafts per step (oracle and wrong drafts)")
+                        help="only speculative decoding with the checkpoint's MTP layer: k = 0..K drafts per "
+                             "step, alternated, at each --concurrency (no transformers reference)")
     parser.add_argument("--tensor-parallel-size", metavar="N,M",
                         help="compare kvmesh at these tensor-parallel sizes (e.g. 1,2) instead of transformers")
     parser.add_argument("--enable-expert-parallel", action="store_true",
@@ -503,7 +542,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # a KV budget with room to spare: a preemption would make the run measure something else
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
-                                 max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES))
+                                 max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
+                                 prefix_reuse=not args.speculative))   # the k runs repeat their prompts
+    if args.speculative:
+        run_kvmesh(engine, [engine.encode(o) for o in OPENINGS[:max(levels)]], args.max_tokens)   # warm-up
+        lines = speculative_main(engine, levels, args)
+        print(f"kvmesh speculative decoding with the MTP layer of {model_dir}; openings of the corpus's style, "
+              f"max_tokens {args.max_tokens}, greedy, ignore_eos, fp32, medians of {args.repeats} rounds; "
+              f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} "
+              f"(1, 5, 15 min: {', '.join(f'{x:.1f}' for x in os.getloadavg())})\n")
+        print("\n".join(lines))
+        return 0
     if args.step_sweep:
         run_kvmesh(engine, make_prompts(max(levels), args.prompt_len, engine.args.vocab_size, WARMUP_SEED),
                    args.max_tokens)
@@ -559,12 +608,6 @@ def main(argv: list[str] | None = None) -> int:
         "runs": raw}, indent=2))
     plot(rows, out.with_suffix(".png"), model_dir.name)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
-    if args.speculative:
-        spec = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
-                                   max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
-                                   prefix_reuse=False))
-        run_kvmesh(spec, warm, args.max_tokens)
-        print("\n" + "\n".join(speculative_rows(spec, levels, args, vocab)))
     return 0
 
 

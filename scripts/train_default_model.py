@@ -20,6 +20,15 @@ layers with a shared expert, YaRN compress rope. The network is transformers'
 `DeepseekV4ForCausalLM` (forward with labels -> loss); kvmesh's own `workers/model/transformer.py` serves
 the result and equals it (tests/unit/test_default_model.py).
 
+**MTP layer (stage 2).** Then, with every main-model weight frozen, V4's MTP module
+(`MTPHead`: e_proj / h_proj / enorm / hnorm, one sliding-window MoE block, its own mHC head and
+norm, the main vocabulary head) is trained alone on the MTP loss of the V4 report (token t + 2
+from the main model's last streams at t and the embedding of token t + 1), starting from the
+main model's last block, and written to `mtp.safetensors` in the release's names (`mtp.0.*`).
+`model.safetensors` is never rewritten, so every greedy answer of the main model stays the same.
+`--mtp-only` runs this stage alone on the checkpoint already in `--out` (what made the shipped
+`mtp.safetensors`: 800 steps of 8 x 256 tokens, one thread).
+
 **Determinism.** Every random draw comes from `--seed` (torch, the hash-routing table, the
 batch order); with the same thread count a re-run writes the same bytes. The defaults are what
 made the shipped checkpoint (36 min on 2 cores shared with six other busy sessions; the step
@@ -35,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "workers" / "checkpoint" / "default_checkpoint"
@@ -166,6 +176,132 @@ def train(model, ids: torch.Tensor, steps: int, seq_len: int, batch: int, lr: fl
     return losses
 
 
+# --- the MTP layer (stage 2: the main model frozen) ------------------------------------------
+MTP_FILE = "mtp.safetensors"      # beside model.safetensors, which this stage never rewrites
+
+
+class MTPHead(torch.nn.Module):
+    """V4's multi-token-prediction module, trainable (DeepSeek `inference/model.py` MTPBlock):
+    `x = e_proj(enorm(embed(t+1))) + h_proj(hnorm(h_t))` over the main model's last streams
+    h_t, one V4 block (layer n of the config: sliding-window attention, top-k MoE), then its
+    own mHC head and final norm into the main model's vocabulary head. Row t predicts t + 2.
+    Starts from the main model's last block (attention + MoE, no compressor), final norm and
+    mHC head, so training begins from a sensible predictor; e_proj / h_proj start seeded."""
+
+    def __init__(self, main, seed: int):
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4RMSNorm
+        super().__init__()
+        cfg, n = main.config.to_dict(), main.config.num_hidden_layers
+        cfg.update(num_hidden_layers=n + 1, layer_types=list(main.config.layer_types) + ["sliding_attention"],
+                   mlp_layer_types=list(main.config.mlp_layer_types) + ["moe"])
+        self.config = DeepseekV4Config.from_dict(cfg)
+        self.config._attn_implementation = main.config._attn_implementation
+        self.config._experts_implementation = getattr(main.config, "_experts_implementation", None)
+        c, hc, eps = self.config.hidden_size, self.config.hc_mult, self.config.rms_norm_eps
+        torch.manual_seed(seed + 3)
+        self.block = DeepseekV4DecoderLayer(self.config, n)
+        last = {k: v for k, v in main.model.layers[n - 1].state_dict().items() if ".compressor." not in k}
+        if set(last) != set(self.block.state_dict()):
+            raise SystemExit(f"MTP block and layer {n - 1} differ: {sorted(set(last) ^ set(self.block.state_dict()))}")
+        self.block.load_state_dict(last)
+        self.e_proj, self.h_proj = torch.nn.Linear(c, c, bias=False), torch.nn.Linear(c, c, bias=False)
+        self.enorm, self.hnorm, self.norm = (DeepseekV4RMSNorm(c, eps) for _ in range(3))
+        self.norm.load_state_dict(main.model.norm.state_dict())
+        head = main.model.hc_head
+        self.hc_head_fn = torch.nn.Parameter(head.hc_fn.detach().clone())
+        self.hc_head_base = torch.nn.Parameter(head.hc_base.detach().clone())
+        self.hc_head_scale = torch.nn.Parameter(head.hc_scale.detach().clone())
+
+    def forward(self, main, streams: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Main streams [B, S, N, C] at positions 0..S-1 and the token after each [B, S] ->
+        logits [B, S, V] of the token after that."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+        eps = self.config.rms_norm_eps
+        e = self.e_proj(self.enorm(main.model.embed_tokens(next_ids)))
+        x = e.unsqueeze(2) + self.h_proj(self.hnorm(streams))
+        pos = torch.arange(next_ids.shape[1]).unsqueeze(0)
+        rope = {t: main.model.rotary_emb(e, position_ids=pos, layer_type=t) for t in ("main", "compress")}
+        mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=e, attention_mask=None, cache=None,
+                                                 position_ids=pos, allow_is_causal_skip=False)
+        x = self.block(x, position_embeddings=rope, position_ids=pos, attention_mask=mask)
+        flat = x.flatten(2).float()
+        mixes = F.linear(flat, self.hc_head_fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+        pre = torch.sigmoid(mixes * self.hc_head_scale + self.hc_head_base) + self.config.hc_eps
+        return main.lm_head(self.norm((pre.unsqueeze(-1) * x).sum(2)))
+
+    def release_tensors(self, main) -> dict[str, torch.Tensor]:
+        """`mtp.0.*` in the release's names: the block through transformers' own save (as layer
+        n of a model with n + 1 layers), the rest named as DeepSeek's checkpoints name them."""
+        import tempfile
+
+        from safetensors.torch import load_file
+        from transformers import DeepseekV4ForCausalLM
+        n = main.config.num_hidden_layers
+        with torch.device("meta"):
+            holder = DeepseekV4ForCausalLM(self.config)
+        holder.model.layers = torch.nn.ModuleList([*main.model.layers, self.block])
+        holder.model.embed_tokens, holder.model.norm, holder.model.hc_head = (main.model.embed_tokens,
+                                                                             main.model.norm, main.model.hc_head)
+        holder.lm_head = main.lm_head
+        with tempfile.TemporaryDirectory() as tmp:
+            holder.save_pretrained(tmp)
+            saved = load_file(str(Path(tmp) / "model.safetensors"))
+        prefix = f"model.layers.{n}."
+        out = {f"mtp.0.{k.removeprefix(prefix)}": v for k, v in saved.items() if k.startswith(prefix)}
+        for name in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
+            out[f"mtp.0.{name}.weight"] = getattr(self, name).weight.detach().clone()
+        for name in ("fn", "base", "scale"):
+            out[f"mtp.0.hc_head_{name}"] = getattr(self, f"hc_head_{name}").detach().clone()
+        return dict(sorted(out.items()))
+
+
+def main_streams(main, window: torch.Tensor) -> torch.Tensor:
+    """The main model's last-layer streams [B, S, N, C] (before its mHC head), no grad."""
+    captured = []
+    hook = main.model.layers[-1].register_forward_hook(lambda m, i, o: captured.append(o))
+    try:
+        with torch.no_grad():
+            main.model(input_ids=window, use_cache=False)
+    finally:
+        hook.remove()
+    return captured[0]
+
+
+def train_mtp(main, ids: torch.Tensor, steps: int, seq_len: int, batch: int, lr: float, seed: int,
+              log_every: int = 25) -> tuple[MTPHead, list[float]]:
+    """The MTP loss of the V4 report (cross-entropy of token t + 2 from h_t and token t + 1)
+    with every main-model weight frozen; returns the trained head and each step's loss."""
+    main.eval()
+    for p in main.parameters():
+        p.requires_grad_(False)
+    head = MTPHead(main, seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, t0 = [], time.time()
+    for step, window in zip(range(steps), batches(ids, seq_len, batch, seed + 10)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10 + 1))
+        streams = main_streams(main, window)
+        logits = head(main, streams[:, :-1], window[:, 1:])          # row t: h_t, token t + 1
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), window[:, 2:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"mtp step {step:5d}/{steps}  loss {loss.item():.3f}  {time.time() - t0:6.0f} s", flush=True)
+    head.eval()
+    return head, losses
+
+
+def save_mtp(head: MTPHead, main, out: Path) -> Path:
+    from safetensors.torch import save_file
+    path = out / MTP_FILE
+    save_file({k: v.contiguous() for k, v in head.release_tensors(main).items()}, str(path), metadata={"format": "pt"})
+    return path
+
+
 def save(model, tok, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -197,6 +333,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=MODEL_CONFIG["vocab_size"])
+    p.add_argument("--mtp-steps", type=int, default=800, help="stage 2: steps training the MTP layer alone (0: none)")
+    p.add_argument("--mtp-lr", type=float, default=2e-3)
+    p.add_argument("--mtp-only", action="store_true",
+                   help="keep --out's trained model and tokenizer as they are; train and write only its MTP layer")
     p.add_argument("--sample-tokens", type=int, default=40, help="greedy tokens printed at the end (0: none)")
     args = p.parse_args(argv)
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
@@ -211,13 +351,24 @@ def main(argv: list[str] | None = None) -> Path:
 
 def run(args: argparse.Namespace) -> Path:
     text = corpus_text(args.max_chars, args.text)
-    tok = train_tokenizer(text, args.vocab_size)
+    if args.mtp_only:
+        from tokenizers import Tokenizer
+        from transformers import DeepseekV4ForCausalLM
+        tok = Tokenizer.from_file(str(args.out / "tokenizer.json"))
+        model = DeepseekV4ForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
+    else:
+        tok = train_tokenizer(text, args.vocab_size)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
-    print(f"corpus {len(text):,} chars -> {len(ids):,} tokens (vocab {args.vocab_size})", flush=True)
-    model = build_model({**MODEL_CONFIG, "vocab_size": args.vocab_size}, args.seed)
-    print(f"model {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
-    train(model, ids, args.steps, args.seq_len, args.batch, args.lr, args.seed)
-    save(model, tok, args.out)
+    print(f"corpus {len(text):,} chars -> {len(ids):,} tokens (vocab {tok.get_vocab_size()})", flush=True)
+    if not args.mtp_only:
+        model = build_model({**MODEL_CONFIG, "vocab_size": args.vocab_size}, args.seed)
+        print(f"model {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+        train(model, ids, args.steps, args.seq_len, args.batch, args.lr, args.seed)
+        save(model, tok, args.out)
+    if args.mtp_steps:
+        head, _ = train_mtp(model, ids, args.mtp_steps, args.seq_len, args.batch, args.mtp_lr, args.seed)
+        print(f"MTP layer {sum(p.numel() for p in head.parameters()):,} parameters -> "
+              f"{save_mtp(head, model, args.out)}", flush=True)
     if args.sample_tokens:
         print("greedy:", repr(sample(model, tok, SAMPLE_PROMPT, args.sample_tokens)), flush=True)
     return args.out

@@ -102,6 +102,38 @@ def random_cache(layout, num_blocks: int, num_slots: int, seed: int):
     return cache
 
 
+def mtp_logits(path, tokens: list[int], block_tokens: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main streams [S, N, C], MTP logits [S - 1, V]: row t from the streams at t and token
+    t + 1) from kvmesh: the main forward over the prompt as one prefill (keep_streams), then
+    `MTPLayer.predict` and `Transformer.logits` through the layer's own head, as the drafter
+    runs them."""
+    from kvstore.cache_tensors import CacheTensors, LayerCache
+    from kvstore.layout import CacheLayout, LayoutParams, SWASpec
+    from workers.checkpoint.loader import load_model
+    from workers.model.step import StepInput
+    args, model = load_model(path)
+    layout = CacheLayout.build(LayoutParams(args.layer_types, args.head_dim, args.index_head_dim, args.csa_ratio,
+                                            args.hca_ratio, args.sliding_window, "float32", "auto",
+                                            args.rope_head_dim), block_tokens)
+    blocks = -(-len(tokens) // block_tokens)
+    cache = CacheTensors(layout, num_blocks=blocks, num_slots=1)
+
+    def step(ids: list[int], blocks: int) -> StepInput:
+        t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        s = len(ids)
+        return StepInput(tokens=t(ids), positions=torch.arange(s), q_seq=torch.zeros(s, dtype=torch.long),
+                         starts=t([0]), lengths=t([s]), slots=t([0]),
+                         block_table=torch.arange(blocks, dtype=torch.int32).unsqueeze(0), ring_from=t([0]),
+                         keep_tokens=t([0]), logits_at=torch.arange(s))
+    _, streams = model(step(tokens, blocks), cache, keep_streams=True)
+    ring = LayerCache(SWASpec(block_tokens=0, head_dim=args.head_dim, window=args.sliding_window, dtype="float32"),
+                      num_blocks=0, num_slots=1)
+    layer, mstep = model.mtp[0], step(tokens[1:], 1)
+    with torch.inference_mode():
+        x = layer.predict(streams[:-1], mstep.tokens, model.embed, mstep, ring, model.ropes, model.ops)
+        return streams, model.logits(x, layer)
+
+
 LOGPROB_TOL = 2e-4      # chosen-token logprobs of two fp32 runs that must agree
 
 

@@ -110,3 +110,29 @@ def test_default_model_loads_in_transformers_and_engine_greedy_equals_reference(
         out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
         assert out.token_ids == ref_tokens
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs)) < 2e-4
+
+
+# Measured at k = 1 on the built-in model's own text (32 openings x 64 greedy tokens: 0.706,
+# docs/benchmarks.md); the test's 8 openings x 48 tokens must stay within MTP_MARGIN of it.
+MTP_ACCEPTANCE, MTP_MARGIN = 0.70, 0.10
+OPENINGS = ["The king said to his servants,", "In the beginning", "And the LORD spoke to Moses, saying,",
+            "Then Jesus said to them,", "Blessed is the man who", "Now it happened in those days that",
+            "Hear, O Israel:", "The word of the LORD came to me, saying,"]
+
+
+def test_shipped_mtp_layer_drafts_are_accepted_and_leave_greedy_output_unchanged(default_dir):
+    """The shipped checkpoint carries a trained MTP layer (mtp.safetensors, beside the main
+    weights): its k = 1 drafts are accepted at about the measured rate on the model's own text,
+    and greedy output with drafts (k = 1 and 3) is exactly the plain output."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+    def run(k: int):
+        e = Engine(EngineConfig(kv_cache_bytes=32 << 20, speculative_tokens=k))
+        return [o.token_ids for o in e.generate(OPENINGS, params)], e.counters
+    plain, _ = run(0)
+    for k in (1, 3):
+        tokens, c = run(k)
+        assert tokens == plain
+        if k == 1:
+            assert c.draft_tokens > 8 * 48 // 2
+            assert c.accepted_draft_tokens / c.draft_tokens >= MTP_ACCEPTANCE - MTP_MARGIN

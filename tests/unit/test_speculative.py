@@ -115,28 +115,32 @@ def test_drafts_never_complete_a_compressor_window_or_cross_a_block():
 
 
 # --- the checkpoint's MTP layer as the draft ------------------------------------------------------
-@pytest.fixture(scope="module")
-def mtp_checkpoint(tmp_path_factory):
-    """The tiny checkpoint in the release's tensor names plus one (random) MTP layer, dense."""
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def mtp_checkpoint(request, tmp_path_factory):
+    """A tiny checkpoint in the release's tensor names plus one (random) MTP layer, dense:
+    (its block size, its directory), for every tiny config."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     from tests.quant_checkpoint import _mtp_tensors, _upstream_name
-    dense = write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), "swa_csa_hca")
+    name = request.param
+    dense = write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), name)
     state = {_upstream_name(k): v for k, v in load_file(str(dense / "model.safetensors")).items()}
     cfg = json.loads((dense / "config.json").read_text())
     state.update(_mtp_tensors(state, cfg, 1, seed=0))
     out = tmp_path_factory.mktemp("mtp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
-    return out
+    return BLOCK_TOKENS[name], out
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_drafts_leave_greedy_output_unchanged(mtp_checkpoint, k):
+    block, path = mtp_checkpoint
+
     def run(spec: int):
-        e = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20,
+        e = Engine(EngineConfig(model=str(path), block_tokens=block, kv_cache_bytes=8 << 20,
                                 speculative_tokens=spec))
         return [o.token_ids for o in e.generate(prompts(), GREEDY)], e.counters
     plain, _ = run(0)
@@ -147,12 +151,14 @@ def test_mtp_drafts_leave_greedy_output_unchanged(mtp_checkpoint, k):
 
 def test_mtp_drafts_after_a_restored_prefix_leave_greedy_output_unchanged(mtp_checkpoint):
     """The second request restores the first one's blocks; the MTP layer never ran there."""
-    e = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20,
+    block, path = mtp_checkpoint
+    e = Engine(EngineConfig(model=str(path), block_tokens=block, kv_cache_bytes=8 << 20,
                             speculative_tokens=2))
     first = e.generate(prompts(), GREEDY)
     again = e.generate([p + o.token_ids for p, o in zip(prompts(), first)], GREEDY)
     assert sum(o.cached_tokens for o in again) > 0
-    cold = Engine(EngineConfig(model=str(mtp_checkpoint), block_tokens=16, kv_cache_bytes=8 << 20))
+    cold = Engine(EngineConfig(model=str(path), block_tokens=block, kv_cache_bytes=8 << 20,
+                               speculative_tokens=0))
     assert [o.token_ids for o in again] == [o.token_ids for o in cold.generate(
         [p + o.token_ids for p, o in zip(prompts(), first)], GREEDY)]
 
@@ -162,3 +168,27 @@ def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     with pytest.raises(ConfigError, match="MTP"):
         Engine(EngineConfig(model=str(path), block_tokens=16, kv_cache_bytes=8 << 20, speculative_tokens=1))
+
+
+def test_speculation_figures_are_in_engine_stats_and_metrics(checkpoint, cold):
+    """Acceptance rate, drafts per step and tokens per step follow the counters, and /metrics
+    exports them as kvmesh_worker_spec_* gauges."""
+    from cluster.messages import WorkerStats
+    from cluster.metrics import WorkerSnapshots
+    name, path = checkpoint
+    ref, _ = cold
+    engine = tiny_engine(path, name)
+    assert engine.stats().as_dict()["spec_acceptance_rate"] == 0.0
+    engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=2) for p, r in zip(prompts(), ref)}), 2)
+    engine.generate(prompts(), GREEDY)
+    c, stats = engine.counters, engine.stats().as_dict()
+    assert 0 < c.drafted_steps <= c.draft_tokens <= 2 * c.drafted_steps
+    assert stats["spec_acceptance_rate"] == pytest.approx(c.accepted_draft_tokens / c.draft_tokens)
+    assert stats["spec_draft_tokens_per_step"] == pytest.approx(c.draft_tokens / c.drafted_steps)
+    assert stats["spec_tokens_per_step"] == pytest.approx(1 + c.accepted_draft_tokens / c.drafted_steps)
+    assert 0 < stats["spec_acceptance_rate"] < 1
+    snapshots = WorkerSnapshots()
+    snapshots.update(WorkerStats("decode", "w0", stats))
+    exported = {m.name: m.samples[0].value for m in snapshots.collect() if m.samples}
+    for key in ("spec_acceptance_rate", "spec_draft_tokens_per_step", "spec_tokens_per_step", "drafted_steps"):
+        assert exported[f"kvmesh_worker_{key}"] == pytest.approx(stats[key])

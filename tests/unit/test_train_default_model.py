@@ -17,7 +17,7 @@ from workers.sampling.params import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_default_model.py"
 SMOKE = ["--steps", "3", "--max-chars", "30000", "--seq-len", "64", "--batch", "2", "--vocab-size", "512",
-         "--sample-tokens", "0"]
+         "--sample-tokens", "0", "--mtp-steps", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_training_lowers_the_loss_and_saves_what_it_trained(train_script, tmp_pa
 
 def test_training_is_deterministic(train_script, trained, tmp_path):
     again = train_script.main([*SMOKE, "--out", str(tmp_path / "again")])
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    for name in ("model.safetensors", "mtp.safetensors", "tokenizer.json", "config.json"):
         assert (again / name).read_bytes() == (trained / name).read_bytes(), name
 
 
@@ -75,3 +75,37 @@ def test_engine_serves_the_trained_checkpoint(trained):
     prompt = load_tokenizer(trained).encode("And God said,")
     out = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3 and all(0 <= t < 512 for t in out.token_ids)
+
+
+def test_mtp_stage_trains_the_mtp_layer_alone_and_kvmesh_serves_it_as_trained(train_script, trained, tmp_path):
+    """Stage 2 leaves model.safetensors byte for byte, writes `mtp.*` in the release's names,
+    lowers the MTP loss (token t + 2 from h_t and token t + 1), and kvmesh's MTP layer loaded
+    from it computes the trained module's logits."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.helpers import mtp_logits
+    out = tmp_path / "ckpt"
+    shutil.copytree(trained, out)
+    (out / "mtp.safetensors").unlink()
+    main_bytes = (out / "model.safetensors").read_bytes()
+    model = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor(load_tokenizer(out).encode(train_script.corpus_text(max_chars=30_000)))
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    head, losses = train_script.train_mtp(model, ids, steps=8, seq_len=64, batch=2, lr=3e-3, seed=0, log_every=0)
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())
+    train_script.save_mtp(head, model, out)
+    assert (out / "model.safetensors").read_bytes() == main_bytes
+    names = set(load_file(str(out / "mtp.safetensors")))
+    assert {f"mtp.0.{n}" for n in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
+                                   "hc_head_fn", "hc_head_base", "hc_head_scale", "attn.wq_a.weight",
+                                   "attn.attn_sink", "ffn.gate.weight", "hc_attn_fn")} <= names
+    tokens = ids[:90].tolist()                    # > the sliding window (64)
+    with torch.no_grad():
+        want = head(model, train_script.main_streams(model, torch.tensor([tokens]))[:, :-1],
+                    torch.tensor([tokens[1:]]))[0]
+    _, got = mtp_logits(out, tokens, block_tokens=128)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -115,6 +115,7 @@ class OutputProcessor:
         outputs += self.sample(batch, logits, plain, plain_rows)
         self.counters.draft_tokens += sum(len(d) for d in drafts.values())
         self.counters.accepted_draft_tokens += sum(accepted.values())
+        self.counters.drafted_steps += sum(1 for d in drafts.values() if d)
         for b, n_ok in accepted.items():
             seq = batch[b][0]
             if n_ok and not seq.finish_reason:

@@ -24,8 +24,18 @@ class EngineCounters:
     steps: int = 0
     forward_s: float = 0.0
     restore_s: float = 0.0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
+    draft_tokens: int = 0            # speculative decoding: tokens drafted and verified
+    accepted_draft_tokens: int = 0   # ... of which accepted
+    drafted_steps: int = 0           # sequence-steps that verified drafts (one per sequence per step)
+
+    def speculation(self) -> dict[str, float]:
+        """Derived speculation figures (0 before any draft): the fraction of drafts accepted,
+        drafts per drafted sequence-step, and tokens emitted per drafted sequence-step
+        (1 + accepted / steps: the step count is cut by this factor where drafts ran)."""
+        steps = max(1, self.drafted_steps)
+        return dict(spec_acceptance_rate=self.accepted_draft_tokens / max(1, self.draft_tokens),
+                    spec_draft_tokens_per_step=self.draft_tokens / steps,
+                    spec_tokens_per_step=1 + self.accepted_draft_tokens / steps if self.drafted_steps else 0.0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ class EngineStats:
         """One flat map (the WorkerStats message and the /metrics names)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("counters", "reuse", "store")}
-        return {**dataclasses.asdict(self.counters), **out, **self.reuse, **self.store}
+        return {**dataclasses.asdict(self.counters), **self.counters.speculation(), **out, **self.reuse, **self.store}
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
