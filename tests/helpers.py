@@ -3,8 +3,10 @@ them, the transformers reference run every engine path is compared against, the
 comparisons (`assert_same_run`, `assert_close`) and SSE parsing for the HTTP tests."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import subprocess
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -225,3 +227,16 @@ def write_v4_tokenizer(path: Path, vocab_size: int = 300, markup_special: bool =
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": V4_SPECIAL[0], "eos_token": V4_SPECIAL[1],
          "pad_token": V4_SPECIAL[2]}))
     return path
+
+
+@contextlib.contextmanager
+def undeletable(path: Path):
+    """`path` cannot be removed or replaced, even by root: the immutable attribute (skips where
+    chattr is not supported)."""
+    import pytest
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)

@@ -5,10 +5,8 @@ request completes with the cold run's tokens; the bad object is counted, and rem
 or quarantined rather than read again."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from kvstore.hashing import store_namespace
 from kvstore.mac import StoreKey
 from kvstore.objects import decode_object, encode_object
 from kvstore.store import FINGERPRINT_FILE
-from tests.helpers import random_prompt, write_tiny_checkpoint
+from tests.helpers import random_prompt, undeletable, write_tiny_checkpoint
 from workers.engine import Engine, StoreUnavailable
 from workers.engine.async_engine import AsyncEngine
 from workers.engine_config import EngineConfig
@@ -65,16 +63,6 @@ def drop_a_tensor(path: Path, fingerprint: str, kind: str, h: int) -> None:
     tensors = dict(list(obj.tensors.items())[1:])
     path.write_bytes(encode_object(fingerprint, kind, h, obj.parent, obj.token_count, tensors))
 
-
-@contextlib.contextmanager
-def undeletable(path: Path):
-    """Make `path` impossible to delete, even for root: the immutable attribute."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not supported here")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
 def corrupt(path: Path) -> None:

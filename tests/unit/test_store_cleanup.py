@@ -4,10 +4,8 @@ path is removed so the prefix can be stored again; an object that cannot be remo
 quarantined in the namespace's QUARANTINE file, so a restarted process does not read it again."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,18 @@ import torch
 
 from kvstore.hashing import PrefixHasher, model_fingerprint
 from kvstore.index import EmbeddedIndex
-from kvstore.objects import (CHECKSUM_OFFSET, DATA_ALIGN, PREFIX_SIZE, PREFIX_STRUCT, CorruptObjectError, _checksum,
-                             decode_object, encode_object)
+from kvstore.objects import (
+    CHECKSUM_OFFSET,
+    DATA_ALIGN,
+    PREFIX_SIZE,
+    PREFIX_STRUCT,
+    CorruptObjectError,
+    _checksum,
+    decode_object,
+    encode_object,
+)
 from kvstore.store import QUARANTINE_FILE, ObjectStore
+from tests.helpers import undeletable
 
 FP = model_fingerprint({"model_type": "deepseek_v4"}, "w0", "bfloat16", 4, 1)
 HS = PrefixHasher(FP, 4).hashes(list(range(16)))
@@ -89,16 +96,6 @@ def test_an_unusable_entry_is_removed_once_and_the_prefix_can_be_stored_again(tm
     s.put("block", HS[0], None, 4, TENSORS)                          # recomputed and stored again
     assert torch.equal(s.get("block", HS[0]).tensors["kv"], TENSORS["kv"]) and index.lookup(HS[:1]).stored == 1
 
-
-@contextlib.contextmanager
-def undeletable(path: Path):
-    """`path` cannot be removed or replaced, even by root: the immutable attribute."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not supported here")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
 def test_the_quarantine_of_an_undeletable_object_survives_a_restart(tmp_path):
