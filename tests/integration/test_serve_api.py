@@ -6,13 +6,19 @@ object) at `/fallback`. Greedy output must equal the offline engine's, token for
 """
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
 
+from cluster.chat_dsv4 import CHAT as CHAT_MODE
+from cluster.chat_dsv4 import END_THINK, THINKING, encode_messages
+from scripts.default_chat_data import TOOLS
 from tests.helpers import sse_events
 from tests.local_serve import LocalServe, small_config
+from workers.checkpoint.default_model import default_model_dir
+from workers.checkpoint.tokenizer import load_tokenizer
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
@@ -86,24 +92,54 @@ def test_streamed_completion_equals_whole_completion(urls, client, mode):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+CHAT = [{"role": "user", "content": "Continue: Blessed is the man who"}]
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_chat_uses_the_plain_template_and_streams_the_same_tokens(urls, client, offline, mode):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    req = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_speaks_v4s_format_and_streams_the_same_reply(urls, client, offline, mode, thinking):
+    """The built-in model is served in DeepSeek-V4's chat format: the prompt is kvmesh's V4
+    encoder's, the greedy reply the offline engine's, split at `</think>` into reasoning_content
+    and content with thinking on (the default) and all content with it off; streamed alike."""
+    tok = load_tokenizer(default_model_dir())
+    req = {"messages": CHAT, "max_tokens": 96, "temperature": 0, "return_token_ids": True,
+           **({} if thinking else {"chat_template_kwargs": {"thinking": False}})}
     r = client.post(f"{urls[mode]}/v1/chat/completions", json=req)
     assert r.status_code == 200, r.text
     body = r.json()
-    want = greedy(offline, "<|system|>\nbe brief\n<|user|>\nhi there\n<|assistant|>\n")
-    assert body["object"] == "chat.completion"
+    want = greedy(offline, tok.encode_rendered(encode_messages(CHAT, THINKING if thinking else CHAT_MODE)), 96)
     assert body["prompt_token_ids"] == want.prompt_token_ids
-    assert body["choices"][0]["token_ids"] == want.token_ids
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["choices"][0]["token_ids"] == want.token_ids and want.token_ids[-1] == tok.eos_id
+    text = tok.decode_markup(want.token_ids)
+    reasoning, content = text.split(END_THINK) if thinking else (None, text)
+    message = body["choices"][0]["message"]
+    assert (message.get("reasoning_content"), message["content"]) == (reasoning, content)
+    assert content and (reasoning or not thinking) and body["choices"][0]["finish_reason"] == "stop"
     events = stream_events(client, f"{urls[mode]}/v1/chat/completions", req)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert all(e["object"] == "chat.completion.chunk" for e in events)
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want.text
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == (reasoning or "")
     assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == want.token_ids
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_required_tool_call_on_the_built_in_model_comes_back_as_tool_calls(urls, client):
+    """tool_choice "required" (grammar-constrained) on the tools the built-in model was trained
+    with: one schema-valid call, finish_reason "tool_calls", no content."""
+    jsonschema = pytest.importorskip("jsonschema")
+    req = {"messages": [{"role": "user", "content": "Find two verses about water."}], "tools": TOOLS,
+           "tool_choice": "required", "max_tokens": 200, "temperature": 0}
+    for thinking in (True, False):
+        r = client.post(f"{urls['colocated']}/v1/chat/completions",
+                        json={**req, "chat_template_kwargs": {"thinking": thinking}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        assert bool(choice["message"].get("reasoning_content")) == thinking
+        (call,) = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -139,11 +175,14 @@ def test_openai_client_works_unchanged(urls):
             model=model, prompt="hello world", max_tokens=8, temperature=0, stream=True) if ch.choices)
         assert streamed == c.choices[0].text
         chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=6, temperature=0)
-        parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+                                              max_tokens=24, temperature=0)
+        deltas = [ch.choices[0].delta for ch in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0,
             stream=True, stream_options={"include_usage": True}) if ch.choices]
-        assert "".join(parts) == chat.choices[0].message.content
+        message = chat.choices[0].message
+        assert "".join(d.content or "" for d in deltas) == (message.content or "")
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
+            message.model_extra["reasoning_content"]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         with pytest.raises(openai.BadRequestError):

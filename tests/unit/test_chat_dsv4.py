@@ -12,7 +12,7 @@ import pytest
 from cluster.api import ChatCompletionRequest, TokenizeRequest
 from cluster.chat_dsv4 import BOS, REASONING_EFFORT_MAX, encode_messages
 from cluster.text import chat_prompt_ids
-from tests.helpers import write_v4_tokenizer
+from tests.helpers import V4_SPECIAL, write_v4_tokenizer
 from tests.unit.fixtures.dsv4_golden import GOLDEN
 from workers.checkpoint.tokenizer import load_tokenizer
 
@@ -132,8 +132,16 @@ def test_a_template_still_wins_and_a_tokenizer_without_v4_turn_tokens_stays_plai
     write_v4_tokenizer(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert load_tokenizer(tmp_path).chat_format == "template"
-    from workers.checkpoint.default_model import ensure_default_model
-    assert load_tokenizer(ensure_default_model()).chat_format == "plain"     # the built-in model's 2,048 ids
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["<｜User｜>hello<｜Assistant｜>world"] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=V4_SPECIAL[:3], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(plain / "tokenizer.json"))
+    assert load_tokenizer(plain).chat_format == "plain"        # BOS / EOS / pad only: the turns are bytes
 
 
 def test_bad_history_arguments_are_a_bad_request(v4_tokenizer):

@@ -1,6 +1,7 @@
 """The built-in default model: shipped inside the package, every V4 part present, a real
 DeepSeek-V4 checkpoint as far as transformers is concerned (same greedy tokens), a BPE
-tokenizer whose vocabulary is the model's, and greedy continuations that read as English."""
+tokenizer whose vocabulary is the model's with V4's chat tokens, greedy continuations that
+read as English, and chat replies in V4's format (reasoning, </think>, content, EOS)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from cluster.chat_dsv4 import CHAT, END_THINK, THINKING, encode_messages
+from cluster.dsv4_output import ReplyParser
+from scripts.default_chat_data import V4_TOKENS
 from tests.helpers import random_prompt, reference_greedy
 from workers.checkpoint.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
 from workers.checkpoint.loader import CheckpointError
@@ -70,6 +74,16 @@ def test_default_tokenizer_vocabulary_equals_config_and_embedding_rows(default_d
     assert tok.vocab_size == vocab == embed_rows == head_rows
 
 
+def test_default_tokenizer_has_v4s_chat_tokens_so_chat_uses_v4s_format(default_dir):
+    """One id each, after the 2,048 trained ones, not special (as DeepSeek's tokenizers mark
+    them): the checkpoint is served in V4's chat format (cluster/chat_dsv4.py)."""
+    tok = load_tokenizer(default_dir)
+    assert [tok.encode_rendered(t) for t in V4_TOKENS] == [[2048 + i] for i in range(len(V4_TOKENS))]
+    added = {t.content: t.special for t in tok._tok.get_added_tokens_decoder().values()}
+    assert not any(added[t] for t in V4_TOKENS)
+    assert tok.chat_format == "dsv4" and tok.chat_template is None
+
+
 @pytest.mark.parametrize("text", [PROMPT, "Hello, world!\n\tTabs, newlines  and   spaces.",
                                   "Numbers 3.14 and 42; symbols <>{}[]#@~", "naïve café, Grüße, 東京, emoji 🙂"])
 def test_default_tokenizer_round_trips_text(default_dir, text):
@@ -99,6 +113,27 @@ def test_default_model_greedy_continuation_reads_as_english(engine, default_dir)
     assert len(whole) >= 0.9 * len(words), (text, set(words) - set(whole))
 
 
+CHAT_ASK = [{"role": "user", "content": "Continue: In the beginning"}]
+
+
+@pytest.mark.parametrize("mode", [THINKING, CHAT])
+def test_default_model_replies_in_v4s_chat_format(engine, default_dir, mode):
+    """Greedy, the built-in model writes a thinking-mode reply as reasoning, `</think>`, content,
+    EOS and a chat-mode reply as content, EOS: both parts English, nothing cut by max_tokens."""
+    tok = load_tokenizer(default_dir)
+    prompt = tok.encode_rendered(encode_messages(CHAT_ASK, mode))
+    out = engine.generate([prompt], SamplingParams(max_tokens=96, temperature=0.0))[0]
+    assert out.token_ids[-1] == tok.eos_id and out.finish_reason == "stop"
+    text = tok.decode_markup(out.token_ids)
+    assert text.count(END_THINK) == (mode == THINKING)
+    parser = ReplyParser(mode, tools=False)
+    reply = parser.feed(text), parser.finish()
+    reasoning, content = (reply[0].reasoning + reply[1].reasoning), (reply[0].content + reply[1].content)
+    assert bool(reasoning) == (mode == THINKING) and content
+    for part in filter(None, (reasoning, content)):
+        assert part.isascii() and sum(c.isalpha() or c.isspace() for c in part) >= 0.8 * len(part), part
+
+
 def test_default_model_loads_in_transformers_and_engine_greedy_equals_reference(default_dir, engine):
     from transformers import DeepseekV4ForCausalLM
     _, info = DeepseekV4ForCausalLM.from_pretrained(default_dir, dtype=torch.float32, output_loading_info=True)
@@ -112,9 +147,9 @@ def test_default_model_loads_in_transformers_and_engine_greedy_equals_reference(
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs)) < 2e-4
 
 
-# Measured at k = 1 on the built-in model's own text (32 openings x 64 greedy tokens: 0.706,
+# Measured at k = 1 on the built-in model's own text (32 openings x 64 greedy tokens: 0.740,
 # docs/benchmarks.md); the test's 8 openings x 48 tokens must stay within MTP_MARGIN of it.
-MTP_ACCEPTANCE, MTP_MARGIN = 0.70, 0.10
+MTP_ACCEPTANCE, MTP_MARGIN = 0.74, 0.10
 OPENINGS = ["The king said to his servants,", "In the beginning", "And the LORD spoke to Moses, saying,",
             "Then Jesus said to them,", "Blessed is the man who", "Now it happened in those days that",
             "Hear, O Israel:", "The word of the LORD came to me, saying,"]

@@ -1,6 +1,7 @@
 """scripts/train_default_model.py: reads its corpus from the installed package, trains a BPE
-tokenizer and a V4 model whose vocabularies agree, is deterministic, and writes a checkpoint
-kvmesh's engine serves."""
+tokenizer and a V4 model whose vocabularies agree, grows both by V4's chat tokens and trains on
+conversations kvmesh's encoder renders, is deterministic, and writes a checkpoint kvmesh's
+engine serves in V4's chat format."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.default_chat_data import V4_TOKENS
 from workers.checkpoint.tokenizer import load_tokenizer
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
@@ -17,7 +19,7 @@ from workers.sampling.params import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_default_model.py"
 SMOKE = ["--steps", "3", "--max-chars", "30000", "--seq-len", "64", "--batch", "2", "--vocab-size", "512",
-         "--sample-tokens", "0", "--mtp-steps", "2"]
+         "--sample-tokens", "0", "--mtp-steps", "2", "--chat-steps", "3", "--chat-batch", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +46,10 @@ def test_training_writes_a_checkpoint_whose_vocabularies_agree(trained):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     tok = load_tokenizer(trained)
     config = json.loads((trained / "config.json").read_text())
-    assert tok.vocab_size == config["vocab_size"] == 512
+    assert tok.vocab_size == config["vocab_size"] == 512 + len(V4_TOKENS)
     text = "Jesus wept, and the people saw it."
     assert tok.decode(tok.encode(text)) == text
+    assert tok.chat_format == "dsv4"
 
 
 def test_training_lowers_the_loss_and_saves_what_it_trained(train_script, tmp_path):
@@ -74,7 +77,7 @@ def test_engine_serves_the_trained_checkpoint(trained):
     engine = Engine(EngineConfig(model=str(trained), kv_cache_bytes=8 << 20))
     prompt = load_tokenizer(trained).encode("And God said,")
     out = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 3 and all(0 <= t < 512 for t in out.token_ids)
+    assert len(out.token_ids) == 3 and all(0 <= t < 512 + len(V4_TOKENS) for t in out.token_ids)
 
 
 def test_mtp_stage_trains_the_mtp_layer_alone_and_kvmesh_serves_it_as_trained(train_script, trained, tmp_path):
@@ -109,3 +112,47 @@ def test_mtp_stage_trains_the_mtp_layer_alone_and_kvmesh_serves_it_as_trained(tr
                     torch.tensor([tokens[1:]]))[0]
     _, got = mtp_logits(out, tokens, block_tokens=128)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_chat_stage_adds_v4s_tokens_as_new_rows_and_leaves_the_old_logits(train_script):
+    """V4's tokens become single, not-special ids after the trained ones (as DeepSeek's
+    tokenizers mark them); before any chat step, the grown model's logits over the old
+    vocabulary are the old model's, for text of the old vocabulary."""
+    text = train_script.corpus_text(max_chars=30_000)
+    tok = train_script.train_tokenizer(text, 512)
+    model = train_script.build_model({**train_script.MODEL_CONFIG, "vocab_size": 512}, seed=0).eval()
+    ids = torch.tensor([tok.encode(text[:2000]).ids[:120]])
+    with torch.no_grad():
+        before = model(ids).logits
+        grown = train_script.grow_vocab(model, tok, seed=0)
+        after = grown(ids).logits
+    assert [tok.token_to_id(t) for t in V4_TOKENS] == list(range(512, 512 + len(V4_TOKENS)))
+    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
+    assert all(not added[t].special and len(tok.encode(f"a{t}b").ids) == 3 for t in V4_TOKENS)
+    assert after.shape[-1] == 512 + len(V4_TOKENS)
+    torch.testing.assert_close(after[..., :512], before, atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="already has V4's tokens"):
+        train_script.grow_vocab(grown, tok, seed=0)
+
+
+def test_chat_batches_are_the_encoders_conversations_with_loss_on_the_replies_only(train_script):
+    """Each conversation row is kvmesh's encoder's text; the labelled tokens are exactly the
+    assistant turns after the prompt's mode token (reasoning, </think>, content, DSML calls, EOS)."""
+    from cluster.chat_dsv4 import ASSISTANT, END_THINK, EOS
+    text = train_script.corpus_text(max_chars=200_000)
+    tok = train_script.train_tokenizer(text, 512)
+    train_script.grow_vocab(train_script.build_model({**train_script.MODEL_CONFIG, "vocab_size": 512}, 0), tok, 0)
+    rows = 0
+    for step, (ids, labels) in zip(range(3), train_script.chat_batches(tok, text, batch=3, seed=0)):
+        for row, lab in zip(ids.tolist(), labels.tolist()):
+            rendered = tok.decode(row, skip_special_tokens=False)
+            assert rendered.startswith("<｜begin▁of▁sentence｜>")
+            replies = [r.split(EOS)[0] + EOS for r in rendered.split(ASSISTANT)[1:]]
+            replies = [r.removeprefix("<think>").removeprefix(END_THINK) for r in replies]
+            kept = [t if lab_t != -100 else None for t, lab_t in zip(row, lab)]
+            spans = "".join(tok.decode([t], skip_special_tokens=False) if t is not None else "\0" for t in kept)
+            assert [s for s in spans.split("\0") if s] == replies
+            rows += 1
+        if step == 2:                       # every third batch offers the tools and calls one
+            assert any("<｜DSML｜invoke" in tok.decode(r, skip_special_tokens=False) for r in ids.tolist())
+    assert rows == 3 + 3 + 1

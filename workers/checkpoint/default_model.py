@@ -2,7 +2,8 @@
 
 `workers/checkpoint/default_checkpoint/` holds what `scripts/train_default_model.py` wrote: config.json
 + model.safetensors (transformers' `save_pretrained` format, upstream tensor names), a
-byte-level BPE tokenizer.json whose vocabulary is the model's, tokenizer_config.json. Every
+byte-level BPE tokenizer.json with V4's chat tokens whose vocabulary is the model's (so chat is
+served in V4's format), tokenizer_config.json, mtp.safetensors (its MTP layer). Every
 part of the real network is there (SWA, CSA and HCA layers, mHC, hash and top-k MoE with a
 shared expert, indexer, YaRN compress rope) at toy width, trained on the World English Bible
 (public domain) so its greedy continuations read as English. Nothing is downloaded or
