@@ -12,9 +12,12 @@ Rollback is exact and cheap because drafts are placed where rejecting them only 
 rows that are never read, or state saved before the step: a step's drafts stay inside the
 compressor window (of every ratio) of their first position, never end or cross a block, and
 real + draft tokens fit one SWA window. A rejected draft then changes, of what is read later:
-its window-ring row (restored from a copy taken before the step), and, when it closes a
-window, the overlap state of CSA compressors (the Ca half a window hands to the next; restored
-from a copy taken when some draft of the step closes a window). The entry a rejected draft
+its window-ring row, unless it is the first rejected one (a draft at position p overwrites
+the row of p - W; the next step's first real token is at the first rejected position, and no
+later window reaches back before it), restored from a copy taken before the step, so k = 1
+copies no ring row; and, when it closes a window, the overlap state of CSA compressors (the Ca
+half a window hands to the next; restored from a copy taken when some draft of the step closes
+a window). The entry a rejected draft
 wrote for the window it closed is invisible until a real token closes that window and
 rewrites it; compressor tail rows past the accepted position are overwritten before they are
 read (the step's last window always goes to the tail, closed or not); paged SWA rows of the
@@ -78,25 +81,29 @@ class DraftLimits:
 
 
 class DraftState:
-    """What one step's drafts overwrite that a later step reads, saved before the step: the
-    window-ring rows at the draft positions ([N] `slots`, `positions`) and, for the sequences
-    whose drafts close a window of an overlapping compressor (`closing`: batch index -> (slot,
-    index of that draft)), the slots' overlap state."""
+    """What one step's drafts overwrite that a later step may read, saved before the step: the
+    window-ring rows of the drafts after each sequence's first (`rows`: (batch index, draft
+    index, slot, position)) and, for the sequences whose drafts close a window of an overlapping
+    compressor (`closing`: batch index -> (slot, index of that draft)), the slots' overlap state."""
 
-    def __init__(self, cache: CacheTensors, slots: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, cache: CacheTensors, rows: list[tuple[int, int, int, int]],
                  closing: dict[int, tuple[int, int]]):
-        self.cache, self.slots, self.closing = cache, slots, closing
-        self.rows = positions % cache.layout.params.window
-        self.ring = cache.ring_rows(slots, self.rows)
+        self.cache, self.closing, self.owners = cache, closing, [(b, i) for b, i, _, _ in rows]
+        if rows:
+            window = cache.layout.params.window
+            self.slots = torch.tensor([slot for _, _, slot, _ in rows], dtype=torch.long)
+            self.rows = torch.tensor([p % window for _, _, _, p in rows], dtype=torch.long)
+            self.ring = cache.ring_rows(self.slots, self.rows)
         self.overlap_slots = torch.tensor([slot for slot, _ in closing.values()], dtype=torch.long) if closing else None
         self.overlap = cache.overlap_rows(self.overlap_slots) if closing else []
 
-    def restore(self, kept: list[bool], accepted: dict[int, int]) -> None:
-        """Put back the ring rows of the rejected drafts (`kept`: one flag per saved row) and the
-        overlap state of each sequence whose closing draft was rejected (`accepted`: batch index
-        -> accepted drafts). Nothing is written when every draft was accepted."""
-        if not all(kept):
-            rejected = ~torch.tensor(kept, dtype=torch.bool)
+    def restore(self, accepted: dict[int, int]) -> None:
+        """Put back the saved ring rows of the drafts after each sequence's first rejected one,
+        and the overlap state of each sequence whose closing draft was rejected (`accepted`: batch
+        index -> accepted drafts). Nothing is written when every draft was accepted."""
+        later = [i > accepted.get(b, 0) for b, i in self.owners]
+        if any(later):
+            rejected = torch.tensor(later, dtype=torch.bool)
             self.cache.write_ring_rows(self.slots[rejected], self.rows[rejected],
                                        [saved[rejected] for saved in self.ring])
         undo = [accepted.get(b, 0) <= i for b, (_, i) in self.closing.items()]
@@ -126,28 +133,23 @@ class Speculator:
         return out
 
     def save(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> DraftState:
-        slots, positions, closing = [], [], {}
+        rows, closing = [], {}
         for b, draft in drafts.items():
             seq, n = batch[b]
             first = seq.num_computed + n
-            slots += [seq.slot] * len(draft)
-            positions += range(first, first + len(draft))
+            rows += [(b, i, seq.slot, first + i) for i in range(1, len(draft))]
             closes = [m - 1 - first % m for m in self.overlap_ratios if m - 1 - first % m < len(draft)]
             if closes:
                 closing[b] = (seq.slot, min(closes))
-        return DraftState(self.cache, torch.tensor(slots, dtype=torch.long),
-                          torch.tensor(positions, dtype=torch.long), closing)
+        return DraftState(self.cache, rows, closing)
 
     def settle(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]], accepted: dict[int, int],
                saved: DraftState) -> None:
         """Count the accepted drafts as computed (num_computed already includes the real
         tokens) and restore what the rejected ones overwrote."""
-        keep = []
-        for b, draft in drafts.items():
-            n_ok = accepted.get(b, 0)
-            batch[b][0].num_computed += n_ok
-            keep += [True] * n_ok + [False] * (len(draft) - n_ok)
-        saved.restore(keep, accepted)
+        for b in drafts:
+            batch[b][0].num_computed += accepted.get(b, 0)
+        saved.restore(accepted)
 
     @staticmethod
     def accept(rows: torch.Tensor, draft: list[int], sample_next) -> int:
