@@ -62,7 +62,8 @@ class MTPDrafter(Drafter):
             return
         lengths = step.lengths.tolist()
         if all(n - m <= 1 for n, m in zip(lengths, kept)):
-            x, at = self._whole_step(batch, starts, step, streams, kept, {b for b, d in zip(index, decoding) if d})
+            drafting_rows = {b for b, d in zip(index, decoding) if d}
+            x, at = self._whole_step(batch, starts, step, streams, kept, lengths, drafting_rows)
         else:
             x, mstep = self._kept_rows(step, streams, seqs, spans, index)
             at = mstep.logits_at[torch.tensor(decoding, dtype=torch.bool)]
@@ -80,13 +81,13 @@ class MTPDrafter(Drafter):
         self.drafts = {id(s): o for s, o in zip(drafting, out)}
 
     def _whole_step(self, batch, starts: list[int], step: StepInput, streams: torch.Tensor, kept: list[int],
-                    decoding: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer over every row of the main step (`kept[b]` rows of sequence b hold their
-        next token, the others a placeholder); returns its streams and, in batch order, the
+                    lengths: list[int], decoding: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over every row of the main step (of sequence b's `lengths[b]` rows, `kept[b]`
+        hold their next token, the others a placeholder); returns its streams and, in batch order, the
         rows of the `decoding` sequences' last kept positions. Where the layer ran from the
         ring's first valid row on (no restored prefix), its window indices are the step's."""
         tokens, ring_from, at = [], [], []
-        for b, ((seq, _), row, n) in enumerate(zip(batch, step.cu.tolist(), step.lengths.tolist())):
+        for b, ((seq, _), row, n) in enumerate(zip(batch, step.cu.tolist(), lengths)):
             nxt = seq.token_slice(starts[b] + 1, starts[b] + kept[b] + 1)
             tokens += nxt + [0] * (n - len(nxt))
             ring_from.append(max(seq.ring_from, self.first.get(id(seq), starts[b])))
