@@ -17,11 +17,10 @@ the row of p - W; the next step's first real token is at the first rejected posi
 later window reaches back before it), restored from a copy taken before the step, so k = 1
 copies no ring row; and, when it closes a window, the overlap state of CSA compressors (the Ca
 half a window hands to the next; restored from a copy taken when some draft of the step closes
-a window). The entry a rejected draft
-wrote for the window it closed is invisible until a real token closes that window and
-rewrites it; compressor tail rows past the accepted position are overwritten before they are
-read (the step's last window always goes to the tail, closed or not); paged SWA rows of the
-`full` policy are rewritten before their block is hashed.
+a window). The entry a rejected draft wrote for the window it closed is invisible until a real
+token closes that window and rewrites it; compressor tail rows past the accepted position are
+overwritten before they are read (the step's last window always goes to the tail, closed or
+not); paged SWA rows of the `full` policy are rewritten before their block is hashed.
 """
 from __future__ import annotations
 
