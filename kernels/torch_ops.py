@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 
+FEW_ROWS = 4     # up to this many queries per sequence, the indexer scores them in one batched call
+
+
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
                  max_entries: int | None = None) -> torch.Tensor:
     """[NB, EPB, D] paged cache -> [B, Emax, D] dense (rows past lengths[b] are garbage).
@@ -65,6 +68,8 @@ def sparse_attention(
     ratio: int,
     max_entries: int | None = None,    # host-known bound on comp_len (skips reading it back)
     decode: bool = False,       # one query per sequence (q_seq = arange(B)) at its last win_kv row
+    win_rows: torch.Tensor | None = None,    # [T, W] window_rows(q_pos, q_seq, win_pos, window), when the
+    win_valid: torch.Tensor | None = None,   # caller built them once for every layer ([T, W] bool)
 ) -> torch.Tensor:
     """Softmax attention over the SWA window plus the visible compressed entries, with a
     per-head sink in the denominator. Returns [T, H, D] in q's dtype.
@@ -75,7 +80,7 @@ def sparse_attention(
     if decode:
         keys, mask = win_kv[:, -window:], win_pos[:, -window:] >= 0
     else:
-        rows, mask = window_rows(q_pos, q_seq, win_pos, window)
+        rows, mask = (win_rows, win_valid) if win_rows is not None else window_rows(q_pos, q_seq, win_pos, window)
         keys = win_kv[q_seq.unsqueeze(1), rows]                             # [T, W, D]
     n_entries = None if comp_len is None else (
         max_entries if max_entries is not None else int(comp_len.max().item()))
@@ -181,8 +186,8 @@ def indexer_topk(
     keys = gather_paged(key_cache, block_table, key_len, n_entries)        # [B, E, Di]
     if decode:                            # rows: (query rows, their keys, their key counts)
         groups = [(slice(None), keys, key_len)]
-    elif q.shape[0] == keys.shape[0]:     # one query per sequence: one batched call
-        groups = [(torch.arange(q.shape[0], device=q.device), keys[q_seq], key_len[q_seq])]
+    elif q.shape[0] <= FEW_ROWS * keys.shape[0]:   # a few queries per sequence (a speculative verify
+        groups = [(slice(None), keys[q_seq], key_len[q_seq])]   # step): one batched call, keys per query
     else:      # every one-query sequence in one batched call; each prefill chunk against its own keys
         segments = _segments(q_seq)
         singles = [rows for rows in segments if rows.numel() == 1]

@@ -128,6 +128,8 @@ def sparse_attention(
     ratio: int,
     max_entries: int | None = None,    # unused: entries are read in place up to comp_len (no read-back)
     decode: bool = False,              # unused: each query scans only its own window rows anyway
+    win_rows: torch.Tensor | None = None,    # unused: each program finds its window rows itself
+    win_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention over the SWA window plus the visible compressed entries, with a
     per-head sink in the denominator. Returns [T, H, D] in q's dtype."""

@@ -29,6 +29,7 @@ class StepRows(Protocol):
     block_table: torch.Tensor   # [B, MB] block ids
     keep_tokens: torch.Tensor   # [B] tokens restored from stored blocks (not rewritten)
     decode: bool                # one row per sequence, past its restored tokens: no masks needed
+    max_len: int | None         # host-known bound on lengths (None: unknown)
 
 
 class ClosedWindows(Protocol):
@@ -167,9 +168,12 @@ class LayerCache:
                 bt = self.swa.shape[1]
                 self.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
             return
-        ends = (step.starts + step.lengths)[step.q_seq]
-        last = step.positions >= ends - w
-        self.ring[step.slots[step.q_seq[last]], step.positions[last] % w] = kv[last]
+        if step.max_len is not None and step.max_len <= w:   # every row is among its sequence's newest w
+            self.ring[step.slots[step.q_seq], step.positions % w] = kv
+        else:
+            ends = (step.starts + step.lengths)[step.q_seq]
+            last = step.positions >= ends - w
+            self.ring[step.slots[step.q_seq[last]], step.positions[last] % w] = kv[last]
         if self.swa is not None:
             bt = self.swa.shape[1]
             new = step.positions >= step.keep_tokens[step.q_seq]
@@ -211,10 +215,30 @@ class CacheTensors:
             for t in lc.tails.values():
                 t[dst].copy_(t[src])
 
+    def ring_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of window-ring rows [N, D] at (slots, rows), one per layer."""
+        return [lc.ring[slots, rows] for lc in self.layers]
+
     def write_ring_rows(self, slots: torch.Tensor, rows: torch.Tensor, values: list[torch.Tensor]) -> None:
         """Put back window-ring rows (speculative rollback): values[layer] [N, D] at (slots, rows)."""
         for lc, v in zip(self.layers, values):
             lc.ring[slots, rows] = v
+
+    def _overlap_states(self) -> list[torch.Tensor]:
+        return [t for lc in self.layers for c in lc.compressors if c.ovl_kv is not None for t in (c.ovl_kv, c.ovl_gate)]
+
+    def overlap_ratios(self) -> list[int]:
+        """The ratios of the compressors that carry overlap state from window to window (CSA)."""
+        return sorted({c.ratio for lc in self.layers for c in lc.compressors if c.ovl_kv is not None})
+
+    def overlap_rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of the slots' overlap state, one tensor per overlapping compressor and field."""
+        return [t[slots] for t in self._overlap_states()]
+
+    def write_overlap_rows(self, slots: torch.Tensor, values: list[torch.Tensor]) -> None:
+        """Put back the slots' overlap state (speculative rollback), as `overlap_rows` read it."""
+        for t, v in zip(self._overlap_states(), values):
+            t[slots] = v
 
     def block_state(self, block: int) -> dict[str, torch.Tensor]:
         """Copies of one block's tensors across layers, named '{layer}.{field}'."""

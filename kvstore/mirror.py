@@ -17,7 +17,7 @@ class MirroredCache:
     recorded (`take()` hands the list over); reads and the tensors pass through. The model's
     forward writes the real cache directly: every rank runs that one itself."""
     MUTATORS = ("reset_slot", "copy_block", "copy_slot", "load_blocks", "load_packed",
-                "rebuild_slot", "load_slot", "scatter", "write_ring_rows")
+                "rebuild_slot", "load_slot", "scatter", "write_ring_rows", "write_overlap_rows")
 
     def __init__(self, cache: CacheTensors):
         self.real, self.ops = cache, []

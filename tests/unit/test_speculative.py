@@ -88,6 +88,37 @@ def test_seeded_forks_with_drafts_equal_seeded_forks_without(checkpoint):
     assert 0 < engine.counters.accepted_draft_tokens < engine.counters.draft_tokens
 
 
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("wrong_at", ["window_close", 0, 1, 2])
+def test_drafts_rejected_at_each_position_are_rolled_back(checkpoint, cold, k, wrong_at, monkeypatch):
+    """Drafts that are wrong exactly where a compressor window closes (the draft closed it: its
+    entry, tail and overlap state must not survive), or at one output position in three (offset
+    0, 1 or 2: steps of k = 3 reject their first, second or third draft): greedy output is the
+    cold output, and window-closing drafts were really proposed."""
+    from workers.spec import speculative
+    name, path = checkpoint
+    ref, _ = cold
+    engine = tiny_engine(path, name)
+    m = engine.args.csa_ratio
+
+    def bad(position: int, i: int) -> bool:
+        return (position + 1) % m == 0 if wrong_at == "window_close" else i % 3 == wrong_at
+    closing = []
+    save = speculative.Speculator.save
+
+    def spy(self, batch, drafts):
+        state = save(self, batch, drafts)
+        closing.append(len(state.closing))
+        return state
+    monkeypatch.setattr(speculative.Speculator, "save", spy)
+    oracle = {tuple(p): [(t + 1) % 300 if bad(len(p) + i, i) else t for i, t in enumerate(r)]
+              for p, r in zip(prompts(), ref)}
+    engine.set_drafter(OracleDrafter(oracle), k)
+    assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == ref
+    assert sum(closing) > 0
+    assert 0 < engine.counters.accepted_draft_tokens < engine.counters.draft_tokens
+
+
 @pytest.mark.parametrize("policy", ["full", "periodic"])
 def test_speculative_run_leaves_a_cache_that_later_requests_reuse_exactly(checkpoint, cold, policy):
     """Blocks written while drafts were rolled back are hashed and restored by the next
@@ -105,11 +136,12 @@ def test_speculative_run_leaves_a_cache_that_later_requests_reuse_exactly(checkp
     assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
 
 
-def test_drafts_never_complete_a_compressor_window_or_cross_a_block():
+def test_drafts_stay_in_one_compressor_window_and_never_end_a_block():
     limits = DraftLimits(ratios=(4, 16), block_tokens=16, window=8)
-    assert limits.max_drafts(computed=4, n_real=1, k=3) == 2     # count 5: drafts to 6, 7 (8 closes)
-    assert limits.max_drafts(computed=6, n_real=1, k=3) == 0     # count 7: the next token closes a window
+    assert limits.max_drafts(computed=4, n_real=1, k=3) == 3     # count 5: drafts 5, 6, 7 (7 closes [4, 8))
+    assert limits.max_drafts(computed=6, n_real=1, k=3) == 1     # count 7: one draft, which closes the window
     assert limits.max_drafts(computed=7, n_real=1, k=3) == 3     # count 8 (a window just closed)
+    assert limits.max_drafts(computed=13, n_real=1, k=3) == 1    # count 14: a draft at 15 would end the block
     assert limits.max_drafts(computed=15, n_real=1, k=3) == 0    # count 16: a block just ended
     assert limits.max_drafts(computed=0, n_real=8, k=3) == 0     # the window is full of real tokens
 
@@ -161,6 +193,28 @@ def test_mtp_drafts_after_a_restored_prefix_leave_greedy_output_unchanged(mtp_ch
                                speculative_tokens=0))
     assert [o.token_ids for o in again] == [o.token_ids for o in cold.generate(
         [p + o.token_ids for p, o in zip(prompts(), first)], GREEDY)]
+
+
+def test_mtp_drafts_beside_chunked_prefills_leave_greedy_output_unchanged(mtp_checkpoint):
+    """Requests arrive while others decode with drafts, and prompts are prefilled in chunks of
+    7 tokens: steps mix prefill chunks with verify rows, and the MTP layer's pass runs over both."""
+    block, path = mtp_checkpoint
+
+    def run(spec: int):
+        e = Engine(EngineConfig(model=str(path), block_tokens=block, kv_cache_bytes=8 << 20,
+                                speculative_tokens=spec, max_batched_tokens=7))
+        done = {}
+        for i, prompt in enumerate(prompts()):
+            e.add_request(f"r{i}", prompt, GREEDY)
+            for _ in range(4):
+                done.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        while e.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        return [done[f"r{i}"] for i in range(len(PROMPT_LENS))], e.counters
+    plain, _ = run(0)
+    spec, stats = run(2)
+    assert spec == plain
+    assert stats.draft_tokens > 0
 
 
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):

@@ -123,7 +123,7 @@ class DecodeGraphs:
         if bucket.graph is not None:
             bucket.graph.replay()
             return bucket.logits
-        bucket.step.plans.clear()        # plans are built inside the forward (they are step data)
+        bucket.step.clear_derived()      # plans are built inside the forward (they are step data)
         return self.model(bucket.step, self.cache)
 
     def _new_bucket(self, size: int) -> _Bucket:
@@ -151,10 +151,10 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):         # warm-up off the capture: Triton compiles, allocator settles
             for _ in range(2):
-                bucket.step.plans.clear()
+                bucket.step.clear_derived()
                 self.model(bucket.step, self.cache)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        bucket.step.plans.clear()
+        bucket.step.clear_derived()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             bucket.logits = self.model(bucket.step, self.cache)

@@ -103,8 +103,8 @@ class OutputProcessor:
         for b in sampled:
             seq, draft = batch[b][0], drafts.get(b, [])
             if draft:
-                accepted[b] = Speculator.accept(logits[row:row + 1 + len(draft)], draft,
-                                                lambda x, seq=seq: self._draw(seq, x))
+                rows = logits[row:row + 1 + len(draft)]
+                accepted[b] = Speculator.accept(rows, draft, self._drawer(seq, rows))
                 outputs.append(self.output(seq))
             else:
                 plain.append(b)
@@ -121,6 +121,21 @@ class OutputProcessor:
             if n_ok and not seq.finish_reason:
                 self.prefix.after_step(seq)
         return outputs
+
+    def _drawer(self, seq: Sequence, rows: torch.Tensor):
+        """How a drafted sequence's rows are sampled one by one (`Speculator.accept`): a greedy
+        sequence whose sampling carries no state from token to token (no penalties, grammar or
+        min_tokens ban) has every row picked in one call up front, the others row by row."""
+        p = seq.params
+        if p.temperature > 0 or p.penalized or seq.guide is not None or len(seq.output) < p.min_tokens:
+            return lambda x: self._draw(seq, x)
+        picked = iter(zip(*sample_batch(rows, [self.sample_row(seq)] * rows.shape[0])))
+
+        def take(_: torch.Tensor) -> int | None:
+            token, logprob, top = next(picked)
+            self.append(seq, token, logprob, top)
+            return None if seq.finish_reason else token
+        return take
 
     def _draw(self, seq: Sequence, logits: torch.Tensor) -> int | None:
         """Sample and append one token from one row; returns it, or None once seq has finished."""

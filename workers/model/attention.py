@@ -124,21 +124,12 @@ class Attention(nn.Module):
             self.indexer = Indexer(args)
 
     def window_kv(self, kv: torch.Tensor, step: StepInput, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence: | ring rows for [start-W+1, start) | this step's rows | -> [B, W-1+n_max, D].
-        A decode step reads all W rows from the ring, its token already written there."""
-        w, starts, slots = self.window, step.starts, step.slots
-        if step.decode:
-            pos = starts.unsqueeze(1) - (w - 1) + torch.arange(w, device=starts.device)   # [B, W], token last
-            return rows_of(ring, slots.unsqueeze(1) * w + pos % w), torch.where(pos >= step.ring_from.unsqueeze(1), pos, -1)
-        back = torch.arange(w - 1, device=starts.device)
-        old_pos = starts.unsqueeze(1) - (w - 1) + back                       # [B, W-1]
-        old = rows_of(ring, slots.unsqueeze(1) * w + old_pos % w)
-        old_pos = torch.where(old_pos >= step.ring_from.unsqueeze(1), old_pos, -1)
-        n_max = step.longest
-        j = torch.arange(n_max, device=starts.device)
-        rows = (step.cu[:-1].unsqueeze(1) + j).clamp(max=kv.shape[0] - 1)
-        new_pos = torch.where(j < step.lengths.unsqueeze(1), starts.unsqueeze(1) + j, -1)
-        return torch.cat([old, kv[rows]], 1), torch.cat([old_pos, new_pos], 1)
+        """Per sequence: | ring rows for [start-W+1, start) | this step's rows | -> [B, W-1+n_max, D]
+        and their positions (step.ring_window). A decode step reads all W rows from the ring, its
+        token already written there."""
+        rw = step.ring_window(self.window)
+        old = rows_of(ring, rw.ring_rows)
+        return (old if rw.step_rows is None else torch.cat([old, kv[rw.step_rows]], 1)), rw.positions
 
     def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes: dict[str, Rope],
                 pos_rope: PositionRope, ops: KernelOps) -> torch.Tensor:
@@ -155,6 +146,7 @@ class Attention(nn.Module):
             win_kv, win_pos = self.window_kv(kv, step, cache.ring)
             cache.append_kv(step, kv)
         topk = comp_len = None
+        rw = step.ring_window(self.window)
         if self.compressor is not None:
             self.compressor.update(x, step, cache.compressor, ropes["compress"], ops)
             comp_len = (step.starts + step.lengths) // self.ratio
@@ -165,7 +157,7 @@ class Attention(nn.Module):
                                    table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1),
                                    max_entries=step.entry_bound(self.ratio) if self.compressor else None,
-                                   decode=step.decode)
+                                   decode=step.decode, win_rows=rw.query_rows, win_valid=rw.query_valid)
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.n_groups, -1)                           # [T, G, H*D/G]
         partial = self.wo_b(grouped_linear(self.wo_a, grouped))               # wo_a: [G*R, H*D/G]

@@ -1,13 +1,15 @@
 """One forward step over a ragged batch, and the index tensors every layer shares.
 
 The runner builds a `StepInput`; the model derives from it, once per step, the index
-tensors its layers use (`cu`, and per compression ratio a `WindowPlan`), so no layer loops
-over sequences: a layer's work is a fixed number of tensor ops whatever the batch size.
+tensors its layers use (`cu`, per compression ratio a `WindowPlan`, per SWA window a
+`RingWindow`), so no layer loops over sequences and no layer rebuilds what another built: a
+layer's work is a fixed number of tensor ops whatever the batch size.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +37,7 @@ class StepInput:
                                 # data: window plans of one row per sequence (WindowPlan.build_decode)
     cu: torch.Tensor = field(init=False)        # [B + 1] row offsets of each sequence in T
     plans: dict[int, "WindowPlan"] = field(init=False, default_factory=dict)
+    rings: dict[int, "RingWindow"] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.fixed_shapes and not self.decode:
@@ -46,6 +49,17 @@ class StepInput:
         def moved(v):
             return v.to(device) if isinstance(v, torch.Tensor) else v
         return StepInput(**{f.name: moved(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init})
+
+    def clear_derived(self) -> None:
+        """Forget the plans and ring windows (a replayed step's tensors are rewritten in place)."""
+        self.plans.clear()
+        self.rings.clear()
+
+    def ring_window(self, window: int) -> "RingWindow":
+        """Where each sequence's SWA window rows come from (built on first use, shared by layers)."""
+        if window not in self.rings:
+            self.rings[window] = RingWindow.build(self, window)
+        return self.rings[window]
 
     def windows(self, ratio: int) -> "WindowPlan":
         """The compressor windows of this step at `ratio` (built on first use, shared by layers)."""
@@ -63,6 +77,38 @@ class StepInput:
         return None if self.max_end is None else self.max_end // ratio
 
 
+class RingWindow(NamedTuple):
+    """Each sequence's SWA window as `| ring rows for [start-W+1, start) | this step's rows |`:
+    `ring_rows` [B, W-1] flattened ring rows (slot * W + position % W) and `step_rows` [B, n_max]
+    rows of the step (clamped), with `positions` [B, W-1+n_max] (-1: empty or masked); query t
+    sees rows `query_rows[t]` [T, W] of its sequence's window, those with `query_valid[t]` (what
+    the kernels' window_rows derives, built here once for every layer). A decode step writes its
+    token to the ring first and reads all W rows from there: `ring_rows` [B, W], `step_rows` and
+    the query rows None (each query sees its sequence's whole window)."""
+    ring_rows: torch.Tensor
+    step_rows: torch.Tensor | None
+    positions: torch.Tensor
+    query_rows: torch.Tensor | None = None
+    query_valid: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, step: StepInput, w: int) -> "RingWindow":
+        starts, slots, ring_from = step.starts.unsqueeze(1), step.slots.unsqueeze(1), step.ring_from.unsqueeze(1)
+        span = w if step.decode else w - 1
+        pos = starts - (w - 1) + torch.arange(span, device=starts.device)
+        ring_rows, pos = slots * w + pos % w, torch.where(pos >= ring_from, pos, -1)
+        if step.decode:
+            return cls(ring_rows, None, pos)
+        j = torch.arange(step.longest, device=starts.device)
+        step_rows = (step.cu[:-1].unsqueeze(1) + j).clamp(max=step.tokens.shape[0] - 1)
+        new_pos = torch.where(j < step.lengths.unsqueeze(1), starts + j, -1)
+        positions = torch.cat([pos, new_pos], 1)
+        # the row of position q - W + 1 + i is (q - start) + i: the window's rows are consecutive
+        query_rows = (step.positions - step.starts[step.q_seq]).unsqueeze(1) + torch.arange(w, device=pos.device)
+        valid = positions[step.q_seq.unsqueeze(1), query_rows] >= 0
+        return cls(ring_rows, step_rows, positions, query_rows, valid)
+
+
 @dataclass
 class WindowPlan:
     """Where each window that closes in this step takes its m rows, and what goes to the tails.
@@ -70,8 +116,10 @@ class WindowPlan:
     Window i (of N, grouped by sequence in batch order) belongs to sequence `seq[i]`, has
     index `index[i]` (it covers positions [index*m, (index+1)*m)), and its row r is
     `step rows[src[i, r]]` when `from_step[i, r]`, else tail row `src[i, r]` of the flattened
-    [S*m] tails (positions before the step's start). Rows `tail_rows` of the step (those after
-    their sequence's last closed window) are written to tail rows `tail_dst`."""
+    [S*m] tails (positions before the step's start). Rows `tail_rows` of the step (those in
+    their sequence's last window, closed or not) are written to tail rows `tail_dst`: a closed
+    window's tail is never read again, unless a rejected speculative draft closed it, and then
+    the real rows before the draft must be there."""
     seq: torch.Tensor           # [N] sequence (batch index) of each closed window
     index: torch.Tensor         # [N] window index within its sequence
     step_src: torch.Tensor      # [N, m] step row of each window row (0 where not from the step)
@@ -117,7 +165,7 @@ class WindowPlan:
         tail_src = step.slots[seq].unsqueeze(1) * m + pos % m
         first, last = offset == 0, offset == closed[seq] - 1
         keep = (index + 1) * m > step.keep_tokens[seq]
-        stays = step.positions >= (ends // m * m)[step.q_seq]
+        stays = step.positions >= ((ends - 1) // m * m)[step.q_seq]      # the last window, closed or not
         tail_rows = torch.nonzero(stays).squeeze(1)
         tail_dst = step.slots[step.q_seq[tail_rows]] * m + step.positions[tail_rows] % m
         return cls(seq, index, step_src, tail_src, from_step, first, last, keep, tail_rows, tail_dst)

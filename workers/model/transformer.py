@@ -82,7 +82,7 @@ class MTPLayer(Block):
         -> this layer's streams [T, N, C] (which predict the token after the next one)."""
         e = self.e_proj(self.enorm(embed(next_tokens)))
         x = e.unsqueeze(1) + self.h_proj(self.hnorm(streams))
-        pos_rope = {name: rope(step.positions, x.dtype) for name, rope in ropes.items()}
+        pos_rope = {"main": ropes["main"](step.positions, x.dtype)}     # a sliding-window block: main RoPE only
         return super().forward(x, step, cache, ropes, pos_rope, ops)
 
 

@@ -6,8 +6,17 @@ state slot, then chains itself from each decoding sequence's last position: draf
 from the main streams and the sampled token, draft i + 1 from the layer's own streams and
 draft i. Drafts only change speed, never output, so the layer's ring may be stale where it
 never ran (before a restored prefix): those rows are masked like the main model's.
+
+The layer's first pass reuses the main step as it is (its index tensors, its decode path)
+when no sequence has more than one row past what it kept (one rejected draft at most): that
+row gets a placeholder next token and writes the layer's ring at the sequence's next
+position, which the next step's pass rewrites before any query reads it. Otherwise (two or
+more rejected rows would overwrite ring rows still in the window) the pass runs over the
+kept rows only.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -38,35 +47,70 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, batch: list[tuple[Sequence, int]], starts: list[int], step: StepInput,
                 streams: torch.Tensor, k: int) -> None:
-        rows, tokens, seqs, spans = [], [], [], []
-        cu = step.cu.tolist()
+        seqs, spans, decoding, kept, index = [], [], [], [], []
         for b, (seq, _) in enumerate(batch):
-            if seq.status == Status.FINISHED or seq.finish_reason or seq.slot is None:
-                continue
-            start, end = starts[b], seq.num_computed
-            rows += range(cu[b], cu[b] + end - start)
-            tokens += seq.token_slice(start + 1, end + 1)
-            seqs.append(seq)
-            spans.append((start, end - start))
+            live = not (seq.status == Status.FINISHED or seq.finish_reason or seq.slot is None)
+            kept.append(seq.num_computed - starts[b] if live else 0)
+            if live:
+                seqs.append(seq)
+                spans.append((starts[b], kept[-1]))
+                decoding.append(seq.num_computed == seq.length - 1)
+                index.append(b)
         self.first = {id(s): self.first.get(id(s), start) for s, (start, _) in zip(seqs, spans)}
         self.drafts = {}
         if not seqs:
             return
-        decoding = torch.tensor([s.num_computed == s.length - 1 for s in seqs])
-        x, mstep = self._run(streams[torch.tensor(rows)], tokens, seqs, spans)
-        at = mstep.logits_at[decoding]
-        if at.numel() == 0:
+        lengths = step.lengths.tolist()
+        if all(n - m <= 1 for n, m in zip(lengths, kept)):
+            drafting_rows = {b for b, d in zip(index, decoding) if d}
+            x, at = self._whole_step(batch, starts, step, streams, kept, lengths, drafting_rows)
+        else:
+            x, mstep = self._kept_rows(step, streams, seqs, spans, index)
+            at = mstep.logits_at[torch.tensor(decoding, dtype=torch.bool)]
+        if not any(decoding):
             return
-        drafting = [s for s, d in zip(seqs, decoding.tolist()) if d]
+        drafting = [s for s, d in zip(seqs, decoding) if d]
+        x, last = x[at], step.positions.new_tensor([s.num_computed - 1 for s in drafting])
         out = [[] for _ in drafting]
-        x, last = x[at], mstep.positions[at]
         for i in range(k):
-            token = self.model.logits(x, self.layer).argmax(-1)
-            for o, t in zip(out, token.tolist()):
+            token = self.model.logits(x, self.layer).argmax(-1).tolist()
+            for o, t in zip(out, token):
                 o.append(t)
             if i + 1 < k:
-                x, _ = self._run(x, token.tolist(), drafting, [(int(p) + 1 + i, 1) for p in last])
+                x, _ = self._run(x, token, drafting, [(int(p) + 1 + i, 1) for p in last])
         self.drafts = {id(s): o for s, o in zip(drafting, out)}
+
+    def _whole_step(self, batch, starts: list[int], step: StepInput, streams: torch.Tensor, kept: list[int],
+                    lengths: list[int], decoding: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over every row of the main step (of sequence b's `lengths[b]` rows, `kept[b]`
+        hold their next token, the others a placeholder); returns its streams and, in batch order, the
+        rows of the `decoding` sequences' last kept positions. Where the layer ran from the
+        ring's first valid row on (no restored prefix), its window indices are the step's."""
+        tokens, ring_from, at = [], [], []
+        for b, ((seq, _), row, n) in enumerate(zip(batch, step.cu.tolist(), lengths)):
+            nxt = seq.token_slice(starts[b] + 1, starts[b] + kept[b] + 1)
+            tokens += nxt + [0] * (n - len(nxt))
+            ring_from.append(max(seq.ring_from, self.first.get(id(seq), starts[b])))
+            if b in decoding:
+                at.append(row + kept[b] - 1)
+        new = step.tokens.new_tensor
+        same = ring_from == [seq.ring_from for seq, _ in batch]
+        mstep = dataclasses.replace(step, tokens=new(tokens), ring_from=step.ring_from if same else new(ring_from),
+                                    logits_at=new(at))
+        if same:
+            mstep.rings.update(step.rings)
+        m = self.model
+        return self.layer.predict(streams, mstep.tokens, m.embed, mstep, self.cache, m.ropes, m.ops), mstep.logits_at
+
+    def _kept_rows(self, step: StepInput, streams: torch.Tensor, seqs: list[Sequence],
+                   spans: list[tuple[int, int]], index: list[int]) -> tuple[torch.Tensor, StepInput]:
+        """The layer over the rows each sequence kept (its span: first position, count; its
+        batch index)."""
+        rows, tokens, cu = [], [], step.cu.tolist()
+        for seq, (start, n), b in zip(seqs, spans, index):
+            rows += range(cu[b], cu[b] + n)
+            tokens += seq.token_slice(start + 1, start + n + 1)
+        return self._run(streams[torch.tensor(rows, dtype=torch.long)], tokens, seqs, spans)
 
     def _run(self, streams: torch.Tensor, next_tokens: list[int], seqs: list[Sequence],
              spans: list[tuple[int, int]]) -> tuple[torch.Tensor, StepInput]:

@@ -9,12 +9,18 @@ a token from p without d); each emitted token is one draw, in the same order as 
 drafts, so a seeded request gives the same tokens with or without speculation.
 
 Rollback is exact and cheap because drafts are placed where rejecting them only leaves
-rows that are never read: no draft completes a compressor window (the window's entry,
-tail reset and overlap state are written only by real tokens) or passes a block boundary,
-and real + draft tokens fit one SWA window. So the only state a rejected draft changes
-that is read later is its window-ring row, restored from a copy taken before the step.
-(Compressor tail rows past the accepted position are overwritten before they are read;
-paged SWA rows of the `full` policy are rewritten before their block is hashed.)
+rows that are never read, or state saved before the step: a step's drafts stay inside the
+compressor window (of every ratio) of their first position, never end or cross a block, and
+real + draft tokens fit one SWA window. A rejected draft then changes, of what is read later:
+its window-ring row, unless it is the first rejected one (a draft at position p overwrites
+the row of p - W; the next step's first real token is at the first rejected position, and no
+later window reaches back before it), restored from a copy taken before the step, so k = 1
+copies no ring row; and, when it closes a window, the overlap state of CSA compressors (the Ca
+half a window hands to the next; restored from a copy taken when some draft of the step closes
+a window). The entry a rejected draft wrote for the window it closed is invisible until a real
+token closes that window and rewrites it; compressor tail rows past the accepted position are
+overwritten before they are read (the step's last window always goes to the tail, closed or
+not); paged SWA rows of the `full` policy are rewritten before their block is hashed.
 """
 from __future__ import annotations
 
@@ -57,8 +63,9 @@ class OracleDrafter(Drafter):
 
 @dataclass(frozen=True)
 class DraftLimits:
-    """Where drafts may go: no draft completes a window of any `ratio` or crosses a block,
-    and the step's tokens fit the SWA `window`."""
+    """Where drafts may go: every draft lies in the window of each `ratio` that holds the first
+    one (the last may close it), no draft ends or crosses a block, and the step's tokens fit
+    the SWA `window`."""
     ratios: tuple[int, ...]
     block_tokens: int
     window: int
@@ -68,23 +75,40 @@ class DraftLimits:
         c = computed + n_real
         if c % self.block_tokens == 0:        # the real token ends a block: let the step end there
             return 0
-        room = min(m - c % m - 1 for m in self.ratios + (self.block_tokens,))
+        room = min([m - c % m for m in self.ratios] + [self.block_tokens - c % self.block_tokens - 1])
         return max(0, min(k, room, self.window - n_real))
 
 
-class RingRows:
-    """The window-ring rows that draft positions overwrite, saved before the step."""
+class DraftState:
+    """What one step's drafts overwrite that a later step may read, saved before the step: the
+    window-ring rows of the drafts after each sequence's first (`rows`: (batch index, draft
+    index, slot, position)) and, for the sequences whose drafts close a window of an overlapping
+    compressor (`closing`: batch index -> (slot, index of that draft)), the slots' overlap state."""
 
-    def __init__(self, cache: CacheTensors, slots: torch.Tensor, positions: torch.Tensor):
-        self.cache, self.slots = cache, slots
-        self.rows = positions % cache.layout.params.window
-        self.saved = [lc.ring[slots, self.rows].clone() for lc in cache.layers]
+    def __init__(self, cache: CacheTensors, rows: list[tuple[int, int, int, int]],
+                 closing: dict[int, tuple[int, int]]):
+        self.cache, self.closing, self.owners = cache, closing, [(b, i) for b, i, _, _ in rows]
+        if rows:
+            window = cache.layout.params.window
+            self.slots = torch.tensor([slot for _, _, slot, _ in rows], dtype=torch.long)
+            self.rows = torch.tensor([p % window for _, _, _, p in rows], dtype=torch.long)
+            self.ring = cache.ring_rows(self.slots, self.rows)
+        self.overlap_slots = torch.tensor([slot for slot, _ in closing.values()], dtype=torch.long) if closing else None
+        self.overlap = cache.overlap_rows(self.overlap_slots) if closing else []
 
-    def restore(self, rejected: torch.Tensor) -> None:
-        """Put back the rows of the rejected drafts (bool mask over the saved rows)."""
-        if not bool(rejected.any()):
-            return
-        self.cache.write_ring_rows(self.slots[rejected], self.rows[rejected], [saved[rejected] for saved in self.saved])
+    def restore(self, accepted: dict[int, int]) -> None:
+        """Put back the saved ring rows of the drafts after each sequence's first rejected one,
+        and the overlap state of each sequence whose closing draft was rejected (`accepted`: batch
+        index -> accepted drafts). Nothing is written when every draft was accepted."""
+        later = [i > accepted.get(b, 0) for b, i in self.owners]
+        if any(later):
+            rejected = torch.tensor(later, dtype=torch.bool)
+            self.cache.write_ring_rows(self.slots[rejected], self.rows[rejected],
+                                       [saved[rejected] for saved in self.ring])
+        undo = [accepted.get(b, 0) <= i for b, (_, i) in self.closing.items()]
+        if any(undo):
+            undo = torch.tensor(undo, dtype=torch.bool)
+            self.cache.write_overlap_rows(self.overlap_slots[undo], [saved[undo] for saved in self.overlap])
 
 
 class Speculator:
@@ -93,6 +117,7 @@ class Speculator:
 
     def __init__(self, drafter: Drafter, k: int, limits: DraftLimits, cache: CacheTensors):
         self.drafter, self.k, self.limits, self.cache = drafter, k, limits, cache
+        self.overlap_ratios = cache.overlap_ratios()
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """batch index -> draft tokens, for sequences whose step ends at their last token."""
@@ -106,25 +131,24 @@ class Speculator:
                 out[b] = list(draft)
         return out
 
-    def save(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> RingRows:
-        slots, positions = [], []
+    def save(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> DraftState:
+        rows, closing = [], {}
         for b, draft in drafts.items():
             seq, n = batch[b]
             first = seq.num_computed + n
-            slots += [seq.slot] * len(draft)
-            positions += range(first, first + len(draft))
-        return RingRows(self.cache, torch.tensor(slots, dtype=torch.long), torch.tensor(positions, dtype=torch.long))
+            rows += [(b, i, seq.slot, first + i) for i in range(1, len(draft))]
+            closes = [m - 1 - first % m for m in self.overlap_ratios if m - 1 - first % m < len(draft)]
+            if closes:
+                closing[b] = (seq.slot, min(closes))
+        return DraftState(self.cache, rows, closing)
 
     def settle(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]], accepted: dict[int, int],
-               saved: RingRows) -> None:
+               saved: DraftState) -> None:
         """Count the accepted drafts as computed (num_computed already includes the real
-        tokens) and restore the ring rows of the rejected ones."""
-        keep = []
-        for b, draft in drafts.items():
-            n_ok = accepted.get(b, 0)
-            batch[b][0].num_computed += n_ok
-            keep += [True] * n_ok + [False] * (len(draft) - n_ok)
-        saved.restore(~torch.tensor(keep, dtype=torch.bool))
+        tokens) and restore what the rejected ones overwrote."""
+        for b in drafts:
+            batch[b][0].num_computed += accepted.get(b, 0)
+        saved.restore(accepted)
 
     @staticmethod
     def accept(rows: torch.Tensor, draft: list[int], sample_next) -> int:
