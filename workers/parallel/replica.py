@@ -28,7 +28,7 @@ import logging
 import multiprocessing
 import traceback
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -64,17 +64,19 @@ class RankLauncher(Protocol):
 
 
 class LocalProcessLauncher:
-    """Ranks as `spawn` processes on this machine (CUDA: rank r on cuda:r)."""
+    """Ranks as `spawn` processes on this machine (CUDA: rank r on cuda:r). Each runs
+    `main(rank, world_size, init_method, config)`: `run_rank` (tensor parallelism) unless the
+    engine's builder passes another (data-parallel attention: a whole engine per rank)."""
     host = "127.0.0.1"
 
-    def __init__(self, threads: int | None = None):
-        self.threads, self.procs = threads, []
+    def __init__(self, threads: int | None = None, main: Callable[[int, int, str, EngineConfig], None] | None = None):
+        self.threads, self.procs, self.main = threads, [], main or run_rank
 
     def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")
         for rank in range(1, world_size):
             cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
-            p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads),
+            p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads, self.main),
                             name=f"kvmesh-rank{rank}", daemon=True)
             p.start()
             self.procs.append(p)
@@ -99,10 +101,10 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
-                  threads: int | None) -> None:
+                  threads: int | None, main) -> None:
     if threads:
         torch.set_num_threads(threads)
-    run_rank(rank, world_size, init_method, config)
+    main(rank, world_size, init_method, config)
 
 
 # ---- messages from rank 0 (one dataclass per message) ------------------------------------------
