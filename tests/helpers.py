@@ -44,10 +44,11 @@ BLOCK_TOKENS = {"swa_csa_hca": 16, "csa_hca_odd_window": 8, "hca_yarn_wide_windo
 
 
 def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                          **save_kw) -> Path:
-    """Random-init DeepseekV4ForCausalLM saved with save_pretrained (the real on-disk format)."""
+                          overrides: dict | None = None, **save_kw) -> Path:
+    """Random-init DeepseekV4ForCausalLM saved with save_pretrained (the real on-disk format);
+    `overrides`: config keys changed from the tiny config `name`."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    cfg = DeepseekV4Config(**{**TINY_BASE, **TINY_CONFIGS[name]})
+    cfg = DeepseekV4Config(**{**TINY_BASE, **TINY_CONFIGS[name], **(overrides or {})})
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg)
     with torch.no_grad():  # give sinks, biases and hash tables non-trivial values
@@ -64,11 +65,12 @@ def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.floa
 
 
 def tiny_engine(path: Path, name: str, **kw):
-    """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget."""
-    from workers.engine import Engine
+    """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget
+    (per rank at data_parallel_size > 1: a DataParallelEngine)."""
+    from workers.engine import open_engine
     from workers.engine_config import EngineConfig
     kw.setdefault("kv_cache_bytes", 8 << 20)
-    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
+    return open_engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
 
 
 @functools.lru_cache(maxsize=8)
