@@ -11,8 +11,8 @@
 Per size and concurrency: TTFT, decode and end-to-end tok/s (medians of --repeats), the
 replica's KV capacity in tokens (all ranks' distinct blocks x block_tokens) and the peak in use
 during the run, and for DP where rank 0's time goes: the MoE exchange (all-gather of hidden
-states and picks with their counts + all-reduce of partial expert outputs; four collectives per
-MoE layer, waiting for the slower rank included) per MoE layer, and the per-tick messages.
+states and picks with their counts + all-reduce of partial expert outputs; EXCHANGE_COLLECTIVES
+per MoE layer, waiting for the slower rank included) per MoE layer, and the per-tick messages.
 Greedy tokens are compared across the three, request by request. The KV budget is
 --kv-cache-bytes per rank (default 1 GiB, as for the other modes).
 """
@@ -27,6 +27,7 @@ from workers.checkpoint.default_model import ensure_default_model
 from workers.engine import open_engine
 from workers.engine.dp_rank import run_dp_rank
 from workers.engine_config import EngineConfig
+from workers.model.moe import EXCHANGE_COLLECTIVES
 from workers.parallel.replica import LocalProcessLauncher
 
 
@@ -86,7 +87,7 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, c, k, d, peak, capacity, layers in rows:
         ticks = d["messages"] / 2 if name.startswith("DP") else 0
-        exchanges = (d["collectives"] - ticks) / 4 if ticks else 0      # one step flag per tick, 4 per layer
+        exchanges = (d["collectives"] - ticks) / EXCHANGE_COLLECTIVES if ticks else 0   # + one step flag a tick
         per_layer = f"{d['collective_s'] / exchanges * 1e3:.2f}" if exchanges else "-"
         share = f"{d['collective_s'] / k.wall_s:.0%}" if exchanges else "-"
         per_tick = f"{d['message_s'] / ticks * 1e3:.2f}" if ticks else "-"

@@ -14,6 +14,8 @@ from .layers import linear
 from .quant import local_experts
 from .shard import SINGLE, Shard
 
+EXCHANGE_COLLECTIVES = 3     # per MoE layer under data-parallel attention: counts, rows, partial sums
+
 
 class Experts(nn.Module):
     """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down). Under tensor
@@ -131,14 +133,16 @@ class MoE(nn.Module):
 
     def exchanged(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention: the routed experts' output for this rank's tokens x [T, C].
-        Every rank's tokens and picks are all-gathered (with their counts), this rank's experts
+        Every rank's tokens and picks are all-gathered (with their counts; one row of bytes per
+        token: | x (C values) | expert ids (K, fp32) | weights (K, fp32) |), this rank's experts
         run on all of them, the partial outputs are summed over the ranks (all-reduce) and this
         rank keeps its own rows. A rank with no tokens takes part with T = 0 (`idle`)."""
         ex = self.shard.exchange
         counts = ex.all_counts(x.shape[0])
-        k = idx.shape[1]
+        k, width = idx.shape[1], x.shape[1] * x.element_size()
         picks = torch.cat([idx.to(torch.float32), w.float()], 1)        # expert ids are exact in fp32
-        xs, ps = ex.all_gather_rows(x, counts), ex.all_gather_rows(picks, counts)
+        rows = ex.all_gather_rows(torch.cat([x.contiguous().view(torch.uint8), picks.view(torch.uint8)], 1), counts)
+        xs, ps = rows[:, :width].contiguous().view(x.dtype), rows[:, width:].contiguous().view(torch.float32)
         y = ex.all_reduce(self.experts(xs, ps[:, :k].long(), ps[:, k:].to(w.dtype)))
         start = sum(counts[:ex.rank])
         return y[start:start + x.shape[0]]
