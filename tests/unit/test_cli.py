@@ -209,9 +209,9 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--data-parallel-size", "2"], "--data-parallel-size 2: data-parallel attention is not built yet"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: data-parallel attention is not built yet for serving"),
     (["--decode-data-parallel-size", "4", "--enable-expert-parallel"],
-     "--decode-data-parallel-size 4: data-parallel attention is not built yet"),
+     "--decode-data-parallel-size 4: data-parallel attention is not built yet for serving"),
     (["--data-parallel-size", "0"], "--data-parallel-size 0: must be >= 1"),
     (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
      "--prefill-tensor-parallel-size sets the prefill pool, but mode colocated runs one pool"),
