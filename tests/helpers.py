@@ -242,3 +242,35 @@ def undeletable(path: Path):
         yield
     finally:
         subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, **parallel) -> None:
+    """A replica (`parallel`: its sizes; rank_timeout_s 3 s) whose rank 1 (`rank1_pid(engine)`) is
+    stopped, then one whose rank 1 is killed, mid-request: RankFailed within the timeout (never a
+    hang), the engine stays failed, and close() is quick."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from workers.parallel.collectives import RankFailed
+    from workers.sampling.params import SamplingParams
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for how, bound in (("stall", 3.0 + 5), ("kill", 5.0)):
+        engine = tiny_engine(path, name, rank_timeout_s=3.0, **parallel)
+        try:
+            engine.add_request("r", random_prompt(40), long)
+            engine.step()
+            os.kill(rank1_pid(engine), signal.SIGSTOP if how == "stall" else signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RankFailed):
+                while engine.has_unfinished():
+                    engine.step()
+            assert time.monotonic() - t0 < bound, how
+            with pytest.raises(RankFailed):           # the engine stays failed
+                engine.step()
+        finally:
+            t0 = time.monotonic()
+            engine.close()
+            assert time.monotonic() - t0 < 15

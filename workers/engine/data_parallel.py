@@ -30,7 +30,7 @@ from workers.checkpoint.default_model import ensure_default_model
 from workers.engine_config import EngineConfig
 from workers.model.args import ConfigError, ModelArgs
 from workers.parallel.collectives import Collectives, RankFailed, init_method
-from workers.parallel.replica import LocalProcessLauncher, RankLauncher, Stop
+from workers.parallel.replica import Liveness, LocalProcessLauncher, RankLauncher, Stop
 from workers.request import RequestOutput
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
@@ -79,7 +79,7 @@ class DataParallelEngine:
         self.residency = Residency(self.local.blocks)
         self.rank_stats: list[EngineStats] = [self.local.stats()] * self.size
         self._clear()
-        self.dead: RankFailed | None = None
+        self.health = Liveness(self.launcher)
 
     def _start(self, config: EngineConfig) -> Engine:
         """Rank 0's engine, once every rank has built its own (a failure anywhere fails here)."""
@@ -168,13 +168,13 @@ class DataParallelEngine:
         self._tick(Tick(none, none, flush=True))
 
     def _tick(self, tick: Tick) -> list[RequestOutput]:
-        self.check()
+        self.health.check()
         try:
             self.comm.send(tick)
             replies: list[Reply] = self.comm.gather_objects(run_tick(self.local, tick, 0, self.residency),
                                                             starting=False)
         except RankFailed as e:
-            self.dead = e
+            self.health.failed(e)
             raise
         outputs = []
         for rank, reply in enumerate(replies):
@@ -188,21 +188,12 @@ class DataParallelEngine:
                 self.where.pop(out.request_id, None)
         return outputs
 
-    def check(self) -> None:
-        if self.dead is not None:
-            raise RankFailed(f"this engine's ranks failed earlier: {self.dead}")
-        try:
-            self.launcher.check()
-        except RankFailed as e:
-            self.dead = e
-            raise
-
     def stats(self) -> list[EngineStats]:
         """Each rank's stats as of the last step, in rank order."""
         return list(self.rank_stats)
 
     def close(self) -> None:
-        if self.dead is None:
+        if self.health.dead is None:
             try:
                 self.comm.send(Stop("engine closed"), starting=True)
             except RankFailed:

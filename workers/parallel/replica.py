@@ -44,7 +44,7 @@ from workers.model.step import StepInput
 from .collectives import Collectives, RankFailed, init_method
 
 __all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
-           "Leader"]
+           "Leader", "Liveness"]
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,32 @@ class Stop:
 
 
 # ---- rank 0 ------------------------------------------------------------------------------------
-class Leader:
+class Liveness:
+    """Whether a replica's ranks still run: the first RankFailed sticks (the engine is unusable
+    after it), and `check` raises it again, or the launcher's news of a dead rank."""
+
+    def __init__(self, launcher: RankLauncher):
+        self.launcher, self.dead = launcher, None
+
+    def check(self) -> None:
+        if self.dead is not None:
+            raise RankFailed(f"this engine's ranks failed earlier: {self.dead}")
+        try:
+            self.launcher.check()
+        except RankFailed as e:
+            self.dead = e
+            raise
+
+    def failed(self, error: RankFailed) -> None:
+        self.dead = self.dead or error
+
+
+class Leader(Liveness):
     """Rank 0's side of a replica: starts the other ranks, sends them each step."""
 
     def __init__(self, config: EngineConfig, launcher: RankLauncher):
-        self.size, self.launcher, self.dead = config.tensor_parallel_size, launcher, None
+        super().__init__(launcher)
+        self.size = config.tensor_parallel_size
         store = Collectives.host_store(launcher.host, self.size, config.rank_timeout_s)
         method = init_method(launcher.host, store)
         launcher.start(self.size, method, config)
@@ -166,17 +187,6 @@ class Leader:
             self.dead = e
             raise
 
-    def check(self) -> None:
-        if self.dead is not None:
-            raise RankFailed(f"this engine's ranks failed earlier: {self.dead}")
-        try:
-            self.launcher.check()
-        except RankFailed as e:
-            self.dead = e
-            raise
-
-    def failed(self, error: RankFailed) -> None:
-        self.dead = self.dead or error
 
     def close(self, reason: str = "engine closed") -> None:
         if self.dead is None:
