@@ -12,9 +12,11 @@ Per size and concurrency: TTFT, decode and end-to-end tok/s (medians of --repeat
 replica's KV capacity in tokens (all ranks' distinct blocks x block_tokens) and the peak in use
 during the run, and for DP where rank 0's time goes: the MoE exchange (all-gather of hidden
 states and picks with their counts + all-reduce of partial expert outputs; EXCHANGE_COLLECTIVES
-per MoE layer, waiting for the slower rank included) per MoE layer, and the per-tick messages.
+per MoE layer, waiting for the slower rank included; "rows + sums" leaves out the counts'
+all-gather, where a rank waits for the slower one, so it is closer to the cost of moving the
+data), and the per-tick messages (rank 0's, waiting for the slowest rank's step included).
 Greedy tokens are compared across the three, request by request. The KV budget is
---kv-cache-bytes per rank (default 1 GiB, as for the other modes).
+bench/engine.py's KV_CACHE_BYTES (1 GiB) per rank, as in its other modes.
 """
 from __future__ import annotations
 
@@ -83,16 +85,17 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min); greedy tokens equal across the "
           f"three in {same}/{len(tokens)} runs\n")
     print("| replica | c | TTFT ms | decode tok/s | e2e tok/s | KV capacity (tokens) | peak KV in use (tokens) | "
-          "MoE exchange ms / layer | exchange share of wall | tick messages ms / tick |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "MoE exchange ms / layer | of which rows + sums ms | exchange share of wall | tick messages ms / tick |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, c, k, d, peak, capacity, layers in rows:
         ticks = d["messages"] / 2 if name.startswith("DP") else 0
         exchanges = (d["collectives"] - ticks) / EXCHANGE_COLLECTIVES if ticks else 0   # + one step flag a tick
         per_layer = f"{d['collective_s'] / exchanges * 1e3:.2f}" if exchanges else "-"
+        moved = f"{(d['collective_s'] - d['counts_s']) / exchanges * 1e3:.2f}" if exchanges else "-"
         share = f"{d['collective_s'] / k.wall_s:.0%}" if exchanges else "-"
         per_tick = f"{d['message_s'] / ticks * 1e3:.2f}" if ticks else "-"
         print(f"| {name} | {c} | {k.ttft_mean_s * 1e3:.0f} | {k.decode_tok_s:.1f} | {k.e2e_tok_s:.1f} | "
-              f"{capacity:,} | {peak:,} | {per_layer} | {share} | {per_tick} |")
+              f"{capacity:,} | {peak:,} | {per_layer} | {moved} | {share} | {per_tick} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": str(model_dir), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

@@ -149,6 +149,12 @@ def assert_same_run(out, ref, ref_logprobs: list[float] | None = None, tol: floa
     assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < tol
 
 
+def assert_same_outputs(outs, refs, tol: float = 1e-4) -> None:
+    """Two engines' outputs for the same requests: the same tokens, logprobs within `tol`."""
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert max(abs(x - y) for o, r in zip(outs, refs) for x, y in zip(o.logprobs, r.logprobs)) < tol
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> None:
     """A kernel's output against its torch reference: same dtype and shape, values within
     tol[dtype] (atol / rtol), compared in float32."""

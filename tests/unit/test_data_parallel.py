@@ -13,15 +13,16 @@ import time
 
 import pytest
 
-from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, random_prompt, tiny_engine,
-                           write_tiny_checkpoint)
+from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, assert_same_outputs,
+                           random_prompt, tiny_engine, write_tiny_checkpoint)
+from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.sharding import check_sizes
 from workers.model.args import ConfigError, ModelArgs
+from workers.model.quant import QuantExperts
 from workers.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
-TOL = 1e-4
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)
 ODD = "odd_heads"                       # swa_csa_hca with 3 heads in 1 output group: TP=2 cannot split it
 CONFIGS = {**{n: (n, None) for n in TINY_CONFIGS}, ODD: ("swa_csa_hca", dict(num_attention_heads=3, o_groups=1))}
@@ -43,11 +44,6 @@ def prompts(name: str) -> dict[str, list[list[int]]]:
          random_prompt(2 * bt + 1, seed=6), random_prompt(11, seed=7)]
     ext = lambda ps, s: [p[:4 * bt] + random_prompt(9, seed=s + i) for i, p in enumerate(ps)]  # noqa: E731
     return {"A": a, "A_ext": ext(a, 10), "B": b, "B_ext": ext(b[:1], 20), "idle": [random_prompt(2 * bt + 3, seed=50)]}
-
-
-def assert_same(outs, refs) -> None:
-    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
-    assert max(abs(x - y) for o, r in zip(outs, refs) for x, y in zip(o.logprobs, r.logprobs)) < TOL
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -74,14 +70,14 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     ps = prompts(name)
     out = engine.generate(ps["A_ext"] + ps["B"], GREEDY)      # A_ext from TP=1's store objects, B cold
     assert all(o.cached_tokens > 0 for o in out[:len(ps["A_ext"])])
-    assert_same(out, refs["A_ext"] + refs["B"])
+    assert_same_outputs(out, refs["A_ext"] + refs["B"])
     prompt_tokens = [s.counters.prompt_tokens for s in engine.stats()]
     assert all(prompt_tokens) and prompt_tokens[0] != prompt_tokens[1]         # both ranks, batches differ
     engine.flush()
     reader = tiny_engine(path, name, swa_policy=engine.config.swa_policy, store=store)
     again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as a DP rank stored them
     assert all(o.cached_tokens > 0 for o in again)
-    assert_same(again, refs["B_ext"])
+    assert_same_outputs(again, refs["B_ext"])
 
 
 def test_one_rank_idle_serves_the_other_ranks_experts(dp2):
@@ -90,7 +86,7 @@ def test_one_rank_idle_serves_the_other_ranks_experts(dp2):
     steps = [s.counters.steps for s in engine.stats()]
     rank = engine.add_request("alone", prompts(name)["idle"][0], GREEDY)   # one request: the other rank
     one = [o for o in _run(engine) if o.finished]                         # only joins the exchanges
-    assert_same(one, refs["idle"])
+    assert_same_outputs(one, refs["idle"])
     ran = [s.counters.steps - b for s, b in zip(engine.stats(), steps)]
     assert ran[rank] > 0 and ran[1 - rank] == 0
 
@@ -144,6 +140,22 @@ def test_the_odd_config_is_one_tensor_parallelism_cannot_split(tmp_path):
     path = write_tiny_checkpoint(tmp_path, name, overrides=overrides)
     with pytest.raises(ConfigError, match="num_attention_heads=3"):
         check_sizes(ModelArgs.from_file(path / "config.json"), 2, True)
+
+
+def test_released_format_weights_at_dp2_equal_tp1_where_tp2_cannot_split_them(tmp_path):
+    """FP8 linears in 128x128 blocks (as released) + FP4 experts: TP=2 would cut a scale block of
+    the attention; DP=2 keeps attention whole and reads only its own experts (and their scales)."""
+    dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca")
+    q = quantize_checkpoint(dense, tmp_path / "q", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+    ps = prompts("swa_csa_hca")["B"]
+    ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)
+    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", **DP)
+    try:
+        experts = engine.local.model.layers[1].ffn.experts
+        assert isinstance(experts, QuantExperts) and experts.w1.shape[0] == 2 and experts.first == 0
+        assert_same_outputs(engine.generate(ps, GREEDY), ref)
+    finally:
+        engine.close()
 
 
 # ---- failures -----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, random_prompt, tiny_engine,
-                           write_tiny_checkpoint)
+from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, assert_same_outputs,
+                           random_prompt, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.loader import load_model
 from workers.model.args import ConfigError
@@ -24,7 +24,6 @@ from workers.spec.speculative import OracleDrafter
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
-TOL = 1e-4
 VARIANTS = {"tp2": False, "tp2_ep": True}                         # -> enable_expert_parallel
 POLICIES = ["full", "periodic", "zero"]                           # each (config, variant) gets one, rotating
 
@@ -42,11 +41,6 @@ def prompts(name: str) -> dict[str, list[list[int]]]:
     b = [random_prompt(4 * bt + 3, seed=3), random_prompt(3 * bt, seed=4), random_prompt(7, seed=5)]
     ext = lambda ps, s: [p[:4 * bt] + random_prompt(9, seed=s + i) for i, p in enumerate(ps)]  # noqa: E731
     return {"A": a, "A_ext": ext(a, 10), "B": b, "B_ext": ext(b[:1], 20)}
-
-
-def assert_same(outs, refs) -> None:
-    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
-    assert max(abs(x - y) for o, r in zip(outs, refs) for x, y in zip(o.logprobs, r.logprobs)) < TOL
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -79,12 +73,12 @@ def test_tp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_tp2_s
     ps = prompts(name)
     out = engine.generate(ps["A_ext"] + ps["B"], GREEDY)      # A_ext from TP=1's store objects, B cold
     assert all(o.cached_tokens > 0 for o in out[:len(ps["A_ext"])])
-    assert_same(out, refs["A_ext"] + refs["B"])
+    assert_same_outputs(out, refs["A_ext"] + refs["B"])
     engine.flush()
     reader = tiny_engine(path, name, swa_policy=engine.config.swa_policy, store=store)
     again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as TP=2 stored them
     assert all(o.cached_tokens > 0 for o in again)
-    assert_same(again, refs["B_ext"])
+    assert_same_outputs(again, refs["B_ext"])
 
 
 def test_tp2_forks_and_speculative_rollback_equal_tp1(tp2):
@@ -100,7 +94,7 @@ def test_tp2_forks_and_speculative_rollback_equal_tp1(tp2):
     finally:
         engine.set_drafter(None)
     assert engine.counters.draft_tokens > engine.counters.accepted_draft_tokens > 0
-    assert_same(spec, refs["B"])
+    assert_same_outputs(spec, refs["B"])
 
 
 def _handoff(prefill, decode, prompt, rid):
@@ -164,7 +158,7 @@ def test_quantized_tp2_with_expert_parallel_equals_tp1(tmp_path):
     ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)   # fp32: sums in another order
     engine = tiny_engine(q, "swa_csa_hca", dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
     try:
-        assert_same(engine.generate(ps, GREEDY), ref)
+        assert_same_outputs(engine.generate(ps, GREEDY), ref)
     finally:
         engine.close()
 

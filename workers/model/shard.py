@@ -14,6 +14,7 @@ class SingleRank:
 
     def __init__(self) -> None:
         self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0,   # the model's
+                      "counts_s": 0.0,              # of which in all_counts (a DP step's first wait)
                       "messages": 0, "message_s": 0.0, "message_bytes": 0}            # rank 0's step messages
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,9 @@ class Collectives(SingleRank):
         parts = [torch.empty_like(t) for _ in range(self.size)]
         opts = c10d.AllgatherOptions()
         opts.timeout = self.timeout
+        t0 = time.perf_counter()
         self._run(lambda: self.dev.allgather([parts], [t], opts), 8 * self.size)
+        self.stats["counts_s"] += time.perf_counter() - t0
         return [int(p) for p in parts]
 
     def all_gather_rows(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
