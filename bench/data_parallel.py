@@ -15,22 +15,32 @@ states and picks with their counts + all-reduce of partial expert outputs; EXCHA
 per MoE layer, waiting for the slower rank included; "rows + sums" leaves out the counts'
 all-gather, where a rank waits for the slower one, so it is closer to the cost of moving the
 data), and the per-tick messages (rank 0's, waiting for the slowest rank's step included).
+Then the exchange alone: its collectives in a loop between N processes with nothing else to do,
+median per exchange at 1 and each concurrency's tokens per rank (the floor of its cost here).
 Greedy tokens are compared across the three, request by request. The KV budget is
 bench/engine.py's KV_CACHE_BYTES (1 GiB) per rank, as in its other modes.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 from workers.checkpoint.default_model import ensure_default_model
 from workers.engine import open_engine
-from workers.engine.dp_rank import run_dp_rank
 from workers.engine_config import EngineConfig
+from workers.model.args import ModelArgs
 from workers.model.moe import EXCHANGE_COLLECTIVES
+from workers.parallel.collectives import Collectives, init_method
 from workers.parallel.replica import LocalProcessLauncher
+
+EXCHANGE_REPS = 200
 
 
 def kv_tokens(engine) -> tuple[int, int]:
@@ -43,6 +53,41 @@ def kv_tokens(engine) -> tuple[int, int]:
     return engine.blocks.num_used * bt, engine.blocks.num_blocks * bt
 
 
+def exchange_alone(rank: int, size: int, method: str, hidden: int, topk: int, tokens: list[int]) -> dict[int, float]:
+    """The MoE exchange's collectives alone (no model, no other work between them), as
+    MoE.exchanged runs them: counts, one byte row per token (hidden fp32 values + topk ids +
+    topk weights), the all-reduce of [size * T, hidden]. Median ms per exchange at each T."""
+    comm = Collectives(rank, size, method, "cpu", 60.0)
+    medians = {}
+    for t in tokens:
+        row = torch.zeros(t, hidden * 4 + topk * 8, dtype=torch.uint8)
+        times = []
+        for _ in range(EXCHANGE_REPS):
+            t0 = time.perf_counter()
+            counts = comm.all_counts(t)
+            rows = comm.all_gather_rows(row, counts)
+            comm.all_reduce(torch.zeros(rows.shape[0], hidden))
+            times.append(time.perf_counter() - t0)
+        medians[t] = statistics.median(times) * 1e3
+    comm.close()
+    return medians
+
+
+def time_exchange(size: int, hidden: int, topk: int, tokens: list[int]) -> dict[int, float]:
+    """Rank 0's median exchange time (ms) at each T tokens per rank, ranks 1..size-1 spawned."""
+    store = Collectives.host_store("127.0.0.1", size, 60.0)
+    method = init_method("127.0.0.1", store)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=exchange_alone, args=(r, size, method, hidden, topk, tokens), daemon=True)
+             for r in range(1, size)]
+    for p in procs:
+        p.start()
+    comm0 = exchange_alone(0, size, method, hidden, topk, tokens)
+    for p in procs:
+        p.join(timeout=30)
+    return comm0
+
+
 def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median_run,
             kv_cache_bytes: int, warmup_seed: int) -> int:
     model_dir = Path(args.model) if args.model else ensure_default_model()
@@ -50,11 +95,10 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
               f"DP={size}+EP": dict(data_parallel_size=size, enable_expert_parallel=True)}
     rows, raw, tokens = [], [], {}
     for name, kw in setups.items():
-        main = run_dp_rank if kw.get("data_parallel_size") else None
         engine = open_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                           max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=kv_cache_bytes,
                                           prefix_reuse=False, **kw),
-                             launcher=LocalProcessLauncher(args.threads, main=main))
+                             launcher=LocalProcessLauncher(args.threads))
         comm = engine.comm if hasattr(engine, "comm") else engine.model.shard.comm
         layers = engine.args.num_hidden_layers
         try:
@@ -96,10 +140,16 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
         per_tick = f"{d['message_s'] / ticks * 1e3:.2f}" if ticks else "-"
         print(f"| {name} | {c} | {k.ttft_mean_s * 1e3:.0f} | {k.decode_tok_s:.1f} | {k.e2e_tok_s:.1f} | "
               f"{capacity:,} | {peak:,} | {per_layer} | {moved} | {share} | {per_tick} |")
+    a = ModelArgs.from_file(model_dir / "config.json")
+    alone = time_exchange(size, a.hidden_size, a.num_experts_per_tok, sorted({1, *levels}))
+    print(f"\nthe exchange alone (its {EXCHANGE_COLLECTIVES} collectives, gloo, {size} processes, hidden "
+          f"{a.hidden_size} fp32, no model work between them), median of {EXCHANGE_REPS}: "
+          + ", ".join(f"{t} token(s) per rank {ms:.2f} ms" for t, ms in alone.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": str(model_dir), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                                "threads_per_rank": args.threads, "load_average": os.getloadavg(),
-                               "moe_layers": rows[0][6] if rows else 0, "runs": raw}, indent=2))
+                               "moe_layers": rows[0][6] if rows else 0, "runs": raw,
+                               "exchange_alone_ms": alone}, indent=2))
     print(f"\nwrote {out}")
     return 0

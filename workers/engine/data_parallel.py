@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def open_engine(config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
-    """The engine `config` asks for: a DataParallelEngine at data_parallel_size > 1, else an Engine."""
+    """The engine `config` asks for: a DataParallelEngine at data_parallel_size > 1, else an Engine.
+    `launcher`: how ranks 1..N-1 start (tensor parallelism: any RankLauncher; data-parallel:
+    a LocalProcessLauncher)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, launcher)
     return Engine(config, launcher)
@@ -59,11 +61,16 @@ def check_dp_sizes(args: ModelArgs, size: int) -> None:
 class DataParallelEngine:
     """Rank 0 of a data-parallel replica and its front (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None):
+    def __init__(self, config: EngineConfig, launcher: LocalProcessLauncher | None = None):
+        """`launcher` (threads per rank) starts ranks 1..N-1, each running `run_dp_rank`."""
         self.config, self.size = config, config.data_parallel_size
         model_dir = Path(config.model) if config.model else ensure_default_model()
         check_dp_sizes(ModelArgs.from_file(model_dir / "config.json"), self.size)
-        self.launcher = launcher or LocalProcessLauncher(main=run_dp_rank)
+        self.launcher = launcher or LocalProcessLauncher()
+        if not isinstance(self.launcher, LocalProcessLauncher):
+            raise ConfigError(f"data_parallel_size={self.size}: ranks start as local processes only "
+                              f"(serving a data-parallel replica is not built yet)")
+        self.launcher.main = run_dp_rank                     # each rank a whole engine, not a TP follower
         store = Collectives.host_store(self.launcher.host, self.size, config.rank_timeout_s)
         method = init_method(self.launcher.host, store)
         self.launcher.start(self.size, method, config)
