@@ -291,10 +291,8 @@ class Engine:
         t0 = time.perf_counter()
         batch, failed = self.scheduler.schedule()    # admission restores prefixes here
         failed = [self.outputs.failure(seq, e.__cause__ or e) for seq, e in failed]
-        if self.dp is not None and not batch and any(self.dp.all_counts(0)):
-            self.runner.idle()                       # another DP rank runs a batch: join its exchanges
-        elif self.dp is not None and batch:
-            self.dp.all_counts(1)
+        if self.dp is not None and any(self.dp.all_counts(int(bool(batch)))) and not batch:
+            self.runner.idle()       # every DP rank said whether it has a batch; join the others' exchanges
         if not batch:
             return failed
         now = time.monotonic()
