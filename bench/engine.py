@@ -45,6 +45,9 @@ collectives (all-reduce per sublayer, embedding all-reduce, logits all-gather; w
 slowest rank included), sending each step's message to the other ranks, and the rest
 (compute). Ranks > 0 are local processes with --threads intra-op threads each.
 
+With --data-parallel-size N the comparison is instead one process vs TP=N+EP vs DP=N+EP
+(data-parallel attention), in one run: see bench/data_parallel.py.
+
 With --speculative K the comparison is instead kvmesh against itself with the checkpoint's MTP
 layer drafting k = 0, 1, .., K tokens per step, alternated within each round, at each
 --concurrency (e.g. `--speculative 3 --concurrency 1,8,32 --max-tokens 64`), on English
@@ -115,9 +118,17 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # ---- kvmesh ------------------------------------------------------------------------------------
-def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[RunResult, list[list[int]]]:
+def preemptions(engine) -> int:
+    """The engine's preemptions so far (a data-parallel engine: all ranks', as of its last step)."""
+    stats = engine.stats()
+    return sum(s.preemptions for s in stats) if isinstance(stats, list) else stats.preemptions
+
+
+def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int, on_step=None
+               ) -> tuple[RunResult, list[list[int]]]:
+    """`on_step`: called after every step (e.g. to sample the KV in use)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    preempted_before = engine.scheduler.preemptions
+    preempted_before = preemptions(engine)
     t0 = time.perf_counter()
     ids = [f"bench-{t0}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
@@ -128,6 +139,8 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         before, cpu_before = time.perf_counter(), time.thread_time()
         outputs = engine.step()
         now = time.perf_counter()
+        if on_step is not None:
+            on_step()
         if len(outputs) == len(prompts) and all(stamps[o.request_id] for o in outputs):
             decode_steps.append(now - before)
             decode_cpu.append(time.thread_time() - cpu_before)
@@ -147,7 +160,7 @@ def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
         decode_tok_s=after / (t_end - last_first) if t_end > last_first else float("nan"),
         e2e_tok_s=total / (t_end - t0),
         cached_tokens=sum(final[r].cached_tokens for r in ids),
-        preemptions=engine.scheduler.preemptions - preempted_before,
+        preemptions=preemptions(engine) - preempted_before,
         step_ms=statistics.median(decode_steps) * 1e3 if decode_steps else None,
         step_min_ms=min(decode_steps) * 1e3 if decode_steps else None,
         decode_cpu_tok_s=decode_cpu_tokens / sum(decode_cpu) if decode_cpu else None,
@@ -529,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare kvmesh at these tensor-parallel sizes (e.g. 1,2) instead of transformers")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tensor-parallel-size: split routed experts by expert")
+    parser.add_argument("--data-parallel-size", type=int, metavar="N",
+                        help="compare one process, TP=N+EP and DP=N+EP (data-parallel attention) in one run: "
+                             "throughput, KV capacity, the MoE exchange's cost (bench/data_parallel.py)")
     parser.add_argument("--quantized", action="store_true",
                         help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
@@ -536,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.quantized:
         return quantized_main(args, levels)
+    if args.data_parallel_size:
+        from bench.data_parallel import dp_main
+        return dp_main(args, levels, args.data_parallel_size, run_kvmesh, make_prompts, median_run, KV_CACHE_BYTES,
+                       WARMUP_SEED)
     if args.tensor_parallel_size:
         return tp_main(args, levels, [int(n) for n in args.tensor_parallel_size.split(",")])
     model_dir = Path(args.model) if args.model else ensure_default_model()

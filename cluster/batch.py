@@ -45,7 +45,7 @@ def parse_line(line: str, lineno: int):
 
 
 def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
-    from workers.engine import Engine
+    from workers.engine import open_engine
     from workers.sampling.params import InvalidRequestError
     try:
         lines = input_path.read_text().splitlines()
@@ -53,7 +53,7 @@ def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
         print(f"kvmesh generate: cannot read {input_path}: {e}", file=sys.stderr)
         return 2
     try:
-        engine = Engine(config)
+        engine = open_engine(config)          # data_parallel_size > 1: a DataParallelEngine
     except Exception as e:  # a bad checkpoint, config, policy or store URI: say which and stop
         print(f"kvmesh generate: {e}", file=sys.stderr)
         return 2

@@ -8,8 +8,9 @@ A plain flag sets every pool the mode runs (prefill and decode, or the colocated
 becomes one config key (`prefill.tensor_parallel_size`, `decode.engine.max_num_seqs`,
 `engine.kv_cache_dtype`, `ingress.model_name`) and never silently overrides the config file:
 where the file sets that key (or the `engine` key a pool inherits) to another value, it is an
-error naming both. `--data-parallel-size` above 1 is refused: data-parallel attention is not
-built yet, and a size that is accepted but ignored would plan a deployment that is not there.
+error naming both. `--data-parallel-size` above 1 is refused: data-parallel attention is built
+offline (`kvmesh generate --data-parallel-size N --enable-expert-parallel`) but not for serving
+yet, and a size that is accepted but ignored would plan a deployment that is not there.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    help=IngressConfig.model_fields["model_name"].description + " (config key ingress.model_name)")
     for pool in (None,) + POOLS:
         p.add_argument(_flag(DP_FLAG, pool), type=int, default=None, metavar="N",
-                       help="data-parallel attention: not built yet, any N > 1 is refused")
+                       help="data-parallel attention: not built for serving yet, any N > 1 is refused "
+                            "(offline: kvmesh generate --data-parallel-size N --enable-expert-parallel)")
 
 
 def _config_key(name: str, pool: str) -> str:
@@ -96,7 +98,8 @@ def refuse_data_parallel(args: argparse.Namespace) -> None:
             raise ServeFlagError(f"{_flag(DP_FLAG, pool)} {size}: must be >= 1")
         if size is not None and size > 1:
             raise ServeFlagError(
-                f"{_flag(DP_FLAG, pool)} {size}: data-parallel attention is not built yet in kvmesh; "
+                f"{_flag(DP_FLAG, pool)} {size}: data-parallel attention is not built yet for serving in "
+                "kvmesh (offline it is: kvmesh generate --data-parallel-size N --enable-expert-parallel); "
                 "serve with --tensor-parallel-size N [--enable-expert-parallel] (every rank holds the whole "
                 "cache), and see `kvmesh plan` for what DP would hold")
 

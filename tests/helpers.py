@@ -44,10 +44,11 @@ BLOCK_TOKENS = {"swa_csa_hca": 16, "csa_hca_odd_window": 8, "hca_yarn_wide_windo
 
 
 def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                          **save_kw) -> Path:
-    """Random-init DeepseekV4ForCausalLM saved with save_pretrained (the real on-disk format)."""
+                          overrides: dict | None = None, **save_kw) -> Path:
+    """Random-init DeepseekV4ForCausalLM saved with save_pretrained (the real on-disk format);
+    `overrides`: config keys changed from the tiny config `name`."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    cfg = DeepseekV4Config(**{**TINY_BASE, **TINY_CONFIGS[name]})
+    cfg = DeepseekV4Config(**{**TINY_BASE, **TINY_CONFIGS[name], **(overrides or {})})
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg)
     with torch.no_grad():  # give sinks, biases and hash tables non-trivial values
@@ -64,11 +65,12 @@ def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.floa
 
 
 def tiny_engine(path: Path, name: str, **kw):
-    """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget."""
-    from workers.engine import Engine
+    """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget
+    (per rank at data_parallel_size > 1: a DataParallelEngine)."""
+    from workers.engine import open_engine
     from workers.engine_config import EngineConfig
     kw.setdefault("kv_cache_bytes", 8 << 20)
-    return Engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
+    return open_engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,6 +147,12 @@ def assert_same_run(out, ref, ref_logprobs: list[float] | None = None, tol: floa
     tokens, logprobs = (ref.token_ids, ref.logprobs) if ref_logprobs is None else (ref, ref_logprobs)
     assert out.token_ids == tokens
     assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < tol
+
+
+def assert_same_outputs(outs, refs, tol: float = 1e-4) -> None:
+    """Two engines' outputs for the same requests: the same tokens, logprobs within `tol`."""
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert max(abs(x - y) for o, r in zip(outs, refs) for x, y in zip(o.logprobs, r.logprobs)) < tol
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> None:
@@ -240,3 +248,35 @@ def undeletable(path: Path):
         yield
     finally:
         subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, **parallel) -> None:
+    """A replica (`parallel`: its sizes; rank_timeout_s 3 s) whose rank 1 (`rank1_pid(engine)`) is
+    stopped, then one whose rank 1 is killed, mid-request: RankFailed within the timeout (never a
+    hang), the engine stays failed, and close() is quick."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from workers.parallel.collectives import RankFailed
+    from workers.sampling.params import SamplingParams
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for how, bound in (("stall", 3.0 + 5), ("kill", 5.0)):
+        engine = tiny_engine(path, name, rank_timeout_s=3.0, **parallel)
+        try:
+            engine.add_request("r", random_prompt(40), long)
+            engine.step()
+            os.kill(rank1_pid(engine), signal.SIGSTOP if how == "stall" else signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RankFailed):
+                while engine.has_unfinished():
+                    engine.step()
+            assert time.monotonic() - t0 < bound, how
+            with pytest.raises(RankFailed):           # the engine stays failed
+                engine.step()
+        finally:
+            t0 = time.monotonic()
+            engine.close()
+            assert time.monotonic() - t0 < 15

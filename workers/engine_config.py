@@ -93,9 +93,13 @@ class EngineConfig:
     tensor_parallel_size: int = setting(1, "ranks one replica spans (vLLM's name): heads, output groups, vocabulary "
                                            "and experts split across them; every rank holds the whole cache",
                                         serve=False)   # serve: per pool (it sizes the placement group)
-    enable_expert_parallel: bool = setting(False, "with tensor_parallel_size N > 1: each rank owns "
-                                                  "n_routed_experts/N whole experts (else every expert's "
-                                                  "intermediate dim is split)", serve=False)
+    data_parallel_size: int = setting(1, "data-parallel attention (vLLM's name): N whole attention engines (own "
+                                         "scheduler, KV cache, prefix cache) in lockstep, routed experts split "
+                                         "across them (needs enable_expert_parallel)", serve=False)
+    enable_expert_parallel: bool = setting(False, "each rank owns n_routed_experts/N whole experts (N: "
+                                                  "tensor_parallel_size, else every expert's intermediate dim "
+                                                  "is split; or data_parallel_size, where it is required)",
+                                           serve=False)
     rank_timeout_s: float = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
                                           "died or stalled (RankFailed)")
     cuda_graphs: bool = setting(False, "on CUDA, decode steps replay graphs captured per batch-size bucket; off by default "
@@ -109,7 +113,7 @@ class EngineConfig:
                     object.__setattr__(self, f.name, parse_bytes(getattr(self, f.name)))
                 except ValueError as e:
                     raise ConfigError(f"EngineConfig.{f.name}: {e}") from None
-        for check in (self._check_choices, self._check_sizes, self._check_places):
+        for check in (self._check_choices, self._check_sizes, self._check_places, self._check_parallel):
             check()
 
     def _check_choices(self) -> None:
@@ -124,7 +128,8 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         positive = ("block_tokens", "kv_cache_bytes", "max_num_seqs", "max_batched_tokens", "max_model_len",
-                    "store_capacity_bytes", "store_read_timeout_s", "tensor_parallel_size", "rank_timeout_s",
+                    "store_capacity_bytes", "store_read_timeout_s", "tensor_parallel_size", "data_parallel_size",
+                    "rank_timeout_s",
                     "max_schema_bytes", "grammar_compile_timeout_s", "grammar_compile_memory_bytes")
         for name in positive:
             value = getattr(self, name)
@@ -145,6 +150,24 @@ class EngineConfig:
         if self.index != "local" and not str(self.index).startswith(INDEX_SCHEMES):
             raise ConfigError(f"EngineConfig.index: {redact_url(self.index)!r} is neither 'local' nor a URL "
                               f"starting with {', '.join(INDEX_SCHEMES)}")
+
+    def _check_parallel(self) -> None:
+        """What data-parallel attention is built for (the model-dependent sizes are checked at
+        start-up, workers/engine/data_parallel.py)."""
+        dp = self.data_parallel_size
+        if dp == 1:
+            return
+        if not self.enable_expert_parallel:
+            raise ConfigError(f"EngineConfig.data_parallel_size={dp} needs enable_expert_parallel=true "
+                              f"(--enable-expert-parallel): the routed experts are split across the {dp} ranks; "
+                              f"for {dp} independent copies of the model run {dp} replicas instead")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(f"EngineConfig: tensor_parallel_size={self.tensor_parallel_size} with "
+                              f"data_parallel_size={dp} (attention TP inside a DP rank) is not built yet; "
+                              f"use one of them")
+        if self.speculative_tokens:
+            raise ConfigError(f"EngineConfig.speculative_tokens={self.speculative_tokens} with data_parallel_size={dp} "
+                              f"is not supported yet (the MTP layer's MoE would need its own exchange step)")
 
     @property
     def policy(self) -> SwaPolicy:

@@ -53,6 +53,19 @@ GOOD = [request("tokens", prompt_token_ids=random_prompt(30), max_tokens=5, temp
                 stop_token_ids=[], min_tokens=1)]
 
 
+def test_generate_with_data_parallel_attention_equals_one_process(checkpoint, tmp_path):
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(line + "\n" for line in GOOD))
+    results = {}
+    for name, flags in (("one", []), ("dp2", ["--data-parallel-size", "2", "--enable-expert-parallel"])):
+        dst = tmp_path / f"{name}.jsonl"
+        assert main(["generate", "--model", str(checkpoint), "--input", str(src), "--output", str(dst),
+                     "--block-tokens", str(BLOCK), "--kv-cache-bytes", "8MiB", *flags]) == 0
+        results[name] = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["token_ids"] for r in results["dp2"]] == [r["token_ids"] for r in results["one"]]
+    assert [r["id"] for r in results["dp2"]] == ["tokens", "text", "stopped"]
+
+
 def test_generate_completes_every_line_with_all_output_fields(checkpoint, tmp_path):
     # in-process through the same entry point as the console script (the subprocess path is
     # exercised by the mixed-batch test below)
@@ -209,9 +222,9 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--data-parallel-size", "2"], "--data-parallel-size 2: data-parallel attention is not built yet"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: data-parallel attention is not built yet for serving"),
     (["--decode-data-parallel-size", "4", "--enable-expert-parallel"],
-     "--decode-data-parallel-size 4: data-parallel attention is not built yet"),
+     "--decode-data-parallel-size 4: data-parallel attention is not built yet for serving"),
     (["--data-parallel-size", "0"], "--data-parallel-size 0: must be >= 1"),
     (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
      "--prefill-tensor-parallel-size sets the prefill pool, but mode colocated runs one pool"),

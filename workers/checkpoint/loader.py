@@ -25,7 +25,7 @@ from workers.model.quant import FP8Linear, QuantExperts, QuantFormat, QuantForma
 from workers.model.shard import SINGLE, Shard
 from workers.model.transformer import Transformer
 
-from .sharding import shard_state, split_shared
+from .sharding import own_experts, shard_state, split_shared
 
 FP32_PARAM = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_.*|gate\.bias)$")
 EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
@@ -230,10 +230,9 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     dtype_name = dtype or args.torch_dtype
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r}; use one of {sorted(DTYPES)}")
-    rename = None
-    if shard.size > 1 and shard.expert_parallel:
-        rename = owned_experts(shard.rank * shard.part(args.n_routed_experts), shard.part(args.n_routed_experts))
-    first = shard.rank * shard.part(args.n_routed_experts) if rename else 0
+    owned = shard.owned_experts(args.n_routed_experts)
+    rename = owned_experts(*owned) if owned is not None else None
+    first = owned[0] if owned is not None else 0
     loaded = to_model_state(read_tensors(weight_files(model_dir), rename), first)
     try:
         return args, _build(args, loaded.tensors, fmt, shard, kernel_backend, dtype_name, device)
@@ -249,6 +248,8 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], fmt: QuantFormat | N
         shard.split_shared = split_shared(state, shard.size, fmt)
         state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt,
                             whole=args.n_routed_experts)
+    elif shard.dp_size > 1:
+        state = own_experts(state, *shard.owned_experts(args.n_routed_experts), whole=args.n_routed_experts)
     with torch.device("meta"):
         model = Transformer(args, kernel_backend, mtp_layer_count(state), shard)
     try:

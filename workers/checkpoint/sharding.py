@@ -35,6 +35,7 @@ SPLITS = [   # (pattern, dim without / with expert parallelism)
     (re.compile(LAYER + r"ffn\.experts\.w2(_scale)?$"), 2, 0),
     (re.compile(r"^(embed|head)\.(weight|scale)$"), 0, 0),
 ]
+STACKED_EXPERTS = re.compile(LAYER + r"ffn\.experts\.w[123](_scale)?$")
 SHARED = [(re.compile(LAYER + r"ffn\.shared_experts\.(w1|w3)\.(weight|scale)$"), 0),
           (re.compile(LAYER + r"ffn\.shared_experts\.w2\.(weight|scale)$"), 1)]
 
@@ -84,6 +85,14 @@ def shard_state(state: dict[str, torch.Tensor], rank: int, size: int, expert_par
             raise ConfigError(error)
         out[name] = t.narrow(dim, rank * (t.shape[dim] // size), t.shape[dim] // size).clone()   # frees the rest
     return out
+
+
+def own_experts(state: dict[str, torch.Tensor], first: int, count: int, whole: int) -> dict[str, torch.Tensor]:
+    """Data-parallel attention: stacked routed experts read whole (`whole` rows) cut to this
+    rank's [first, first + count); everything else, and experts already read as this rank's
+    own (loader.owned_experts), as they are."""
+    return {name: t.narrow(0, first, count).clone() if t.dim() == 3 and t.shape[0] == whole
+            and STACKED_EXPERTS.search(name) else t for name, t in state.items()}
 
 
 def _split_dim(name: str, expert_parallel: bool, shared: bool) -> int | None:

@@ -9,6 +9,8 @@
     cuda_graphs.py the fixed-shape decode path and its graphs
     stats.py       EngineStats / EngineCounters (the metrics surface) and the queue-time histogram
     async_engine.py the engine on a background thread, with async streams
+    data_parallel.py data-parallel attention + expert parallelism: the front over N engines (open_engine)
+    dp_rank.py     one DP rank: the tick messages and what each rank does with a tick
 
 Contracts: only the engine thread mutates the scheduler, the KV-cache manager and the cache;
 `stats()` may be read racily from another thread. The engine depends on model/, checkpoint/,
@@ -17,6 +19,7 @@ sampling/, spec/, reuse/ and parallel/; none of them imports it.
 from workers.engine_config import EngineConfig
 
 from .builder import StoreUnavailable
+from .data_parallel import DataParallelEngine, open_engine
 from .engine import Engine
 
-__all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
+__all__ = ["DataParallelEngine", "Engine", "EngineConfig", "StoreUnavailable", "open_engine"]

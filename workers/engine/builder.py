@@ -36,6 +36,7 @@ from workers.engine_config import EngineConfig
 from workers.model.args import ConfigError, ModelArgs
 from workers.model.shard import SINGLE, Shard
 from workers.model.transformer import Transformer
+from workers.parallel.collectives import Collectives
 from workers.parallel.replica import Leader, LocalProcessLauncher, RankLauncher
 from workers.reuse.auto_policy import AutoPeriod
 from workers.reuse.prefix_cache import PrefixCache
@@ -81,9 +82,13 @@ def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | 
     return Leader(config, launcher or LocalProcessLauncher())
 
 
-def build(config: EngineConfig, model_dir: Path, ranks: Leader | None) -> EngineParts:
+def build(config: EngineConfig, model_dir: Path, ranks: Leader | None, dp: Collectives | None = None
+          ) -> EngineParts:
+    """`dp`: this engine is rank dp.rank of a data-parallel replica (experts split, the rest whole)."""
     shard = SINGLE if ranks is None else Shard(0, config.tensor_parallel_size, config.enable_expert_parallel,
                                                comm=ranks.comm)
+    if dp is not None:
+        shard = Shard(expert_parallel=True, dp_rank=dp.rank, dp_size=dp.size, exchange=dp)
     args, model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)
     dtype = model.head.weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")

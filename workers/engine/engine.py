@@ -24,7 +24,7 @@ from kvstore.kv_transport import HandoffError, KVTransport, Offer
 from workers.checkpoint.default_model import ensure_default_model
 from workers.engine_config import EngineConfig
 from workers.model.args import ConfigError
-from workers.parallel.collectives import RankFailed
+from workers.parallel.collectives import Collectives, RankFailed
 from workers.parallel.replica import RankLauncher
 from workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
 from workers.sampling.grammar import GrammarLimits, GuideCompiler
@@ -43,16 +43,25 @@ log = logging.getLogger(__name__)
 
 class Engine:
     """With tensor_parallel_size N > 1 this process is rank 0 of N (workers/parallel/replica.py):
-    `launcher` starts the others (default: local processes); close() stops them."""
+    `launcher` starts the others (default: local processes); close() stops them.
 
-    def __init__(self, config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
-        self.config = config
+    With data_parallel_size N > 1 an Engine is one DP rank (`dp`: the replica's process group),
+    built by `DataParallelEngine` (engine/data_parallel.py; `open_engine` picks the class): each
+    step first agrees with the other ranks whether anyone runs a batch, and runs an empty one
+    through the MoE exchange when it has none."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None,
+                 dp: Collectives | None = None):
+        if config.data_parallel_size > 1 and dp is None:
+            raise ConfigError(f"data_parallel_size={config.data_parallel_size}: build the engine with "
+                              f"workers.engine.open_engine(config) (a DataParallelEngine), not Engine(config)")
+        self.config, self.dp = config, dp
         self.model_dir = model_dir = Path(config.model) if config.model else ensure_default_model()
         self.ranks = start_ranks(config, model_dir, launcher)
         try:
             (self.args, self.model, self.tokenizer, self.layout, self.policy, self.cache, self.raw_cache,
              self.blocks, self.slots, self.fingerprint, self.prefix, self.kv, self.runner,
-             self.max_model_len) = build(config, model_dir, self.ranks)
+             self.max_model_len) = build(config, model_dir, self.ranks, dp)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close("rank 0 failed to start")
@@ -85,8 +94,8 @@ class Engine:
         cannot run (see cuda_graphs.graph_blockers) keeps the ordinary path, with a warning."""
         from .cuda_graphs import DecodeGraphs, graph_blockers
         blockers = graph_blockers(self.model, self.cache)
-        if self.ranks is not None:     # a replayed graph would not send the step to the other ranks
-            blockers.append("not with tensor_parallel_size > 1 yet")
+        if self.ranks is not None or self.dp is not None:   # a replayed graph sends nothing to the other ranks
+            blockers.append("not with tensor_parallel_size or data_parallel_size > 1 yet")
         if blockers:
             log.warning("decode CUDA graphs off: %s", "; ".join(blockers))
             return
@@ -140,16 +149,7 @@ class Engine:
         decoding continues after `resume.first_token` (decode role)."""
         if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        params.validate()
-        outside = sorted(t for t, _ in params.logit_bias if t >= self.args.vocab_size)
-        if outside:
-            raise InvalidRequestError(f"token ids {outside[:5]} are outside the vocabulary [0, "
-                                      f"{self.args.vocab_size})", "logit_bias")
-        ids = self.encode(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's limit "
-                f"of {self.max_model_len} tokens")
+        ids = self.prepare(prompt, params)
         seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic(),
                        hold_kv=hold_kv, resume=resume)
         seq.guide = self.guides.guide(params.guide) if params.guide else None
@@ -161,6 +161,21 @@ class Engine:
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(ids)
         return seq
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids once the request is checked (InvalidRequestError /
+        PromptTooLongError otherwise); changes nothing."""
+        params.validate()
+        outside = sorted(t for t, _ in params.logit_bias if t >= self.args.vocab_size)
+        if outside:
+            raise InvalidRequestError(f"token ids {outside[:5]} are outside the vocabulary [0, "
+                                      f"{self.args.vocab_size})", "logit_bias")
+        ids = self.encode(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's limit "
+                f"of {self.max_model_len} tokens")
+        return ids
 
     def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
         """Decode role: the cache continues the first sequence that has not ended yet (n > 1:
@@ -276,6 +291,8 @@ class Engine:
         t0 = time.perf_counter()
         batch, failed = self.scheduler.schedule()    # admission restores prefixes here
         failed = [self.outputs.failure(seq, e.__cause__ or e) for seq, e in failed]
+        if self.dp is not None and any(self.dp.all_counts(int(bool(batch)))) and not batch:
+            self.runner.idle()       # every DP rank said whether it has a batch; join the others' exchanges
         if not batch:
             return failed
         now = time.monotonic()

@@ -93,6 +93,11 @@ class ModelRunner:
         return logits.cpu(), sampled, extra
 
 
+    def idle(self) -> None:
+        """Data-parallel attention: no batch here while another rank runs one (see Transformer.idle)."""
+        self.model.idle()
+
+
 def _ranks(counts: torch.Tensor) -> torch.Tensor:
     """[0..c0), [0..c1), ... concatenated: each item's rank within its group."""
     total = torch.arange(int(counts.sum()))

@@ -14,6 +14,8 @@ from .layers import linear
 from .quant import local_experts
 from .shard import SINGLE, Shard
 
+EXCHANGE_COLLECTIVES = 3     # per MoE layer under data-parallel attention: counts, rows, partial sums
+
 
 class Experts(nn.Module):
     """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down). Under tensor
@@ -105,16 +107,18 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     """The router is replicated; routed and shared experts give this rank's partial output,
-    summed by one all-reduce for both (see `Shard`)."""
+    summed by one all-reduce for both (see `Shard`). Under data-parallel attention the routed
+    experts run on every rank's tokens (`exchanged`) and the shared expert on this rank's."""
 
     def __init__(self, args: ModelArgs, hashed: bool, shard: Shard = SINGLE):
         super().__init__()
         self.shard = shard
         e, inter = args.n_routed_experts, args.moe_intermediate_size
         self.gate = Gate(args, hashed)
-        if shard.expert_parallel:
-            first = shard.rank * shard.part(e)
-            self.experts = Experts(shard.part(e), args.hidden_size, inter, args.swiglu_limit, first)
+        owned = shard.owned_experts(e)
+        if owned is not None:
+            first, count = owned
+            self.experts = Experts(count, args.hidden_size, inter, args.swiglu_limit, first)
         else:
             self.experts = Experts(e, args.hidden_size, shard.part(inter), args.swiglu_limit)
         shared = shard.part(inter) if shard.split_shared else inter
@@ -122,7 +126,29 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x, tokens)
-        y = self.experts(x, idx, w)
+        y = self.exchanged(x, idx, w) if self.shard.dp_size > 1 else self.experts(x, idx, w)
         if self.shard.split_shared or self.shard.rank == 0:      # a replicated shared expert counts once
             y = y + self.shared_experts(x)
         return self.shard.comm.all_reduce(y)
+
+    def exchanged(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention: the routed experts' output for this rank's tokens x [T, C].
+        Every rank's tokens and picks are all-gathered (with their counts; one row of bytes per
+        token: | x (C values) | expert ids (K, fp32) | weights (K, fp32) |), this rank's experts
+        run on all of them, the partial outputs are summed over the ranks (all-reduce) and this
+        rank keeps its own rows. A rank with no tokens takes part with T = 0 (`idle`)."""
+        ex = self.shard.exchange
+        counts = ex.all_counts(x.shape[0])
+        k, width = idx.shape[1], x.shape[1] * x.element_size()
+        picks = torch.cat([idx.to(torch.float32), w.float()], 1)        # expert ids are exact in fp32
+        rows = ex.all_gather_rows(torch.cat([x.contiguous().view(torch.uint8), picks.view(torch.uint8)], 1), counts)
+        xs, ps = rows[:, :width].contiguous().view(x.dtype), rows[:, width:].contiguous().view(torch.float32)
+        y = ex.all_reduce(self.experts(xs, ps[:, :k].long(), ps[:, k:].to(w.dtype)))
+        start = sum(counts[:ex.rank])
+        return y[start:start + x.shape[0]]
+
+    def idle(self, dtype: torch.dtype, device: torch.device) -> None:
+        """This rank has no tokens this step: take part in the exchange with none."""
+        k, c = self.gate.topk, self.gate.weight.shape[1]
+        self.exchanged(torch.zeros(0, c, dtype=dtype, device=device), torch.zeros(0, k, dtype=torch.long, device=device),
+                       torch.zeros(0, k, dtype=dtype, device=device))

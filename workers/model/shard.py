@@ -14,6 +14,7 @@ class SingleRank:
 
     def __init__(self) -> None:
         self.stats = {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0,   # the model's
+                      "counts_s": 0.0,              # of which in all_counts (a DP step's first wait)
                       "messages": 0, "message_s": 0.0, "message_bytes": 0}            # rank 0's step messages
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -21,6 +22,14 @@ class SingleRank:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """Every rank's rows of x concatenated (rank order); `counts`: each rank's row count."""
+        return x
+
+    def all_counts(self, n: int) -> list[int]:
+        """Every rank's `n`, in rank order."""
+        return [n]
 
 
 @dataclass
@@ -31,15 +40,31 @@ class Shard:
     each expert's intermediate dim) are split in `size` parts; the shared expert is split like
     the experts' intermediate dim when `split_shared`, else replicated and counted on rank 0
     only; everything else (wq_a, wkv, compressor, indexer, router, mHC, norms) is replicated.
-    Each sublayer's partial output is summed by one all-reduce (`comm`)."""
+    Each sublayer's partial output is summed by one all-reduce (`comm`).
+
+    Data-parallel attention (`dp_size` > 1, with `size` 1): every rank holds the whole model
+    but the routed experts, of which it owns n_routed_experts/dp_size whole experts; each MoE
+    layer exchanges its tokens with the other `dp_size` - 1 ranks over `exchange` (moe.py)."""
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
     split_shared: bool = True
     comm: SingleRank = field(default_factory=SingleRank, compare=False, repr=False)
+    dp_rank: int = 0
+    dp_size: int = 1
+    exchange: SingleRank = field(default_factory=SingleRank, compare=False, repr=False)
 
     def part(self, n: int) -> int:
         return n // self.size
+
+    def owned_experts(self, n: int) -> tuple[int, int] | None:
+        """(first, count) of the `n` routed experts this rank holds whole; None: all of them
+        (or, under TP without expert parallelism, a slice of each)."""
+        if self.dp_size > 1:
+            return self.dp_rank * (n // self.dp_size), n // self.dp_size
+        if self.size > 1 and self.expert_parallel:
+            return self.rank * self.part(n), self.part(n)
+        return None
 
 
 SINGLE = Shard()

@@ -137,6 +137,14 @@ class Transformer(nn.Module):
         logits = self.logits(x[step.logits_at], self)
         return (logits, x) if keep_streams else logits
 
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """Data-parallel attention: a rank with nothing to run this step still takes part in
+        every MoE layer's exchange (an empty batch), so the other ranks never wait for it."""
+        w = self.embed.weight
+        for layer in self.layers:
+            layer.ffn.idle(w.dtype, w.device)
+
     def logits(self, x: torch.Tensor, head_of: nn.Module) -> torch.Tensor:
         """Streams [R, N, C] -> fp32 logits [R, vocab] through `head_of`'s mHC head and final
         norm (the main model's or an MTP layer's) and the vocabulary head."""

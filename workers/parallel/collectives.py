@@ -79,6 +79,29 @@ class Collectives(SingleRank):
         self._run(lambda: self.dev.allgather([parts], [x.contiguous()], opts), x.numel() * x.element_size() * self.size)
         return torch.cat(parts, -1)
 
+    def all_counts(self, n: int) -> list[int]:
+        """Every rank's `n`, in rank order (data-parallel attention: each rank's token count)."""
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        opts = c10d.AllgatherOptions()
+        opts.timeout = self.timeout
+        t0 = time.perf_counter()
+        self._run(lambda: self.dev.allgather([parts], [t], opts), 8 * self.size)
+        self.stats["counts_s"] += time.perf_counter() - t0
+        return [int(p) for p in parts]
+
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """Every rank's rows of x concatenated in rank order; `counts` (each rank's rows, from
+        `all_counts`) may differ: each part travels padded to the largest."""
+        counts = counts if counts is not None else self.all_counts(x.shape[0])
+        padded = x.new_zeros((max(counts),) + tuple(x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        opts = c10d.AllgatherOptions()
+        opts.timeout = self.timeout
+        self._run(lambda: self.dev.allgather([parts], [padded], opts), padded.numel() * padded.element_size() * self.size)
+        return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
     def _run(self, op, nbytes: int) -> None:
         if self.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -114,17 +137,23 @@ class Collectives(SingleRank):
         self._ctrl(data)
         return pickle.loads(data.numpy().tobytes())
 
-    def gather_objects(self, obj: object) -> list[object]:
-        """Every rank's picklable `obj`, in rank order, on every rank (start-up status: waits
-        up to START_TIMEOUT_S, the ranks may still be loading)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    def gather_objects(self, obj: object, starting: bool = True) -> list[object]:
+        """Every rank's picklable `obj`, in rank order, on every rank. `starting` (start-up
+        status) waits up to START_TIMEOUT_S, the ranks may still be loading; else `timeout`."""
+        t0 = time.perf_counter()
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
-        self._wait(self.ctrl.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.long)]))
+        opts = c10d.AllgatherOptions()
+        opts.timeout = self.start_timeout if starting else self.timeout
+        self._wait(self.ctrl.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.long)], opts))
         width = int(max(sizes))
         padded = torch.zeros(width, dtype=torch.uint8)
         padded[:data.numel()] = data
         parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
-        self._wait(self.ctrl.allgather([parts], [padded]))
+        self._wait(self.ctrl.allgather([parts], [padded], opts))
+        self.stats["messages"] += 1
+        self.stats["message_bytes"] += width * self.size
+        self.stats["message_s"] += time.perf_counter() - t0
         return [pickle.loads(p[:int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
     def _ctrl(self, t: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:

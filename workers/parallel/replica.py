@@ -28,7 +28,7 @@ import logging
 import multiprocessing
 import traceback
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -44,7 +44,7 @@ from workers.model.step import StepInput
 from .collectives import Collectives, RankFailed, init_method
 
 __all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
-           "Leader"]
+           "Leader", "Liveness"]
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +64,19 @@ class RankLauncher(Protocol):
 
 
 class LocalProcessLauncher:
-    """Ranks as `spawn` processes on this machine (CUDA: rank r on cuda:r)."""
+    """Ranks as `spawn` processes on this machine (CUDA: rank r on cuda:r). Each runs
+    `main(rank, world_size, init_method, config)`: `run_rank` (tensor parallelism) unless the
+    engine's builder passes another (data-parallel attention: a whole engine per rank)."""
     host = "127.0.0.1"
 
-    def __init__(self, threads: int | None = None):
-        self.threads, self.procs = threads, []
+    def __init__(self, threads: int | None = None, main: Callable[[int, int, str, EngineConfig], None] | None = None):
+        self.threads, self.procs, self.main = threads, [], main or run_rank
 
     def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")
         for rank in range(1, world_size):
             cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
-            p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads),
+            p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads, self.main),
                             name=f"kvmesh-rank{rank}", daemon=True)
             p.start()
             self.procs.append(p)
@@ -99,10 +101,10 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
-                  threads: int | None) -> None:
+                  threads: int | None, main) -> None:
     if threads:
         torch.set_num_threads(threads)
-    run_rank(rank, world_size, init_method, config)
+    main(rank, world_size, init_method, config)
 
 
 # ---- messages from rank 0 (one dataclass per message) ------------------------------------------
@@ -128,11 +130,32 @@ class Stop:
 
 
 # ---- rank 0 ------------------------------------------------------------------------------------
-class Leader:
+class Liveness:
+    """Whether a replica's ranks still run: the first RankFailed sticks (the engine is unusable
+    after it), and `check` raises it again, or the launcher's news of a dead rank."""
+
+    def __init__(self, launcher: RankLauncher):
+        self.launcher, self.dead = launcher, None
+
+    def check(self) -> None:
+        if self.dead is not None:
+            raise RankFailed(f"this engine's ranks failed earlier: {self.dead}")
+        try:
+            self.launcher.check()
+        except RankFailed as e:
+            self.dead = e
+            raise
+
+    def failed(self, error: RankFailed) -> None:
+        self.dead = self.dead or error
+
+
+class Leader(Liveness):
     """Rank 0's side of a replica: starts the other ranks, sends them each step."""
 
     def __init__(self, config: EngineConfig, launcher: RankLauncher):
-        self.size, self.launcher, self.dead = config.tensor_parallel_size, launcher, None
+        super().__init__(launcher)
+        self.size = config.tensor_parallel_size
         store = Collectives.host_store(launcher.host, self.size, config.rank_timeout_s)
         method = init_method(launcher.host, store)
         launcher.start(self.size, method, config)
@@ -164,17 +187,6 @@ class Leader:
             self.dead = e
             raise
 
-    def check(self) -> None:
-        if self.dead is not None:
-            raise RankFailed(f"this engine's ranks failed earlier: {self.dead}")
-        try:
-            self.launcher.check()
-        except RankFailed as e:
-            self.dead = e
-            raise
-
-    def failed(self, error: RankFailed) -> None:
-        self.dead = self.dead or error
 
     def close(self, reason: str = "engine closed") -> None:
         if self.dead is None:

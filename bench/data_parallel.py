@@ -1,0 +1,155 @@
+"""`bench/engine.py --data-parallel-size N`: one replica of N ranks three ways, same run, same prompts.
+
+    OMP_NUM_THREADS=1 python bench/engine.py --data-parallel-size 2 --concurrency 8,32 --max-tokens 16
+
+* one process (TP=1);
+* TP=N with expert parallelism: every rank holds the same cache, so the replica's KV capacity
+  is one rank's budget;
+* DP=N with expert parallelism: N whole attention engines, each with its own cache of the
+  same budget, so the replica holds N times the KV tokens; requests spread over the ranks.
+
+Per size and concurrency: TTFT, decode and end-to-end tok/s (medians of --repeats), the
+replica's KV capacity in tokens (all ranks' distinct blocks x block_tokens) and the peak in use
+during the run, and for DP where rank 0's time goes: the MoE exchange (all-gather of hidden
+states and picks with their counts + all-reduce of partial expert outputs; EXCHANGE_COLLECTIVES
+per MoE layer, waiting for the slower rank included; "rows + sums" leaves out the counts'
+all-gather, where a rank waits for the slower one, so it is closer to the cost of moving the
+data), and the per-tick messages (rank 0's, waiting for the slowest rank's step included).
+Then the exchange alone: its collectives in a loop between N processes with nothing else to do,
+median per exchange at 1 and each concurrency's tokens per rank (the floor of its cost here).
+Greedy tokens are compared across the three, request by request. The KV budget is
+bench/engine.py's KV_CACHE_BYTES (1 GiB) per rank, as in its other modes.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from workers.checkpoint.default_model import ensure_default_model
+from workers.engine import open_engine
+from workers.engine_config import EngineConfig
+from workers.model.args import ModelArgs
+from workers.model.moe import EXCHANGE_COLLECTIVES
+from workers.parallel.collectives import Collectives, init_method
+from workers.parallel.replica import LocalProcessLauncher
+
+EXCHANGE_REPS = 200
+
+
+def kv_tokens(engine) -> tuple[int, int]:
+    """(tokens in use, capacity) of the replica's distinct KV blocks: a DP engine's ranks each
+    hold their own; TP ranks hold copies of rank 0's, counted once."""
+    bt = engine.config.block_tokens
+    if hasattr(engine, "rank_stats"):
+        stats = engine.rank_stats
+        return (sum(s.total_blocks - s.free_blocks for s in stats) * bt, sum(s.total_blocks for s in stats) * bt)
+    return engine.blocks.num_used * bt, engine.blocks.num_blocks * bt
+
+
+def exchange_alone(rank: int, size: int, method: str, hidden: int, topk: int, tokens: list[int]) -> dict[int, float]:
+    """The MoE exchange's collectives alone (no model, no other work between them), as
+    MoE.exchanged runs them: counts, one byte row per token (hidden fp32 values + topk ids +
+    topk weights), the all-reduce of [size * T, hidden]. Median ms per exchange at each T."""
+    comm = Collectives(rank, size, method, "cpu", 60.0)
+    medians = {}
+    for t in tokens:
+        row = torch.zeros(t, hidden * 4 + topk * 8, dtype=torch.uint8)
+        times = []
+        for _ in range(EXCHANGE_REPS):
+            t0 = time.perf_counter()
+            counts = comm.all_counts(t)
+            rows = comm.all_gather_rows(row, counts)
+            comm.all_reduce(torch.zeros(rows.shape[0], hidden))
+            times.append(time.perf_counter() - t0)
+        medians[t] = statistics.median(times) * 1e3
+    comm.close()
+    return medians
+
+
+def time_exchange(size: int, hidden: int, topk: int, tokens: list[int]) -> dict[int, float]:
+    """Rank 0's median exchange time (ms) at each T tokens per rank, ranks 1..size-1 spawned."""
+    store = Collectives.host_store("127.0.0.1", size, 60.0)
+    method = init_method("127.0.0.1", store)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=exchange_alone, args=(r, size, method, hidden, topk, tokens), daemon=True)
+             for r in range(1, size)]
+    for p in procs:
+        p.start()
+    comm0 = exchange_alone(0, size, method, hidden, topk, tokens)
+    for p in procs:
+        p.join(timeout=30)
+    return comm0
+
+
+def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median_run,
+            kv_cache_bytes: int, warmup_seed: int) -> int:
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    setups = {"TP=1": dict(), f"TP={size}+EP": dict(tensor_parallel_size=size, enable_expert_parallel=True),
+              f"DP={size}+EP": dict(data_parallel_size=size, enable_expert_parallel=True)}
+    rows, raw, tokens = [], [], {}
+    for name, kw in setups.items():
+        engine = open_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
+                                          max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=kv_cache_bytes,
+                                          prefix_reuse=False, **kw),
+                             launcher=LocalProcessLauncher(args.threads))
+        comm = engine.comm if hasattr(engine, "comm") else engine.model.shard.comm
+        layers = engine.args.num_hidden_layers
+        try:
+            run_kvmesh(engine, make_prompts(max(levels), args.prompt_len, engine.args.vocab_size, warmup_seed),
+                       args.max_tokens)
+            for i, c in enumerate(levels):
+                runs = []
+                for rep in range(args.repeats):
+                    before = dict(comm.stats)
+                    peak = [0]
+                    k, k_tokens = run_kvmesh(engine, make_prompts(c, args.prompt_len, engine.args.vocab_size,
+                                                                  seed=1000 * i + rep), args.max_tokens,
+                                             on_step=lambda: peak.__setitem__(0, max(peak[0], kv_tokens(engine)[0])))
+                    delta = {key: comm.stats[key] - before[key] for key in before}
+                    runs.append((k, delta, peak[0]))
+                    tokens.setdefault((c, rep), {})[name] = k_tokens
+                    print(f"{name} c={c} #{rep}: {k.wall_s:.2f}s", file=sys.stderr)
+                k = median_run([r[0] for r in runs])
+                mid = sorted(runs, key=lambda r: r[0].wall_s)[len(runs) // 2]
+                rows.append((name, c, k, mid[1], mid[2], kv_tokens(engine)[1], layers))
+                raw.append({"setup": name, "concurrency": c, "capacity_tokens": kv_tokens(engine)[1],
+                            "runs": [{**r[0].__dict__, **r[1], "peak_kv_tokens": r[2]} for r in runs]})
+        finally:
+            engine.close()
+    same = sum(len({str(v) for v in by.values()}) == 1 for by in tokens.values())
+    print(f"model: {model_dir}, fp32; prompt {args.prompt_len}, max_tokens {args.max_tokens}; torch threads "
+          f"{args.threads} per rank; KV budget {kv_cache_bytes / 2**30:g} GiB per rank; load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min); greedy tokens equal across the "
+          f"three in {same}/{len(tokens)} runs\n")
+    print("| replica | c | TTFT ms | decode tok/s | e2e tok/s | KV capacity (tokens) | peak KV in use (tokens) | "
+          "MoE exchange ms / layer | of which rows + sums ms | exchange share of wall | tick messages ms / tick |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, c, k, d, peak, capacity, layers in rows:
+        ticks = d["messages"] / 2 if name.startswith("DP") else 0
+        exchanges = (d["collectives"] - ticks) / EXCHANGE_COLLECTIVES if ticks else 0   # + one step flag a tick
+        per_layer = f"{d['collective_s'] / exchanges * 1e3:.2f}" if exchanges else "-"
+        moved = f"{(d['collective_s'] - d['counts_s']) / exchanges * 1e3:.2f}" if exchanges else "-"
+        share = f"{d['collective_s'] / k.wall_s:.0%}" if exchanges else "-"
+        per_tick = f"{d['message_s'] / ticks * 1e3:.2f}" if ticks else "-"
+        print(f"| {name} | {c} | {k.ttft_mean_s * 1e3:.0f} | {k.decode_tok_s:.1f} | {k.e2e_tok_s:.1f} | "
+              f"{capacity:,} | {peak:,} | {per_layer} | {moved} | {share} | {per_tick} |")
+    a = ModelArgs.from_file(model_dir / "config.json")
+    alone = time_exchange(size, a.hidden_size, a.num_experts_per_tok, sorted({1, *levels}))
+    print(f"\nthe exchange alone (its {EXCHANGE_COLLECTIVES} collectives, gloo, {size} processes, hidden "
+          f"{a.hidden_size} fp32, no model work between them), median of {EXCHANGE_REPS}: "
+          + ", ".join(f"{t} token(s) per rank {ms:.2f} ms" for t, ms in alone.items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(model_dir), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                               "threads_per_rank": args.threads, "load_average": os.getloadavg(),
+                               "moe_layers": rows[0][6] if rows else 0, "runs": raw,
+                               "exchange_alone_ms": alone}, indent=2))
+    print(f"\nwrote {out}")
+    return 0

@@ -1,0 +1,215 @@
+"""Data-parallel attention with expert parallelism: one replica of N whole attention engines.
+
+    engine = open_engine(EngineConfig(data_parallel_size=2, enable_expert_parallel=True))
+    engine.generate(prompts, params)           # the Engine API: add_request / step / abort / ...
+
+Each DP rank is a whole `Engine`: its own scheduler, KV cache, state slots, prefix cache and
+write-behind; attention, mHC, norms, the shared expert and dense layers are replicated, the
+routed experts split (rank r owns experts [r*E/N, (r+1)*E/N)), and each MoE layer exchanges
+the ranks' tokens (model/moe.py `MoE.exchanged`: all-gather of hidden states and picks with
+their counts, all-reduce of the partial expert outputs). Rank 0 is this process and the front;
+ranks 1..N-1 are spawned processes (engine/dp_rank.py).
+
+The front routes each new request to one rank: the rank whose device pool holds the longest
+prefix of its prompt (in whole blocks; each rank reports what its pool gained and lost every
+tick), else the least loaded (running + waiting + just routed); n > 1 forks stay on that rank.
+Store objects and prefix hashes are the single engine's (the fingerprint does not depend on
+the parallel sizes): what one rank stores, any engine restores.
+
+Built: TP=1 inside each DP rank, on the CPU (gloo) or one CUDA device per rank (NCCL, untested
+here). Refused at start-up: DP without expert parallelism, TP x DP (attention TP inside a DP
+rank), speculative decoding (the MTP layer's MoE), handoffs (hold_kv / resume: serving).
+A rank that dies or stalls raises RankFailed within rank_timeout_s; the engine stays failed.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from workers.checkpoint.default_model import ensure_default_model
+from workers.engine_config import EngineConfig
+from workers.model.args import ConfigError, ModelArgs
+from workers.parallel.collectives import Collectives, RankFailed, init_method
+from workers.parallel.replica import Liveness, LocalProcessLauncher, RankLauncher, Stop
+from workers.request import RequestOutput
+from workers.sampling.params import InvalidRequestError, SamplingParams
+
+from .dp_rank import NewRequest, Reply, Residency, Tick, rank_config, run_dp_rank, run_tick
+from .engine import Engine
+from .stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+def open_engine(config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
+    """The engine `config` asks for: a DataParallelEngine at data_parallel_size > 1, else an Engine.
+    `launcher`: how ranks 1..N-1 start (tensor parallelism: any RankLauncher; data-parallel:
+    a LocalProcessLauncher)."""
+    if config.data_parallel_size > 1:
+        return DataParallelEngine(config, launcher)
+    return Engine(config, launcher)
+
+
+def check_dp_sizes(args: ModelArgs, size: int) -> None:
+    """ConfigError naming the numbers unless `size` ranks can split this model's experts."""
+    if args.n_routed_experts % size:
+        raise ConfigError(f"data_parallel_size={size} does not divide n_routed_experts={args.n_routed_experts} "
+                          f"(each rank owns whole routed experts); use a size that divides "
+                          f"{args.n_routed_experts}")
+
+
+class DataParallelEngine:
+    """Rank 0 of a data-parallel replica and its front (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, launcher: LocalProcessLauncher | None = None):
+        """`launcher` (threads per rank) starts ranks 1..N-1, each running `run_dp_rank`."""
+        self.config, self.size = config, config.data_parallel_size
+        model_dir = Path(config.model) if config.model else ensure_default_model()
+        check_dp_sizes(ModelArgs.from_file(model_dir / "config.json"), self.size)
+        self.launcher = launcher or LocalProcessLauncher()
+        if not isinstance(self.launcher, LocalProcessLauncher):
+            raise ConfigError(f"data_parallel_size={self.size}: ranks start as local processes only "
+                              f"(serving a data-parallel replica is not built yet)")
+        self.launcher.main = run_dp_rank                     # each rank a whole engine, not a TP follower
+        store = Collectives.host_store(self.launcher.host, self.size, config.rank_timeout_s)
+        method = init_method(self.launcher.host, store)
+        self.launcher.start(self.size, method, config)
+        try:
+            self.comm = Collectives(0, self.size, method, config.device, config.rank_timeout_s, store)
+            self.local = self._start(config)
+        except BaseException:
+            self.launcher.stop()
+            raise
+        self.where: dict[str, int] = {}                       # request id -> its rank
+        self.loads = [0] * self.size
+        self.resident: list[set[int]] = [set() for _ in range(self.size)]
+        self.residency = Residency(self.local.blocks)
+        self.rank_stats: list[EngineStats] = [self.local.stats()] * self.size
+        self._clear()
+        self.health = Liveness(self.launcher)
+
+    def _start(self, config: EngineConfig) -> Engine:
+        """Rank 0's engine, once every rank has built its own (a failure anywhere fails here)."""
+        engine, error = None, None
+        try:
+            engine = Engine(rank_config(config, 0), dp=self.comm)
+        except Exception as e:
+            error = e
+        errors = self.comm.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            engine.close()
+            raise RankFailed("; ".join(f"data-parallel rank {r} failed to start: {e}" for r, e in bad))
+        return engine
+
+    def _clear(self) -> None:
+        self.new: list[list[NewRequest]] = [[] for _ in range(self.size)]
+        self.aborts: list[list[str]] = [[] for _ in range(self.size)]
+
+    # ---- the Engine's attributes a caller reads ------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.local.tokenizer
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.local.args
+
+    @property
+    def max_model_len(self) -> int:
+        return self.local.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    hold_kv: bool = False, resume=None) -> int:
+        """Queue a request on the rank `route` picks; returns that rank. It starts there on
+        the next step. Handoffs (hold_kv, resume) are not built for data-parallel engines."""
+        if hold_kv or resume is not None:
+            raise ConfigError(f"data_parallel_size={self.size}: KV handoffs (prefill / decode roles) are not "
+                              f"built for data-parallel engines yet")
+        if request_id in self.where:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        ids = self.local.prepare(prompt, params)
+        if params.guide:
+            self.local.guides.guide(params.guide)        # a bad schema is a 400 here, not on a rank
+        rank = self.route(ids)
+        self.new[rank].append(NewRequest(request_id, ids, params))
+        self.where[request_id] = rank
+        self.loads[rank] += params.n
+        return rank
+
+    def route(self, ids: list[int]) -> int:
+        """The rank whose device pool holds the longest prefix of `ids` (whole blocks, the
+        last token excluded: it is always computed), else the least loaded; ties: lowest rank."""
+        bt = self.config.block_tokens
+        hashes = self.local.prefix.hasher.hashes(ids[:(len(ids) - 1) // bt * bt])
+        hits = [next((i for i, h in enumerate(hashes) if h not in held), len(hashes)) for held in self.resident]
+        return min(range(self.size), key=lambda r: (-hits[r], self.loads[r], r))
+
+    def abort(self, request_id: str) -> None:
+        rank = self.where.pop(request_id, None)
+        if rank is None:
+            return
+        queued = [r for r in self.new[rank] if r.request_id == request_id]
+        if queued:
+            self.new[rank].remove(queued[0])
+        else:
+            self.aborts[rank].append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.where) or any(self.aborts)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One tick on every rank (engine/dp_rank.py); every rank's outputs. RankFailed (within
+        rank_timeout_s) when a rank died or stalled; the engine is unusable after it."""
+        tick = Tick(tuple(map(tuple, self.new)), tuple(map(tuple, self.aborts)))
+        self._clear()
+        return self._tick(tick)
+
+    def flush(self) -> None:
+        """Every rank's persisted blocks and checkpoints durable in the store (a flush tick)."""
+        none = ((),) * self.size
+        self._tick(Tick(none, none, flush=True))
+
+    def _tick(self, tick: Tick) -> list[RequestOutput]:
+        self.health.check()
+        try:
+            self.comm.send(tick)
+            replies: list[Reply] = self.comm.gather_objects(run_tick(self.local, tick, 0, self.residency),
+                                                            starting=False)
+        except RankFailed as e:
+            self.health.failed(e)
+            raise
+        outputs = []
+        for rank, reply in enumerate(replies):
+            self.resident[rank].difference_update(reply.dropped)
+            self.resident[rank].update(reply.named)
+            self.rank_stats[rank] = s = reply.stats
+            self.loads[rank] = s.running + s.waiting + sum(r.params.n for r in self.new[rank])
+            outputs += reply.outputs
+        for out in outputs:
+            if out.finished and out.all_finished:
+                self.where.pop(out.request_id, None)
+        return outputs
+
+    def stats(self) -> list[EngineStats]:
+        """Each rank's stats as of the last step, in rank order."""
+        return list(self.rank_stats)
+
+    def close(self) -> None:
+        if self.health.dead is None:
+            try:
+                self.comm.send(Stop("engine closed"), starting=True)
+            except RankFailed:
+                pass
+        self.local.close()
+        self.launcher.stop()
+        self.comm.close()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Engine.generate's contract: all prompts to completion, outputs in input order."""
+        return Engine.generate(self, prompts, params)
