@@ -64,6 +64,9 @@ class Offer:
     transport: str                  # the KVTransport.name that made it ("nixl" | "ray")
     location: Any                   # nixl: RemoteKV; ray: [ObjectRef] (a list, so the ref travels unresolved)
     fallback_reason: str | None = None   # set when the preferred transport could not be used
+    # wall-clock time (time.time()) after which the source may free and reuse the memory: a
+    # one-sided READ must be over by then, or it reads another request's cache
+    readable_until: float | None = None
 
 
 @dataclass(frozen=True)

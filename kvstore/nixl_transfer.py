@@ -207,6 +207,8 @@ class KVTransferAgent:
 
 
 RELEASE_PREFIX = b"release:"     # the notification a completed READ sends: release:<request id>
+# a READ ends this long before its offer's readable_until: clock skew between hosts + issuing it
+EXPIRY_MARGIN_S = 1.0
 
 
 class NixlTransport(KVTransport):
@@ -220,12 +222,20 @@ class NixlTransport(KVTransport):
         self.agent, self.timeout_s = agent, timeout_s
 
     def offer(self, held: HeldKV, cache) -> Offer:
+        """The source frees the regions `timeout_s` after this at the earliest (unless read)."""
         remote = self.agent.describe(cache.block_regions(held.block_ids, held.slot))
-        return Offer(held.request_id, self.fingerprint, len(held.block_ids), remote.nbytes, self.name, remote)
+        return Offer(held.request_id, self.fingerprint, len(held.block_ids), remote.nbytes, self.name, remote,
+                     readable_until=time.time() + self.timeout_s)
 
     def _read(self, offer: Offer, cache, block_ids: list[int], slot: int) -> int:
+        timeout_s = self.timeout_s
+        if offer.readable_until is not None:     # end before the source may reuse the memory
+            timeout_s = min(timeout_s, offer.readable_until - time.time() - min(EXPIRY_MARGIN_S, self.timeout_s / 4))
+            if timeout_s <= 0:
+                raise HandoffError(f"request {offer.request_id}: its offer expired before the READ could start "
+                                   f"(the source may have freed the memory)")
         return self.agent.read(offer.location, cache.block_regions(block_ids, slot),
-                               RELEASE_PREFIX + offer.request_id.encode(), self.timeout_s)
+                               RELEASE_PREFIX + offer.request_id.encode(), timeout_s)
 
     def released(self) -> list[str]:
         """Request ids whose caches destinations have finished reading since the last call."""

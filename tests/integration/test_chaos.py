@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis
@@ -151,6 +152,8 @@ def cold_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 
 def wait_ready(cluster: Cluster, prefill: int, decode: int, within_s: float = READY_WITHIN_S) -> None:
+    """Until /metrics shows that many live replicas per pool, with a request now and then (one
+    run saw a running prefill replica left out of /metrics for minutes, until traffic came)."""
     deadline, last = time.monotonic() + within_s, "no answer"
     while time.monotonic() < deadline:
         try:
@@ -158,6 +161,7 @@ def wait_ready(cluster: Cluster, prefill: int, decode: int, within_s: float = RE
             if live["prefill"] >= prefill and live["decode"] >= decode:
                 return
             last = str(live)
+            httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=30)
         except Exception as e:        # the proxy / ingress is not up yet
             last = repr(e)
         time.sleep(2)
