@@ -78,8 +78,14 @@ class Cluster:
         either side (cached prefix blocks are free: evictable)."""
         deadline = time.monotonic() + IDLE_WITHIN_S
         while True:
-            left = kv_taken(scrape(self.url))
+            m = scrape(self.url)
+            left = kv_taken(m)
             if left == 0 or time.monotonic() > deadline:
+                if left:
+                    print("KV still taken:", {f"{p}:{name}": per_worker(m, name, p) for p in ("prefill", "decode")
+                                              for name in ("held", "running", "waiting", "free_blocks",
+                                                           "total_blocks", "free_slots", "total_slots")},
+                          file=sys.__stdout__, flush=True)
                 return left
             time.sleep(1)
 

@@ -178,9 +178,10 @@ def test_a_handoff_given_up_in_flight_keeps_its_blocks_and_slot_until_the_transf
     taken = (p.pool.num_free, p.slots.num_free)
     p.kv.reap_landing()
     assert (p.pool.num_free, p.slots.num_free) == taken == (5, 3)     # 3 blocks + 1 slot still landing
+    assert p.kv.landing == 1
     over.append(True)
     p.kv.reap_landing()
-    assert (p.pool.num_free, p.slots.num_free) == (8, 4)
+    assert (p.pool.num_free, p.slots.num_free) == (8, 4) and p.kv.landing == 0
 
 
 def test_a_hit_that_cannot_be_written_is_served_cold_in_fresh_blocks(monkeypatch):

@@ -133,6 +133,11 @@ class KVCacheManager:
             raise KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}") from e
         seq.num_computed = hit.num_tokens
 
+    @property
+    def landing(self) -> int:
+        """Loads given up whose transfer may still write their blocks (see reap_landing)."""
+        return len(self._landing)
+
     def reap_landing(self) -> None:
         """Give back the blocks and slot of each load that gave up while its bytes could still
         land in them (TransferInFlight), once they cannot: until then nothing else may use them."""
