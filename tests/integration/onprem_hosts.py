@@ -249,7 +249,9 @@ class Hosts:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.inits:
             proc.wait()
-        for ns in self.namespaces:
+        for i, ns in enumerate(self.namespaces):
+            # the veth goes now: a namespace lives on after `del` while its kernel sockets do
+            run("ip", "link", "del", f"{self.prefix}h{i}", check=False)
             run("ip", "netns", "del", ns, check=False)
         run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
