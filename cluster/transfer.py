@@ -6,7 +6,8 @@
 Order of preference on the decode side: a NIXL READ straight from the prefill worker's
 registered memory (which also notifies it to release); else the Ray-object copy of the same
 tensors (the offer itself when prefill had no NIXL, or one fetched from the prefill worker
-after a failed READ). Every failure is a HandoffError (kvstore.kv_transport).
+after a failed READ; never after a READ that timed out, whose bytes may still land). Every
+failure is a HandoffError (kvstore.kv_transport).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Callable
 
 import ray
 
-from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferReport
+from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferInFlight, TransferReport
 
 __all__ = ["HandoffError", "Loader", "RayTransport", "NIXL_UNAVAILABLE", "READ_FAILED"]
 log = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class Loader:
         try:
             report = self._transport(offer).load(offer, cache, block_ids, slot)
         except HandoffError as e:
-            if offer.transport != "nixl" or self.fetch_ray is None:
+            # a READ still in flight may yet write these blocks: a Ray copy there would be overwritten
+            if offer.transport != "nixl" or self.fetch_ray is None or isinstance(e, TransferInFlight):
                 raise
             log.warning("request %s: NIXL READ failed, using a Ray copy: %s", offer.request_id, e)
             try:

@@ -9,7 +9,9 @@ source engine's fingerprint, how many blocks, and where the bytes are (a NIXL re
 description, a Ray object, ...). `load` fills blocks + a state slot the destination has
 allocated, exactly `CacheTensors.block_regions(block_ids, slot)` / `gather(block_ids, slot)`,
 so the state slot always travels with the blocks. Both methods raise `HandoffError` and
-nothing else; a destination whose engine fingerprint differs refuses the offer.
+nothing else; a destination whose engine fingerprint differs refuses the offer. A load that
+gave up while its bytes may still arrive raises `TransferInFlight`: its blocks + slot stay
+out of use until the transfer is over.
 
 Implementations: `kvstore.nixl_transfer.NixlTransport` (a NIXL READ, no Ray) and
 `cluster.transfer.RayTransport` (a Ray object copy).
@@ -19,7 +21,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -29,6 +31,16 @@ if TYPE_CHECKING:
 
 class HandoffError(RuntimeError):
     """The cache could not be moved from prefill to decode; the request may be retried."""
+
+
+class TransferInFlight(HandoffError):
+    """A READ was given up (it timed out) while its data can still land in the destination's
+    memory: UCX cannot cancel it, and a cut link delivers it once it heals. The blocks and slot
+    it reads into must not be reused until `settled()` returns True (the READ is over)."""
+
+    def __init__(self, message: str, settled: Callable[[], bool]):
+        super().__init__(message)
+        self.settled = settled
 
 
 class HeldKV(NamedTuple):
@@ -52,6 +64,9 @@ class Offer:
     transport: str                  # the KVTransport.name that made it ("nixl" | "ray")
     location: Any                   # nixl: RemoteKV; ray: [ObjectRef] (a list, so the ref travels unresolved)
     fallback_reason: str | None = None   # set when the preferred transport could not be used
+    # wall-clock time (time.time()) after which the source may free and reuse the memory: a
+    # one-sided READ must be over by then, or it reads another request's cache
+    readable_until: float | None = None
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer
+from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferInFlight
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +150,17 @@ class KVTransferAgent:
                 raise HandoffError(f"cannot set up a READ from {remote.agent_name} ({remote.node_ip}): {e}") from e
         try:
             self._wait(handle, remote, timeout_s)
-        finally:
-            with self._lock:
-                self._agent.release_xfer_handle(handle)
+        except TransferInFlight:
+            raise           # the handle lives on in the error's settled()
+        except BaseException:
+            self._release(handle)
+            raise
+        self._release(handle)
         return sum(n for _, n, _ in local)
+
+    def _release(self, handle) -> None:
+        with self._lock:
+            self._agent.release_xfer_handle(handle)
 
     def _wait(self, handle, remote: RemoteKV, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -160,12 +168,29 @@ class KVTransferAgent:
             state = self._agent.transfer(handle)
         while state == "PROC":
             if time.monotonic() > deadline:
-                raise HandoffError(f"READ from {remote.agent_name} ({remote.node_ip}) timed out after {timeout_s}s")
+                # releasing the handle does not stop the READ: its data lands in our memory when
+                # the link delivers it (seen after a partition healed), so it stays pending here
+                raise TransferInFlight(f"READ from {remote.agent_name} ({remote.node_ip}) timed out after "
+                                       f"{timeout_s}s", self._settler(handle))
             time.sleep(POLL_INTERVAL_S)
             with self._lock:
                 state = self._agent.check_xfer_state(handle)
         if state != "DONE":
             raise HandoffError(f"READ from {remote.agent_name} ({remote.node_ip}) failed: {state}")
+
+    def _settler(self, handle) -> Callable[[], bool]:
+        """settled() of a READ given up: False while it may still write; then True (once its
+        handle is released)."""
+        over = False
+
+        def settled() -> bool:
+            nonlocal over
+            with self._lock:
+                if not over and self._agent.check_xfer_state(handle) != "PROC":
+                    self._agent.release_xfer_handle(handle)
+                    over = True
+            return over
+        return settled
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call, from any peer."""
@@ -182,6 +207,8 @@ class KVTransferAgent:
 
 
 RELEASE_PREFIX = b"release:"     # the notification a completed READ sends: release:<request id>
+# a READ ends this long before its offer's readable_until: clock skew between hosts + issuing it
+EXPIRY_MARGIN_S = 1.0
 
 
 class NixlTransport(KVTransport):
@@ -195,12 +222,20 @@ class NixlTransport(KVTransport):
         self.agent, self.timeout_s = agent, timeout_s
 
     def offer(self, held: HeldKV, cache) -> Offer:
+        """The source frees the regions `timeout_s` after this at the earliest (unless read)."""
         remote = self.agent.describe(cache.block_regions(held.block_ids, held.slot))
-        return Offer(held.request_id, self.fingerprint, len(held.block_ids), remote.nbytes, self.name, remote)
+        return Offer(held.request_id, self.fingerprint, len(held.block_ids), remote.nbytes, self.name, remote,
+                     readable_until=time.time() + self.timeout_s)
 
     def _read(self, offer: Offer, cache, block_ids: list[int], slot: int) -> int:
+        timeout_s = self.timeout_s
+        if offer.readable_until is not None:     # end before the source may reuse the memory
+            timeout_s = min(timeout_s, offer.readable_until - time.time() - min(EXPIRY_MARGIN_S, self.timeout_s / 4))
+            if timeout_s <= 0:
+                raise HandoffError(f"request {offer.request_id}: its offer expired before the READ could start "
+                                   f"(the source may have freed the memory)")
         return self.agent.read(offer.location, cache.block_regions(block_ids, slot),
-                               RELEASE_PREFIX + offer.request_id.encode(), self.timeout_s)
+                               RELEASE_PREFIX + offer.request_id.encode(), timeout_s)
 
     def released(self) -> list[str]:
         """Request ids whose caches destinations have finished reading since the last call."""

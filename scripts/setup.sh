@@ -4,14 +4,20 @@
 # and pip never downloads a multi-GB CUDA wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# system packages some integration tests need (root + apt only; without them those tests skip):
 # sshd for the on-prem `ray up` test (tests/integration/test_onprem_cluster.py runs one per
-# network namespace with its own config; the package's own service is not needed)
-if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server >/dev/null \
+# network namespace with its own config; the package's own service is not needed), iptables for
+# the chaos tests (tests/integration/test_chaos.py: partitions and lossy links, in the hosts' own
+# network namespaces)
+apt_install() {     # package, the tests that skip without it
+    command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] || return 0
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$1" >/dev/null \
         || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
-             apt-get install -y -q --no-install-recommends openssh-server >/dev/null; } \
-        || echo "setup.sh: could not install openssh-server; the on-prem cluster test will skip" >&2
-fi
+             apt-get install -y -q --no-install-recommends "$1" >/dev/null; } \
+        || echo "setup.sh: could not install $1; $2 will skip" >&2
+}
+[ -x /usr/sbin/sshd ] || apt_install openssh-server "the on-prem cluster test"
+[ -x /usr/sbin/iptables ] || command -v iptables >/dev/null 2>&1 || apt_install iptables "the chaos tests"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate

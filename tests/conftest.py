@@ -26,18 +26,19 @@ REDIS_START_TIMEOUT_S = 10.0
 class PrivateRedis:
     """A redis-server subprocess on a fixed private port; can be stopped and restarted."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, host: str = "127.0.0.1") -> None:
         self.binary = binary
         self.workdir = workdir
+        self.host = host            # another address only for namespace hosts the test made
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://{host}:{self.port}/0"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         assert self._proc is None, "already running"
         self._proc = subprocess.Popen(
             [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                self.binary, "--port", str(self.port), "--bind", self.host, "--protected-mode", "no",
                 "--save", "", "--appendonly", "no", "--daemonize", "no",
                 "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log"),
             ],
@@ -49,7 +50,7 @@ class PrivateRedis:
     def _wait_until_ping(self) -> None:
         import redis
 
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + REDIS_START_TIMEOUT_S
         try:
             while True:

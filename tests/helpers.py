@@ -171,6 +171,14 @@ def sse_events(lines: Iterable[str]) -> Iterator:
             yield data if data == "[DONE]" else json.loads(data)
 
 
+def stream_items(lines: Iterable[str]) -> Iterator[tuple[list[int], dict | None]]:
+    """A completion stream (return_token_ids) as it arrives: (token ids, None) per chunk,
+    ([], the error) per error event."""
+    for event in sse_events(lines):
+        if event != "[DONE]":
+            yield ([], event["error"]) if "error" in event else (event["choices"][0]["token_ids"], None)
+
+
 def stream_and_kill(url: str, body: dict, kill, bound_s: float, after_tokens: int = 5):
     """Stream a completion from `url` and call `kill()` once `after_tokens` tokens arrived.
     Returns (tokens, errors, elapsed s); the stream must end within `bound_s`."""
@@ -182,13 +190,11 @@ def stream_and_kill(url: str, body: dict, kill, bound_s: float, after_tokens: in
     with httpx.Client(timeout=httpx.Timeout(bound_s)) as client:
         with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             assert r.status_code == 200
-            for event in sse_events(r.iter_lines()):
-                if event == "[DONE]":
+            for ids, error in stream_items(r.iter_lines()):
+                if error is not None:
+                    errors.append(error)
                     continue
-                if "error" in event:
-                    errors.append(event["error"])
-                    continue
-                tokens += event["choices"][0]["token_ids"]
+                tokens += ids
                 if len(tokens) >= after_tokens and not killed:
                     kill()
                     killed = True

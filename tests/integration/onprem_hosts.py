@@ -110,24 +110,28 @@ def check_prerequisites() -> None:
     run("ip", "netns", "del", probe, check=False)
 
 
-def free_subnet() -> int:
+def free_subnet(net: str, name: str) -> int:
     used = run("ip", "-4", "-o", "addr").stdout + run("ip", "-4", "route").stdout
     links = run("ip", "-o", "link").stdout
-    free = [n for n in range(1, 255) if f"10.213.{n}." not in used and f"kvo{n}" not in links]
+    free = [n for n in range(1, 255) if f"{net}.{n}." not in used and f"{name}{n}" not in links]
     if not free:
-        raise HostsUnavailable("no free 10.213.N.0/24 subnet")
+        raise HostsUnavailable(f"no free {net}.N.0/24 subnet")
     return random.choice(free)
 
 
 class Hosts:
-    """`count` hosts: ips[i] is 10.213.N.(i+1); the bridge (this side) is 10.213.N.254."""
+    """`count` hosts: ips[i] is {subnet}.N.(i+1); the bridge (this side) is {subnet}.N.254.
+    Each user of the class has its own `name` (of the links and namespaces) and `subnet`, so
+    two tests on one machine never meet."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, name: str = "kvo", subnet: str = "10.213"):
         self.keep = visible_paths()
-        self.net = free_subnet()
-        self.prefix = f"kvo{self.net}"
-        self.root = Path(tempfile.mkdtemp(prefix="kvo-", dir="/var/tmp"))   # /tmp is private on the hosts
-        self.ips = [f"10.213.{self.net}.{i + 1}" for i in range(count)]
+        self.subnet = subnet
+        self.net = free_subnet(subnet, name)
+        self.prefix = f"{name}{self.net}"
+        self.root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))   # /tmp is private on the hosts
+        self.ips = [f"{subnet}.{self.net}.{i + 1}" for i in range(count)]
+        self.gateway = f"{subnet}.{self.net}.254"
         self.bridge = f"{self.prefix}br"
         self.namespaces: list[str] = []
         self.inits: list[subprocess.Popen] = []
@@ -141,13 +145,21 @@ class Hosts:
         run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / "host_key"))
         (self.root / "host_init.py").write_text(HOST_INIT)
         run("ip", "link", "add", self.bridge, "type", "bridge")
-        run("ip", "addr", "add", f"10.213.{self.net}.254/24", "dev", self.bridge)
+        run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
         for i, ip in enumerate(self.ips):
             self._add_host(i, ip)
         for ip in self.ips:
             self._wait_for_ssh(ip)
         return self
+
+    def add_host(self) -> str:
+        """One more host on the bridge, after start() (a machine that joins late); its address."""
+        ip = f"{self.subnet}.{self.net}.{len(self.ips) + 1}"
+        self.ips.append(ip)
+        self._add_host(len(self.ips) - 1, ip)
+        self._wait_for_ssh(ip)
+        return ip
 
     def _add_host(self, i: int, ip: str) -> None:
         ns, outside, inside = f"{self.prefix}-{i}", f"{self.prefix}h{i}", f"{self.prefix}p{i}"
@@ -162,7 +174,7 @@ class Hosts:
         run("ip", "-n", ns, "link", "set", "lo", "up")
         # a default route only so that programs find their address (Ray asks the kernel which
         # source address would reach a public IP); this side does not forward, nothing leaves
-        run("ip", "-n", ns, "route", "add", "default", "via", f"10.213.{self.net}.254")
+        run("ip", "-n", ns, "route", "add", "default", "via", self.gateway)
         host = self.root / f"host{i}"
         (host / "home").mkdir(parents=True)
         config = host / "sshd_config"
@@ -212,6 +224,22 @@ class Hosts:
                 raise RuntimeError(f"host {ip} is not in its own PID namespace: PID 1 is {init!r}, "
                                    f"{len(seen)} processes visible")
 
+    # -- faults -----------------------------------------------------------------------
+    def namespace(self, ip: str) -> str:
+        return self.namespaces[self.ips.index(ip)]
+
+    def netns(self, ip: str, *command: str, check: bool = True) -> subprocess.CompletedProcess:
+        """A command (iptables, tc) in the host's network namespace only."""
+        return run("ip", "netns", "exec", self.namespace(ip), *command, check=check)
+
+    def kill(self, ip: str) -> None:
+        """SIGKILL every process of the host (its PID 1, and with it its PID namespace); the
+        network namespace stays, so the address answers with resets, like a machine whose
+        processes all crashed."""
+        proc = self.inits[self.ips.index(ip)]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
         # unshare ignores SIGTERM while it waits; once it dies, --kill-child kills the host's
@@ -221,7 +249,9 @@ class Hosts:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.inits:
             proc.wait()
-        for ns in self.namespaces:
+        for i, ns in enumerate(self.namespaces):
+            # the veth goes now: a namespace lives on after `del` while its kernel sockets do
+            run("ip", "link", "del", f"{self.prefix}h{i}", check=False)
             run("ip", "netns", "del", ns, check=False)
         run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -2,6 +2,8 @@
 moves the state slot with the blocks either way, and fails with one error type."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -108,3 +110,30 @@ def test_a_failed_load_raises_one_error_type_naming_the_cause():
     with pytest.raises(HandoffError, match="blocks"):
         wrong_count.load(dst, DST_BLOCKS, DST_SLOT)
     agent.close()
+
+
+def test_an_offer_past_its_readable_time_is_not_read_and_a_read_ends_before_it():
+    """Prefill frees a held cache once its offer's readable_until has passed: a READ then, or
+    one still running then, would read another request's cache as this one's."""
+    src, dst = random_cache(8), random_cache(9)
+    source = KVTransferAgent("test-expiry-prefill", src.all_tensors())
+    agent = KVTransferAgent("test-expiry-decode", dst.all_tensors())
+    nixl = NixlTransport(source, FP, timeout_s=5.0)
+    offer = nixl.offer(HeldKV("r1", SRC_BLOCKS, SRC_SLOT, 200, []), src)
+    assert 4.0 < offer.readable_until - time.time() <= 5.0
+    before = dst.gather(DST_BLOCKS, DST_SLOT)
+    expired = Offer(**{**offer.__dict__, "readable_until": time.time() - 0.1})
+    with pytest.raises(HandoffError, match="expired before the READ"):
+        transports(agent)["nixl"].load(expired, dst, DST_BLOCKS, DST_SLOT)
+    after = dst.gather(DST_BLOCKS, DST_SLOT)
+    assert all(torch.equal(before[k], after[k]) for k in before)       # nothing was read
+    transports(agent)["nixl"].load(offer, dst, DST_BLOCKS, DST_SLOT)
+    assert_moved(src, dst)
+    reads = []
+    agent.read = lambda remote, regions, notif, timeout_s: reads.append(timeout_s) or 0
+    soon = Offer(**{**offer.__dict__, "readable_until": time.time() + 3.0})
+    transports(agent)["nixl"]._read(soon, dst, DST_BLOCKS, DST_SLOT)
+    assert reads and reads[0] <= 3.0 - 1.0        # the READ's deadline falls before the source may free
+    agent.close()
+    source.close()
+

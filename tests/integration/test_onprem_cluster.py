@@ -234,7 +234,7 @@ def test_namespace_hosts_are_isolated_and_leave_nothing_behind():
         assert (h.shared / "shared").exists()
     finally:
         h.close()
-    names = (h.prefix + "-0", h.prefix + "-1", h.bridge)
+    names = (h.prefix + "-0", h.prefix + "-1", h.bridge, h.prefix + "h0", h.prefix + "h1")
     listed = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names[2:]) and not h.root.exists()
     assert not any(n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.kv_parts import BT, block_data, compute, make_parts, prompt_of, request
+from kvstore.kv_transport import TransferInFlight
 from workers.engine.kv_manager import NO_HIT, KVLoadError
 from workers.request import Resume
 
@@ -158,6 +159,29 @@ def test_a_handoff_that_fails_to_load_raises_and_holds_nothing():
         p.kv.allocate_slots(seq, 1, p.kv.get_computed_blocks(seq))
     assert isinstance(e.value.__cause__, OSError)
     assert seq.slot is None and seq.blocks == [] and p.pool.num_free == 8 and p.slots.num_free == 4
+
+
+def test_a_handoff_given_up_in_flight_keeps_its_blocks_and_slot_until_the_transfer_is_over():
+    """A timed-out NIXL READ still writes its bytes when a cut link heals: until then its
+    memory must not go to another request."""
+    p = make_parts(num_blocks=8)
+    seq = request(prompt_of(2))
+    over = []
+
+    def timed_out(cache, blocks, slot):
+        raise TransferInFlight("READ timed out", lambda: bool(over))
+
+    seq.resume = Resume(7, -0.5, timed_out)
+    with pytest.raises(KVLoadError, match="timed out"):
+        p.kv.allocate_slots(seq, 1, p.kv.get_computed_blocks(seq))
+    assert seq.slot is None and seq.blocks == []
+    taken = (p.pool.num_free, p.slots.num_free)
+    p.kv.reap_landing()
+    assert (p.pool.num_free, p.slots.num_free) == taken == (5, 3)     # 3 blocks + 1 slot still landing
+    assert p.kv.landing == 1
+    over.append(True)
+    p.kv.reap_landing()
+    assert (p.pool.num_free, p.slots.num_free) == (8, 4) and p.kv.landing == 0
 
 
 def test_a_hit_that_cannot_be_written_is_served_cold_in_fresh_blocks(monkeypatch):

@@ -25,6 +25,7 @@ from .engine import Engine
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
+LANDING_POLL_S = 0.5     # while a given-up transfer may still write memory: how often to look again
 
 
 class EngineDeadError(RuntimeError):
@@ -58,7 +59,9 @@ class AsyncEngine:
                 except Exception:   # one bad message must not stop the loop for everyone
                     log.exception("engine inbox message %r failed", kind)
             if not self.engine.has_unfinished():
-                self._wake.wait()       # every inbox write and shutdown sets it: no polling when idle
+                # every inbox write and shutdown sets it: no polling when idle, except while the
+                # memory of a handoff given up in flight waits for its transfer to end
+                self._wake.wait(LANDING_POLL_S if self.engine.reap_landing() else None)
                 self._wake.clear()
                 continue
             try:

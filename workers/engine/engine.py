@@ -207,6 +207,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def reap_landing(self) -> bool:
+        """Take back the memory of handoffs given up while their transfer was in flight, where
+        it is over (each step does this too); True while some is still out."""
+        self.kv.reap_landing()
+        return self.kv.landing > 0
+
     # ---- the step -------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
         """Run when a request holds its cache (restored, loaded from a handoff, or empty):

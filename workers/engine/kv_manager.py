@@ -6,6 +6,7 @@
     kv.allocate_slots(seq, 1)                     # a running sequence grows (False: out of blocks)
     kv.fork(parent, child)                        # n > 1: share full blocks, copy the rest
     kv.free(seq)
+    kv.reap_landing()                             # each step: memory of abandoned transfers comes back
 
 The scheduler sees only this (vLLM v1's `get_computed_blocks` + `allocate_slots`). Where a
 hit comes from is the prefix cache's business: it *finds* one across its tiers (device pool,
@@ -20,10 +21,11 @@ holds nothing: nothing else may allocate between it and the `allocate_slots` it 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors
+from kvstore.kv_transport import TransferInFlight
 from kvstore.state_slots import SlotPool
 from workers.request import Resume, Sequence
 from workers.reuse.prefix_cache import PrefixCache, Restore
@@ -50,6 +52,8 @@ class KVCacheManager:
     def __init__(self, cache: CacheTensors, blocks: BlockPool, slots: SlotPool, prefix: PrefixCache):
         self.cache, self.blocks, self.slots, self.prefix = cache, blocks, slots, prefix
         self.block_tokens = cache.layout.block_tokens
+        # (blocks, slot, settled) of loads given up while a transfer may still write them
+        self._landing: list[tuple[list[int], int, Callable[[], bool]]] = []
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -121,9 +125,30 @@ class KVCacheManager:
             # a NIXL READ writes rank 0's memory only: under TP the other ranks get the bytes
             self.cache.resync(blocks, seq.slot)
         except Exception as e:     # the transfer's failure, whatever its type, ends only this request
-            self.free(seq)
+            if isinstance(e, TransferInFlight):
+                self._landing.append((seq.blocks, seq.slot, e.settled))
+                seq.blocks, seq.slot, seq.hashed_blocks = [], None, 0
+            else:
+                self.free(seq)
             raise KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}") from e
         seq.num_computed = hit.num_tokens
+
+    @property
+    def landing(self) -> int:
+        """Loads given up whose transfer may still write their blocks (see reap_landing)."""
+        return len(self._landing)
+
+    def reap_landing(self) -> None:
+        """Give back the blocks and slot of each load that gave up while its bytes could still
+        land in them (TransferInFlight), once they cannot: until then nothing else may use them."""
+        landing, self._landing = self._landing, []
+        for blocks, slot, settled in landing:
+            if not settled():
+                self._landing.append((blocks, slot, settled))
+                continue
+            for b in blocks:
+                self.blocks.release(b)
+            self.slots.release(slot)
 
     def _go_cold(self, seq: Sequence, upto_tokens: int) -> None:
         """The hit could not be written: seq starts from scratch, in fresh blocks (shared

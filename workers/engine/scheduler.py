@@ -82,6 +82,7 @@ class Scheduler:
         return min(n, cut - start) if cut is not None and cut > start else n
 
     def schedule(self) -> Scheduled:
+        self.kv.reap_landing()
         budget = self.max_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         failed: list[tuple[Sequence, KVLoadError]] = []
