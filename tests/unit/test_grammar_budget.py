@@ -61,7 +61,11 @@ def test_a_compile_over_its_budget_is_stopped_and_the_engine_serves_on(model_dir
 
 
 def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_dir):
-    engine = AsyncEngine(engine=tiny_engine(model_dir, NAME, grammar_compile_timeout_s=3.0))
+    # 1,000 properties compile for well over the 3 s budget on any machine (500 took 2-4 s,
+    # depending on load), so the time budget, not the machine's speed, ends the compile; the
+    # memory budget is raised so it cannot end it first
+    engine = AsyncEngine(engine=tiny_engine(model_dir, NAME, grammar_compile_timeout_s=3.0,
+                                            grammar_compile_memory_bytes="8GiB"))
     engine.engine.guides.compile(("json_schema", json.dumps(SMALL)))      # the compiler process is up
 
     async def run(rid: str, params: SamplingParams) -> float:
@@ -71,7 +75,7 @@ def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_di
         return time.monotonic()
 
     async def both():
-        slow = asyncio.create_task(run("wide", guided(wide(500))))
+        slow = asyncio.create_task(run("wide", guided(wide(1000))))
         await asyncio.sleep(0.2)
         plain = [await run(f"plain-{i}", GREEDY) for i in range(3)]
         with pytest.raises(InvalidRequestError, match="time budget"):
