@@ -38,7 +38,7 @@ class _Worker:
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         pool = getattr(config, self.POOL)
         self.launcher = None
-        if pool.tensor_parallel_size > 1:     # ranks 1..N-1: actors in this replica's placement group
+        if pool.ranks > 1:     # ranks 1..N-1 (TP or DP): actors in this replica's placement group
             from .ranks import RayRankLauncher
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
         engine_config = config.pool_engine(pool, self.worker_id)

@@ -1,6 +1,6 @@
 """AsyncEngine: the engine loop on a background thread, results as async streams.
 
-    engine = AsyncEngine(EngineConfig())
+    engine = AsyncEngine(EngineConfig())       # data_parallel_size > 1: over a DataParallelEngine
     async for out in engine.generate("r1", "hello", SamplingParams()):
         print(out.new_token_ids)
 
@@ -21,6 +21,7 @@ from workers.parallel.replica import RankLauncher
 from workers.request import HeldKV, RequestOutput, Resume
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
+from .data_parallel import DataParallelEngine, open_engine
 from .engine import Engine
 from .stats import EngineStats
 
@@ -33,9 +34,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | None = None,
+    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | DataParallelEngine | None = None,
                  launcher: RankLauncher | None = None):
-        self.engine = engine or Engine(config, launcher)     # launcher: tensor_parallel_size > 1 ranks
+        self.engine = engine or open_engine(config, launcher)    # launcher: ranks 1..N-1 (TP or DP)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -192,8 +193,13 @@ class AsyncEngine:
         return self._dead
 
     def stats(self) -> EngineStats:
-        """Engine, memory, reuse and store counters (read without stopping the loop)."""
+        """Engine, memory, reuse and store counters (read without stopping the loop); a
+        data-parallel engine's summed over its ranks."""
         return self.engine.stats()
+
+    def rank_stats(self) -> list[EngineStats]:
+        """Each rank's stats, in rank order (one entry unless data-parallel)."""
+        return list(getattr(self.engine, "rank_stats", [self.engine.stats()]))
 
     def shutdown(self) -> None:
         """Stop the loop, then flush the engine's write-behind persistence and close its index."""
