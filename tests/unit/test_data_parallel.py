@@ -19,7 +19,7 @@ from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.sharding import check_sizes
 from workers.model.args import ConfigError, ModelArgs
 from workers.model.quant import QuantExperts
-from workers.sampling.params import SamplingParams
+from workers.sampling.params import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
@@ -112,6 +112,16 @@ def test_a_repeated_prompt_goes_to_the_rank_that_holds_it_and_forks_stay_on_one_
     assert outs["p2"].cached_tokens > 0 and outs["p2"].token_ids == outs["p1"].token_ids
     forks = engine.generate(prompts(name)["B"][:1], FORKS)
     assert [o.token_ids for o in forks] == [r.token_ids for r in refs["forks"]]
+
+
+def test_a_rank_hint_is_honoured_and_checked(dp2):
+    """The serving path's hint (the ingress saw that rank hold the prefix) overrides the front's choice."""
+    *_, refs, _, engine = dp2
+    prompt = prompts(dp2[1])["idle"][0]
+    assert engine.add_request("hinted", prompt, GREEDY, rank=1) == 1        # idle ranks: the front would take 0
+    assert_same_outputs([o for o in _run(engine) if o.finished], refs["idle"])
+    with pytest.raises(InvalidRequestError, match="rank 2: this engine has data-parallel ranks 0..1"):
+        engine.add_request("bad", prompt, GREEDY, rank=2)
 
 
 def _run(engine) -> list:

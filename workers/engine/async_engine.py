@@ -146,11 +146,12 @@ class AsyncEngine:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                       hold_kv: bool = False, resume: Resume | None = None, batched: bool = False
-                       ) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False, resume: Resume | None = None, batched: bool = False,
+                       rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token (n > 1: of each sequence, `index` says which);
         the last has all_finished=True. `batched`: yield lists of every output ready (one step of
-        n sequences travels as one item). Validation
+        n sequences travels as one item). `rank`: a data-parallel engine runs the request on
+        this rank (None: its front routes it; ignored without data parallelism). Validation
         errors (InvalidRequestError) are raised from the first iteration."""
         if self._dead:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
@@ -161,8 +162,11 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.guides.compile, params.guide)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        kw = {"hold_kv": hold_kv, "resume": resume}
+        if rank is not None and isinstance(self.engine, DataParallelEngine):
+            kw["rank"] = rank
         with self._lock:
-            self._inbox.append(("add", request_id, prompt, params, {"hold_kv": hold_kv, "resume": resume}))
+            self._inbox.append(("add", request_id, prompt, params, kw))
         self._wake.set()
         finished = False
         try:

@@ -147,9 +147,10 @@ class DataParallelEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    hold_kv: bool = False, resume=None) -> int:
-        """Queue a request on the rank `route` picks; returns that rank. It starts there on
-        the next step. Handoffs (hold_kv, resume) are not built for data-parallel engines."""
+                    hold_kv: bool = False, resume=None, rank: int | None = None) -> int:
+        """Queue a request on `rank` (the ingress saw that rank hold its prefix), else on the rank
+        `route` picks; returns that rank. It starts there on the next step. Handoffs (hold_kv,
+        resume) are not built for data-parallel engines."""
         if hold_kv or resume is not None:
             raise ConfigError(f"data_parallel_size={self.size}: KV handoffs (prefill / decode roles) are not "
                               f"built for data-parallel engines yet")
@@ -158,7 +159,9 @@ class DataParallelEngine:
         ids = self.local.prepare(prompt, params)
         if params.guide:
             self.local.guides.guide(params.guide)        # a bad schema is a 400 here, not on a rank
-        rank = self.route(ids)
+        if rank is not None and not 0 <= rank < self.size:
+            raise InvalidRequestError(f"rank {rank}: this engine has data-parallel ranks 0..{self.size - 1}")
+        rank = self.route(ids) if rank is None else rank
         self.new[rank].append(NewRequest(request_id, ids, params))
         self.where[request_id] = rank
         self.loads[rank] += params.n
