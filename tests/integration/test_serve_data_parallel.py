@@ -20,7 +20,7 @@ from ray import serve
 from ray.util.placement_group import placement_group_table
 
 from cluster.locator import PrefixLocator
-from tests.helpers import (BLOCK_TOKENS, assert_clean_end, assert_same_run, random_prompt, stream_and_kill,
+from tests.helpers import (BLOCK_TOKENS, assert_clean_end, assert_same_run, random_prompt, sse_events, stream_and_kill,
                            tiny_engine, write_tiny_checkpoint)
 from tests.integration.chaos_cluster import scrape
 from tests.local_serve import LocalServe, small_config
@@ -31,6 +31,7 @@ BT = BLOCK_TOKENS[NAME]
 DP2 = {"data_parallel_size": 2, "enable_expert_parallel": True, "num_cpus": 0.25}
 KILL_BOUND_S = 90.0          # the client hears the end of its stream within this
 RECOVER_BOUND_S = 120.0      # the pool serves again within this after a rank died
+LONG = 160                   # tokens of a request that must still run while another arrives
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +99,29 @@ def test_each_dp2_replica_packs_its_ranks_in_one_placement_group(url):
 
 def test_concurrent_prompts_take_different_ranks_and_a_repeat_goes_to_the_rank_that_holds_it(url, offline, redis_server):
     prompts = [random_prompt(6 * BT + 1, seed=101), random_prompt(7 * BT + 5, seed=102)]   # lengths tell them apart
+    lengths = (LONG, 40)
     before = per_rank(url, "prompt_tokens")
-    answers: list = [None, None]
+    started, streamed = threading.Event(), []
 
-    def run(i):
-        answers[i] = complete(url, prompts[i], 40)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    def stream_first():             # still running (LONG tokens) when the second prompt arrives
+        body = {"prompt": prompts[0], "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for event in sse_events(r.iter_lines()):
+                if event != "[DONE]" and event["choices"]:
+                    streamed.extend(event["choices"][0]["token_ids"])
+                    started.set()
+    first = threading.Thread(target=stream_first)
+    first.start()
+    assert started.wait(60)
+    answers = [None, complete(url, prompts[1], lengths[1])]
+    first.join()
+    answers[0] = {"choices": [{"token_ids": streamed}]}
     took = {r: v - before.get(r, 0) for r, v in per_rank(url, "prompt_tokens").items()}
     assert sorted(took.values()) == sorted(map(len, prompts)), took          # one prompt on each rank
-    for prompt, answer in zip(prompts, answers):
-        assert answer["choices"][0]["token_ids"] == greedy(offline, prompt, 40).token_ids
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for prompt, answer, n in zip(prompts, answers, lengths):
+        assert answer["choices"][0]["token_ids"] == greedy(offline, prompt, n).token_ids
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     info = serve.get_deployment_handle("Colocated", "dp").info.remote().result()
     locator = PrefixLocator(redis_server)          # what the ingress reads: each rank a location of its own
     locator.configure(info["fingerprint"], BT, info["index_namespace"])
@@ -122,7 +131,7 @@ def test_concurrent_prompts_take_different_ranks_and_a_repeat_goes_to_the_rank_t
         hits = per_rank(url, "prefix_hit_tokens", tier="device")
         again = complete(url, prompt, 40)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BT
-        assert again["choices"][0]["token_ids"] == answer["choices"][0]["token_ids"]
+        assert again["choices"][0]["token_ids"] == answer["choices"][0]["token_ids"][:40]
         gained = {r: v - hits.get(r, 0) for r, v in per_rank(url, "prefix_hit_tokens", tier="device").items()}
         assert gained[rank] >= 6 * BT and all(v == 0 for r, v in gained.items() if r != rank), gained
 
