@@ -120,8 +120,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 # ---- kvmesh ------------------------------------------------------------------------------------
 def preemptions(engine) -> int:
     """The engine's preemptions so far (a data-parallel engine: all ranks', as of its last step)."""
-    stats = engine.stats()
-    return sum(s.preemptions for s in stats) if isinstance(stats, list) else stats.preemptions
+    return engine.stats().preemptions
 
 
 def run_kvmesh(engine: Engine, prompts: list[list[int]], max_tokens: int, on_step=None

@@ -2,7 +2,8 @@
 
     mode: disaggregated | colocated
     engine:    what every worker runs: workers.engine_config.EngineConfig's fields
-    prefill / decode / colocated:  one pool each (replicas or autoscaling, resources,
+    prefill / decode / colocated:  one pool each (replicas or autoscaling, resources, parallel
+               sizes — tensor_parallel_size or data_parallel_size, enable_expert_parallel —
                `engine` overrides for that pool)
     ingress:   the OpenAI front end
     handoff:   prefill -> decode transport (nixl, or ray objects)
@@ -156,6 +157,10 @@ class PoolConfig(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "devices per replica: the replica plus N-1 rank actors, each with num_cpus / num_gpus / resources, "
         "packed on one node (one placement group per replica)"))
+    data_parallel_size: int = Field(1, ge=1, description=(
+        "data-parallel attention ranks per replica: N whole attention engines (the replica plus N-1 rank "
+        "actors, one bundle each, packed on one node), routed experts split across them; needs "
+        "enable_expert_parallel; colocated pools only for now"))
     enable_expert_parallel: bool = Field(False, description="split the routed experts whole across the ranks")
 
     @model_validator(mode="before")
@@ -168,10 +173,16 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _rank_bundles(self):
-        if self.tensor_parallel_size > 1 and not self.rank_bundle():
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} places one rank per bundle: "
+        if self.ranks > 1 and not self.rank_bundle():
+            key = "tensor_parallel_size" if self.tensor_parallel_size > 1 else "data_parallel_size"
+            raise ValueError(f"{key} {getattr(self, key)} places one rank per bundle: "
                              "give the pool num_cpus, num_gpus or resources > 0 so a bundle is not empty")
         return self
+
+    @property
+    def ranks(self) -> int:
+        """Processes per replica: tensor_parallel_size x data_parallel_size (one of them is 1)."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     def rank_bundle(self) -> dict[str, float]:
         """What one rank (the replica itself for rank 0) reserves in the replica's placement group."""
@@ -184,8 +195,8 @@ class PoolConfig(_Strict):
             max_queued_requests=self.max_queued_requests,
             ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                "resources": dict(self.resources)})
-        if self.tensor_parallel_size > 1:     # bundle 0 is the replica (rank 0), 1..N-1 its rank actors
-            opts["placement_group_bundles"] = [self.rank_bundle() for _ in range(self.tensor_parallel_size)]
+        if self.ranks > 1:     # bundle 0 is the replica (rank 0), 1..N-1 its rank actors
+            opts["placement_group_bundles"] = [self.rank_bundle() for _ in range(self.ranks)]
             opts["placement_group_strategy"] = "STRICT_PACK"
         if self.autoscaling:
             opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
@@ -245,6 +256,20 @@ class ServeConfig(_Strict):
                 self.pool_engine(getattr(self, name))
             except ValidationError as e:
                 raise ValueError(f"{name}.engine: {e.errors()[0]['msg']}") from None
+            except ConfigError as e:        # the pool's parallel sizes, as the engine checks them
+                raise ValueError(f"{name}: {e}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _no_data_parallel_handoffs(self):
+        """A data-parallel prefill or decode pool would need KV handoffs from / to DP ranks (not built)."""
+        if self.mode == "disaggregated":
+            for name in ("prefill", "decode"):
+                size = getattr(self, name).data_parallel_size
+                if size > 1:
+                    raise ValueError(f"{name}.data_parallel_size {size}: a data-parallel {name} pool is not built "
+                                     "yet (KV handoffs from or to data-parallel ranks); serve data-parallel with "
+                                     "mode: colocated, or use tensor_parallel_size for this pool")
         return self
 
     def pool_engine(self, pool: PoolConfig, worker_id: str | None = None) -> EngineConfig:
@@ -254,29 +279,35 @@ class ServeConfig(_Strict):
         if changed:
             engine = EngineSettings.model_validate({**engine.model_dump(), **changed})
         config = engine.engine_config(worker_id)
-        if pool.tensor_parallel_size > 1 or pool.enable_expert_parallel:
+        if pool.ranks > 1 or pool.enable_expert_parallel:
             config = dataclasses.replace(config, tensor_parallel_size=pool.tensor_parallel_size,
+                                         data_parallel_size=pool.data_parallel_size,
                                          enable_expert_parallel=pool.enable_expert_parallel)
         return config
 
 
 def check_parallel_sizes(config: ServeConfig) -> None:
-    """A pool whose tensor_parallel_size cannot split the model fails here, before anything is
-    deployed, when the checkpoint's config.json is readable where the app is built (else the
-    replica fails at start-up with the same message)."""
+    """A pool whose tensor_parallel_size or data_parallel_size cannot split the model fails here,
+    before anything is deployed, when the checkpoint's config.json is readable where the app is
+    built (else the replica fails at start-up with the same message)."""
     from workers.checkpoint.default_model import default_model_dir
     path = Path(config.engine.model or default_model_dir()) / "config.json"
     pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
     sized = [(name, getattr(config, name)) for name in pools]
-    if not path.is_file() or all(p.tensor_parallel_size == 1 for _, p in sized):
+    if not path.is_file() or all(p.ranks == 1 for _, p in sized):
         return
     from workers.checkpoint.sharding import check_sizes
-    from workers.model.args import ConfigError, ModelArgs
+    from workers.engine.data_parallel import check_dp_sizes
+    from workers.model.args import ModelArgs
     for name, pool in sized:
         try:
-            check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
+            if pool.data_parallel_size > 1:
+                check_dp_sizes(ModelArgs.from_file(path), pool.data_parallel_size)
+            else:
+                check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
         except ConfigError as e:
-            raise ConfigFileError(f"{name}.tensor_parallel_size: {e}") from None
+            key = "data_parallel_size" if pool.data_parallel_size > 1 else "tensor_parallel_size"
+            raise ConfigFileError(f"{name}.{key}: {e}") from None
 
 
 def read_config_file(path: str | os.PathLike | None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class WorkerStats:
     ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
     fallbacks: int = 0
     held_timeouts: int = 0          # prefill: held caches released because decode never read them
+    ranks: tuple = ()               # data-parallel: each rank's EngineStats.as_dict(), in rank order
 
 
 @dataclass(frozen=True)

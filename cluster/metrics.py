@@ -18,6 +18,10 @@ so its dashboards translate:
 | kvmesh:e2e_request_latency_seconds          | vllm:e2e_request_latency_seconds       |
 | kvmesh:request_prompt_tokens / _generation_ | vllm:request_prompt_tokens / _generation_tokens |
 | kvmesh_prompt_tokens_total / _generated_... | vllm:prompt_tokens / generation_tokens |
+
+A data-parallel replica reports its ranks summed in the series above, and each rank on its
+own as `kvmesh_rank_<name>{pool, worker, rank}` (every numeric engine counter, and
+`kvmesh_rank_prefix_hit_tokens{..., tier}`): which rank holds what, and how loaded each is.
 """
 from __future__ import annotations
 
@@ -65,19 +69,19 @@ class WorkerSnapshots:
     def collect(self):
         workers = list(self.latest.values())
         yield from self._vllm_named(workers)
-        rows: dict[str, list[tuple[list[str], float]]] = {}
-        for w in workers:
-            values = {**w.engine, "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes, "fallbacks": w.fallbacks,
-                      "held_timeouts": w.held_timeouts}
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    rows.setdefault(key, []).append(([w.pool, w.worker_id], float(value)))
-        for key, samples in sorted(rows.items()):
-            g = GaugeMetricFamily(f"kvmesh_worker_{key}", f"worker counter {key} (read at scrape)",
-                                  labels=["pool", "worker"])
-            for labels, value in samples:
-                g.add_metric(labels, value)
-            yield g
+        yield from _numeric_gauges("kvmesh_worker_", "worker counter", ["pool", "worker"], [
+            ([w.pool, w.worker_id], {**w.engine, "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes,
+                                     "fallbacks": w.fallbacks, "held_timeouts": w.held_timeouts}) for w in workers])
+        ranks = [([w.pool, w.worker_id, str(r)], engine) for w in workers for r, engine in enumerate(w.ranks)]
+        if not ranks:
+            return
+        yield from _numeric_gauges("kvmesh_rank_", "data-parallel rank counter", ["pool", "worker", "rank"], ranks)
+        hits = GaugeMetricFamily("kvmesh_rank_prefix_hit_tokens", "prompt tokens a data-parallel rank restored, "
+                                 "by tier", labels=["pool", "worker", "rank", "tier"])
+        for ids, engine in ranks:
+            for tier, n in (engine.get("prefix_hit_tokens") or {}).items():
+                hits.add_metric(ids + [tier], float(n))
+        yield hits
 
     @staticmethod
     def _vllm_named(workers: list[WorkerStats]):
@@ -112,6 +116,20 @@ class WorkerSnapshots:
             if q:
                 queue.add_metric(ids, [(_le(b), float(c)) for b, c in q["buckets"]], q["sum"])
         yield from (queries, hits, store, nixl, queue)
+
+
+def _numeric_gauges(prefix: str, doc: str, labels: list[str], sources: list[tuple[list[str], dict]]):
+    """One gauge family `{prefix}{key}` per numeric key of the sources' maps, a sample per source."""
+    rows: dict[str, list[tuple[list[str], float]]] = {}
+    for ids, values in sources:
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                rows.setdefault(key, []).append((ids, float(value)))
+    for key, samples in sorted(rows.items()):
+        g = GaugeMetricFamily(f"{prefix}{key}", f"{doc} {key} (read at scrape)", labels=labels)
+        for ids, value in samples:
+            g.add_metric(ids, value)
+        yield g
 
 
 def _le(bound: float) -> str:

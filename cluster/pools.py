@@ -24,6 +24,7 @@ from workers.request import Resume
 
 from .config import ServeConfig
 from .messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
+from .routing import NO_HINT, rank_hint
 from .transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class _Worker:
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         pool = getattr(config, self.POOL)
         self.launcher = None
-        if pool.tensor_parallel_size > 1:     # ranks 1..N-1: actors in this replica's placement group
+        if pool.ranks > 1:     # ranks 1..N-1 (TP or DP): actors in this replica's placement group
             from .ranks import RayRankLauncher
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
         engine_config = config.pool_engine(pool, self.worker_id)
@@ -62,7 +63,7 @@ class _Worker:
 
     def record_routing_stats(self) -> dict:
         s = self.engine.stats()
-        return {"load": s.load, "free_kv": s.free_kv}
+        return {"load": s.load, "free_kv": s.free_kv, "rank_loads": [r.load for r in self.engine.rank_stats()]}
 
     def check_health(self) -> None:
         if self.engine.dead is not None:
@@ -71,8 +72,11 @@ class _Worker:
             self.launcher.check()
 
     def stats(self, hint: RouteHint | None = None) -> WorkerStats:
-        """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`)."""
-        return WorkerStats(self.POOL, self.worker_id, self.engine.stats().as_dict(), **self.counters)
+        """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`); a
+        data-parallel replica's summed over its ranks, and each rank's in `ranks`."""
+        ranks = self.engine.rank_stats()
+        return WorkerStats(self.POOL, self.worker_id, self.engine.stats().as_dict(), **self.counters,
+                           ranks=tuple(r.as_dict() for r in ranks) if len(ranks) > 1 else ())
 
     def _chunks(self, outs, transfer=None):
         """One Chunk, or a list of them when a step produced several (n > 1): one stream item."""
@@ -91,7 +95,8 @@ class Colocated(_Worker):
     POOL = "colocated"
 
     async def generate(self, req: GenRequest, hint: RouteHint | None = None):
-        async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True):
+        rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
+        async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True, rank=rank):
             yield self._chunks(outs)
 
 

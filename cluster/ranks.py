@@ -1,9 +1,12 @@
-"""The ranks of a tensor-parallel replica as Ray actors in the replica's own placement group.
+"""The ranks of a tensor- or data-parallel replica as Ray actors in the replica's own placement group.
 
     Serve replica = rank 0 (bundle 0): scheduler + engine; hosts the process group on its node IP
-      ├─ _Rank actor, bundle 1: run_rank(1, N, init_method, config)   (blocks until shutdown)
+      ├─ _Rank actor, bundle 1: main(1, N, init_method, config)   (blocks until shutdown)
       └─ ...           bundle N-1
     placement group: N bundles (PoolConfig.rank_bundle), STRICT_PACK: one node
+
+`main` is what each rank runs: `run_rank` (a tensor-parallel follower) unless the engine's builder
+sets another, as `DataParallelEngine` does (`run_dp_rank`: a whole attention engine per rank).
 
 `RayRankLauncher` is the engine's `RankLauncher` (workers/parallel/replica.py). The rank actors are
 owned by the replica, so they die with it; a rank that dies on its own ends its `run` call,
@@ -28,15 +31,15 @@ CHECK_PERIOD_S = 0.25    # `check` runs before every step; a dead rank also fail
 
 
 class NoPlacementGroup(RuntimeError):
-    """A tensor-parallel replica was started outside a placement group with a bundle per rank."""
+    """A tensor- or data-parallel replica was started outside a placement group with a bundle per rank."""
 
 
 @ray.remote(max_restarts=0)
 class _Rank:
     """One rank r > 0 of a replica: `run` is the rank's whole life."""
 
-    def run(self, rank: int, world_size: int, init_method: str, config) -> None:
-        run_rank(rank, world_size, init_method, config)
+    def run(self, main, rank: int, world_size: int, init_method: str, config) -> None:
+        main(rank, world_size, init_method, config)
 
 
 class RayRankLauncher:
@@ -44,7 +47,7 @@ class RayRankLauncher:
     rank r's actor is named `{name}:{r}` (`ray list actors` shows whose rank it is)."""
 
     def __init__(self, bundle: dict[str, float], name: str):
-        self.bundle, self.name = dict(bundle), name
+        self.bundle, self.name, self.main = dict(bundle), name, run_rank
         self.host = ray.util.get_node_ip_address()
         self.actors: list = []
         self.runs: list = []
@@ -55,7 +58,7 @@ class RayRankLauncher:
         if pg is None or len(pg.bundle_specs) < world_size:
             have = 0 if pg is None else len(pg.bundle_specs)
             raise NoPlacementGroup(
-                f"tensor_parallel_size {world_size} needs the replica in a placement group of {world_size} "
+                f"{world_size} ranks need the replica in a placement group of {world_size} "
                 f"bundles (one per rank); it has {have}: deploy the pool through cluster.app "
                 "(PoolConfig.deployment_options sets placement_group_bundles)")
         b = self.bundle
@@ -65,7 +68,7 @@ class RayRankLauncher:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             actor = _Rank.options(scheduling_strategy=strategy, name=f"{self.name}:{rank}", **options).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(rank, world_size, init_method, config))
+            self.runs.append(actor.run.remote(self.main, rank, world_size, init_method, config))
 
     def check(self) -> None:
         """RankFailed if a rank's `run` ended: it died, raised, or returned before `stop`."""

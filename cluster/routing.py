@@ -7,7 +7,14 @@ hint pins a follow-up call to the replica that holds the request's state.
 
 A worker id is its Serve replica's unique id, so identity needs no stats round trip;
 load and free KV come from each replica's `record_routing_stats()`:
-    {"load": running + waiting requests, "free_kv": free fraction of blocks and slots}
+    {"load": running + waiting requests, "free_kv": free fraction of blocks and slots,
+     "rank_loads": each data-parallel rank's running + waiting (one entry without DP)}
+
+Data-parallel replicas: each rank is a cache location of its own in the index,
+`{worker_id}/dp{rank}` (workers/engine/dp_rank.py). The router scores a replica by the most
+blocks any of its ranks holds; the chosen replica reads the same hint and hands its front
+the rank that holds the most (`rank_hint`), or none, and the front routes by its own view
+(longest prefix in a rank's device pool, else the least loaded rank).
 """
 from __future__ import annotations
 
@@ -18,6 +25,32 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from .messages import RouteHint
 
 NO_HINT = RouteHint()
+RANK_MARK = "/dp"          # "{worker_id}/dp{rank}": a data-parallel rank's name in the prefix index
+
+
+def location(holder: str) -> tuple[str, int | None]:
+    """A prefix-index memory holder -> (worker id, data-parallel rank; None: the whole replica)."""
+    worker, mark, rank = holder.rpartition(RANK_MARK)
+    return (worker, int(rank)) if mark and rank.isdigit() else (holder, None)
+
+
+def replica_blocks(prefix_blocks: dict[str, int]) -> dict[str, int]:
+    """Worker id -> the most leading prompt blocks it (any of its ranks) holds in memory."""
+    out: dict[str, int] = {}
+    for holder, n in prefix_blocks.items():
+        worker = location(holder)[0]
+        out[worker] = max(out.get(worker, 0), n)
+    return out
+
+
+def rank_hint(hint: RouteHint, worker_id: str) -> int | None:
+    """The rank of `worker_id` that alone holds the longest prefix in memory; None when no rank
+    holds any, or several hold as much (the front then breaks the tie by load)."""
+    held = {r: n for holder, n in hint.prefix_blocks.items() if n > 0
+            for w, r in [location(holder)] if w == worker_id and r is not None}
+    best = max(held.values(), default=0)
+    top = [r for r, n in held.items() if n == best]
+    return top[0] if len(top) == 1 else None
 
 
 def route_hint(pending: PendingRequest | None) -> RouteHint:
@@ -34,10 +67,11 @@ def rank_replicas(replicas: list[tuple[str, float, float]], hint: RouteHint, kv_
     """Order (worker_id, load, free_kv) best first: longest in-memory prefix, then the
     lowest load + kv_weight * used KV fraction; equal scores in random order."""
     shuffled = random.sample(replicas, len(replicas))
+    blocks = replica_blocks(hint.prefix_blocks)
 
     def key(r):
         wid, load, free_kv = r
-        return (-hint.prefix_blocks.get(wid, 0), load + kv_weight * (1.0 - free_kv))
+        return (-blocks.get(wid, 0), load + kv_weight * (1.0 - free_kv))
     return [wid for wid, _, _ in sorted(shuffled, key=key)]
 
 

@@ -2,15 +2,16 @@
 
     kvmesh serve --tensor-parallel-size 2 --enable-expert-parallel --kv-cache-dtype fp8 \\
                  --max-model-len 65536 --max-num-seqs 32 --decode-max-num-seqs 128 --served-model-name v4
+    kvmesh serve --mode colocated --data-parallel-size 2 --enable-expert-parallel
 
 A plain flag sets every pool the mode runs (prefill and decode, or the colocated pool); its
 `--prefill-*` / `--decode-*` form sets one pool and wins over the plain flag there. Each flag
 becomes one config key (`prefill.tensor_parallel_size`, `decode.engine.max_num_seqs`,
-`engine.kv_cache_dtype`, `ingress.model_name`) and never silently overrides the config file:
-where the file sets that key (or the `engine` key a pool inherits) to another value, it is an
-error naming both. `--data-parallel-size` above 1 is refused: data-parallel attention is built
-offline (`kvmesh generate --data-parallel-size N --enable-expert-parallel`) but not for serving
-yet, and a size that is accepted but ignored would plan a deployment that is not there.
+`engine.kv_cache_dtype`, `ingress.model_name`, `colocated.data_parallel_size`) and never silently
+overrides the config file: where the file sets that key (or the `engine` key a pool inherits) to
+another value, it is an error naming both. `--data-parallel-size` N > 1 serves the colocated
+pool data-parallel (it needs `--enable-expert-parallel`); a data-parallel prefill or decode pool
+is refused by the config (KV handoffs from data-parallel ranks are not built yet).
 """
 from __future__ import annotations
 
@@ -23,15 +24,14 @@ from workers.engine_config import EngineConfig
 from .config import ConfigFileError, IngressConfig, PoolConfig
 
 POOLS = ("prefill", "decode")
-POOL_KEYS = ("tensor_parallel_size", "enable_expert_parallel")         # PoolConfig's: they size the placement group
+# PoolConfig's: they size the placement group
+POOL_KEYS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")
 PER_POOL_ENGINE_KEYS = ("max_model_len", "max_num_seqs")               # EngineConfig's, a pool may differ
 SHARED_ENGINE_KEYS = ("kv_cache_dtype",)    # part of the cache layout: prefill and decode must agree to hand off
-DP_FLAG = "data_parallel_size"
 
 
 class ServeFlagError(ConfigFileError):
-    """A serve flag disagrees with the config file, names a pool the mode does not run, or asks for
-    what is not built."""
+    """A serve flag disagrees with the config file or names a pool the mode does not run."""
 
 
 def _flag(name: str, pool: str | None = None) -> str:
@@ -59,10 +59,6 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                                help=text)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=IngressConfig.model_fields["model_name"].description + " (config key ingress.model_name)")
-    for pool in (None,) + POOLS:
-        p.add_argument(_flag(DP_FLAG, pool), type=int, default=None, metavar="N",
-                       help="data-parallel attention: not built for serving yet, any N > 1 is refused "
-                            "(offline: kvmesh generate --data-parallel-size N --enable-expert-parallel)")
 
 
 def _config_key(name: str, pool: str) -> str:
@@ -91,23 +87,9 @@ def _agree(flag: str, value: Any, data: dict[str, Any], keys: list[str], source:
             return
 
 
-def refuse_data_parallel(args: argparse.Namespace) -> None:
-    for pool in (None,) + POOLS:
-        size = getattr(args, (f"{pool}_" if pool else "") + DP_FLAG, None)
-        if size is not None and size < 1:
-            raise ServeFlagError(f"{_flag(DP_FLAG, pool)} {size}: must be >= 1")
-        if size is not None and size > 1:
-            raise ServeFlagError(
-                f"{_flag(DP_FLAG, pool)} {size}: data-parallel attention is not built yet for serving in "
-                "kvmesh (offline it is: kvmesh generate --data-parallel-size N --enable-expert-parallel); "
-                "serve with --tensor-parallel-size N [--enable-expert-parallel] (every rank holds the whole "
-                "cache), and see `kvmesh plan` for what DP would hold")
-
-
 def flag_overrides(args: argparse.Namespace, data: dict[str, Any], source: str) -> dict[str, Any]:
     """`load_config`'s dotted overrides for the vLLM flags given in `args`. `data` is the config
     file's tree (`read_config_file`), read to refuse a flag that disagrees with it."""
-    refuse_data_parallel(args)
     mode = args.mode or data.get("mode") or "disaggregated"
     pools = ("colocated",) if mode == "colocated" else POOLS
     out: dict[str, Any] = {}

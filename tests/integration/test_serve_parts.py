@@ -7,7 +7,7 @@ import pytest
 from cluster.api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from cluster.dispatch import continuation
 from cluster.messages import GenRequest, RouteHint
-from cluster.routing import rank_replicas
+from cluster.routing import location, rank_hint, rank_replicas
 from cluster.text import Detokenizer, plain_chat_prompt, render_chat
 from workers.checkpoint.tokenizer import ByteTokenizer
 from workers.sampling.params import SamplingParams
@@ -66,6 +66,16 @@ def test_longest_in_memory_prefix_wins_then_load_then_free_kv():
     assert rank_replicas(replicas, RouteHint(prefix_blocks={"a": 3, "c": 1}), 1.0) == ["a", "c", "b"]
     assert rank_replicas(replicas, RouteHint(), 1.0) == ["b", "a", "c"]      # c: little free KV
     assert rank_replicas(replicas, RouteHint(), 0.0)[-1] == "a"              # load alone
+
+
+def test_a_data_parallel_rank_is_a_cache_location_of_its_replica():
+    replicas = [("a", 0.0, 1.0), ("b", 0.0, 1.0)]
+    hint = RouteHint(prefix_blocks={"a/dp0": 1, "b/dp1": 4, "b/dp0": 2})
+    assert rank_replicas(replicas, hint, 1.0) == ["b", "a"]                  # b's best rank holds the most
+    assert (rank_hint(hint, "b"), rank_hint(hint, "a"), rank_hint(hint, "c")) == (1, 0, None)
+    assert rank_hint(RouteHint(prefix_blocks={"b/dp0": 3, "b/dp1": 3}), "b") is None   # a tie: the front decides
+    assert rank_hint(RouteHint(prefix_blocks={"b": 3}), "b") is None         # not data-parallel
+    assert location("x/y/dp12") == ("x/y", 12) and location("w") == ("w", None)
 
 
 def test_retry_continues_after_the_tokens_already_sent():

@@ -188,6 +188,10 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
     assert "placement_group_bundles" not in config.prefill.deployment_options("prefill")
     colocated = serve_config(serve_args("--mode", "colocated", "--max-num-seqs", "4"))
     assert colocated.pool_engine(colocated.colocated).max_num_seqs == 4
+    dp = serve_config(serve_args("--mode", "colocated", "--data-parallel-size", "2", "--enable-expert-parallel"))
+    engine = dp.pool_engine(dp.colocated)
+    assert (engine.data_parallel_size, engine.enable_expert_parallel, engine.tensor_parallel_size) == (2, True, 1)
+    assert len(dp.colocated.deployment_options("colocated")["placement_group_bundles"]) == 2
 
 
 def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
@@ -212,7 +216,9 @@ def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
     ("ingress: {model_name: flash}", ["--served-model-name", "pro"], ["--served-model-name pro", "ingress.model_name: flash"]),
     ("decode: {enable_expert_parallel: true}", ["--no-decode-enable-expert-parallel"],
      ["--no-decode-enable-expert-parallel disagrees", "decode.enable_expert_parallel: True"]),
-], ids=["pool_key", "inherited_engine_key", "pool_engine_key", "shared_key", "ingress_key", "bool"])
+    ("mode: colocated\ncolocated: {data_parallel_size: 4, enable_expert_parallel: true}", ["--data-parallel-size", "2"],
+     ["--data-parallel-size 2", "colocated.data_parallel_size: 4"]),
+], ids=["pool_key", "inherited_engine_key", "pool_engine_key", "shared_key", "ingress_key", "bool", "data_parallel"])
 def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tmp_path, capsys, yaml, argv, names):
     path = tmp_path / "kvmesh.yaml"
     path.write_text(yaml + "\n")
@@ -222,10 +228,16 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--data-parallel-size", "2"], "--data-parallel-size 2: data-parallel attention is not built yet for serving"),
+    (["--data-parallel-size", "2", "--enable-expert-parallel"], "prefill.data_parallel_size 2: a data-parallel prefill pool is not built yet"),
     (["--decode-data-parallel-size", "4", "--enable-expert-parallel"],
-     "--decode-data-parallel-size 4: data-parallel attention is not built yet for serving"),
-    (["--data-parallel-size", "0"], "--data-parallel-size 0: must be >= 1"),
+     "decode.data_parallel_size 4: a data-parallel decode pool is not built yet"),
+    (["--data-parallel-size", "0"], "data_parallel_size"),
+    (["--mode", "colocated", "--data-parallel-size", "2"],
+     "colocated: EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"),
+    (["--mode", "colocated", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel"],
+     "tensor_parallel_size=2 with data_parallel_size=2 (attention TP inside a DP rank) is not built yet"),
+    (["--mode", "colocated", "--data-parallel-size", "3", "--enable-expert-parallel"],   # the built-in model: 4 experts
+     "colocated.data_parallel_size: data_parallel_size=3 does not divide n_routed_experts=4"),
     (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
      "--prefill-tensor-parallel-size sets the prefill pool, but mode colocated runs one pool"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size"),

@@ -19,7 +19,7 @@ from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.sharding import check_sizes
 from workers.model.args import ConfigError, ModelArgs
 from workers.model.quant import QuantExperts
-from workers.sampling.params import SamplingParams
+from workers.sampling.params import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
@@ -71,8 +71,11 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     out = engine.generate(ps["A_ext"] + ps["B"], GREEDY)      # A_ext from TP=1's store objects, B cold
     assert all(o.cached_tokens > 0 for o in out[:len(ps["A_ext"])])
     assert_same_outputs(out, refs["A_ext"] + refs["B"])
-    prompt_tokens = [s.counters.prompt_tokens for s in engine.stats()]
+    prompt_tokens = [s.counters.prompt_tokens for s in engine.rank_stats]
     assert all(prompt_tokens) and prompt_tokens[0] != prompt_tokens[1]         # both ranks, batches differ
+    total = engine.stats()                                    # the replica's: every rank's summed
+    assert total.counters.prompt_tokens == sum(prompt_tokens) and total.load == 0
+    assert total.total_blocks == sum(s.total_blocks for s in engine.rank_stats)
     engine.flush()
     reader = tiny_engine(path, name, swa_policy=engine.config.swa_policy, store=store)
     again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as a DP rank stored them
@@ -83,11 +86,11 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
 def test_one_rank_idle_serves_the_other_ranks_experts(dp2):
     *_, refs, _, engine = dp2
     name = dp2[1]
-    steps = [s.counters.steps for s in engine.stats()]
+    steps = [s.counters.steps for s in engine.rank_stats]
     rank = engine.add_request("alone", prompts(name)["idle"][0], GREEDY)   # one request: the other rank
     one = [o for o in _run(engine) if o.finished]                         # only joins the exchanges
     assert_same_outputs(one, refs["idle"])
-    ran = [s.counters.steps - b for s, b in zip(engine.stats(), steps)]
+    ran = [s.counters.steps - b for s, b in zip(engine.rank_stats, steps)]
     assert ran[rank] > 0 and ran[1 - rank] == 0
 
 
@@ -109,6 +112,16 @@ def test_a_repeated_prompt_goes_to_the_rank_that_holds_it_and_forks_stay_on_one_
     assert outs["p2"].cached_tokens > 0 and outs["p2"].token_ids == outs["p1"].token_ids
     forks = engine.generate(prompts(name)["B"][:1], FORKS)
     assert [o.token_ids for o in forks] == [r.token_ids for r in refs["forks"]]
+
+
+def test_a_rank_hint_is_honoured_and_checked(dp2):
+    """The serving path's hint (the ingress saw that rank hold the prefix) overrides the front's choice."""
+    *_, refs, _, engine = dp2
+    prompt = prompts(dp2[1])["idle"][0]
+    assert engine.add_request("hinted", prompt, GREEDY, rank=1) == 1        # idle ranks: the front would take 0
+    assert_same_outputs([o for o in _run(engine) if o.finished], refs["idle"])
+    with pytest.raises(InvalidRequestError, match="rank 2: this engine has data-parallel ranks 0..1"):
+        engine.add_request("bad", prompt, GREEDY, rank=2)
 
 
 def _run(engine) -> list:

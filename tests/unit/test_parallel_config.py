@@ -1,11 +1,11 @@
-"""Per-pool tensor_parallel_size / enable_expert_parallel in the serve config: validated,
+"""Per-pool tensor_parallel_size / data_parallel_size / enable_expert_parallel in the serve config: validated,
 turned into the replica's placement group (one bundle per rank, packed on one node), and
 handed to each pool's engine config."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.config import ConfigFileError, PoolConfig, load_config
+from cluster.config import ConfigFileError, PoolConfig, check_parallel_sizes, load_config
 
 
 class Worker:
@@ -59,3 +59,41 @@ def test_each_pool_engine_gets_its_own_parallel_sizes():
     assert (prefill.tensor_parallel_size, prefill.enable_expert_parallel) == (2, False)
     assert (decode.tensor_parallel_size, decode.enable_expert_parallel) == (1, True)
     assert config.pool_engine(config.colocated).tensor_parallel_size == 1
+
+
+def test_a_dp_pool_is_one_bundle_per_rank_and_its_engine_gets_the_sizes():
+    config = load_config(None, {"mode": "colocated", "colocated.data_parallel_size": 2,
+                                "colocated.enable_expert_parallel": True, "colocated.num_cpus": 0.5})
+    opts = config.colocated.deployment_options("Colocated")
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}] * 2 and opts["placement_group_strategy"] == "STRICT_PACK"
+    engine = config.pool_engine(config.colocated)
+    assert (engine.data_parallel_size, engine.tensor_parallel_size, engine.enable_expert_parallel) == (2, 1, True)
+    assert config.pool_engine(config.prefill).data_parallel_size == 1
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"mode": "colocated", "colocated.data_parallel_size": 2},
+     ["colocated: EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"]),
+    ({"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.tensor_parallel_size": 2,
+      "colocated.enable_expert_parallel": True}, ["tensor_parallel_size=2 with data_parallel_size=2", "not built"]),
+    ({"prefill.data_parallel_size": 2, "prefill.enable_expert_parallel": True},
+     ["prefill.data_parallel_size 2: a data-parallel prefill pool is not built yet", "mode: colocated"]),
+    ({"decode.data_parallel_size": 4, "decode.enable_expert_parallel": True},
+     ["decode.data_parallel_size 4: a data-parallel decode pool is not built yet"]),
+    ({"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.enable_expert_parallel": True,
+      "colocated.num_cpus": 0}, ["data_parallel_size 2 places one rank per bundle"]),
+    ({"colocated.data_parallel_size": 0}, ["data_parallel_size", "greater than or equal to 1"]),
+])
+def test_a_dp_size_or_combination_not_built_is_refused_naming_the_keys(overrides, words):
+    with pytest.raises(ConfigFileError) as e:
+        load_config(None, overrides)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_dp_size_that_does_not_divide_the_experts_fails_before_deploying():
+    config = load_config(None, {"mode": "colocated", "colocated.data_parallel_size": 3,
+                                "colocated.enable_expert_parallel": True})
+    with pytest.raises(ConfigFileError, match=r"colocated\.data_parallel_size: data_parallel_size=3 does not divide "
+                                              r"n_routed_experts=4"):
+        check_parallel_sizes(config)
+    check_parallel_sizes(load_config(None, {"prefill.data_parallel_size": 1}))   # nothing to check: no error

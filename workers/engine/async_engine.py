@@ -1,6 +1,6 @@
 """AsyncEngine: the engine loop on a background thread, results as async streams.
 
-    engine = AsyncEngine(EngineConfig())
+    engine = AsyncEngine(EngineConfig())       # data_parallel_size > 1: over a DataParallelEngine
     async for out in engine.generate("r1", "hello", SamplingParams()):
         print(out.new_token_ids)
 
@@ -21,6 +21,7 @@ from workers.parallel.replica import RankLauncher
 from workers.request import HeldKV, RequestOutput, Resume
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
+from .data_parallel import DataParallelEngine, open_engine
 from .engine import Engine
 from .stats import EngineStats
 
@@ -33,9 +34,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | None = None,
+    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | DataParallelEngine | None = None,
                  launcher: RankLauncher | None = None):
-        self.engine = engine or Engine(config, launcher)     # launcher: tensor_parallel_size > 1 ranks
+        self.engine = engine or open_engine(config, launcher)    # launcher: ranks 1..N-1 (TP or DP)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -145,11 +146,12 @@ class AsyncEngine:
         await asyncio.wrap_future(self.call(self.engine.release_held, request_id))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                       hold_kv: bool = False, resume: Resume | None = None, batched: bool = False
-                       ) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False, resume: Resume | None = None, batched: bool = False,
+                       rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token (n > 1: of each sequence, `index` says which);
         the last has all_finished=True. `batched`: yield lists of every output ready (one step of
-        n sequences travels as one item). Validation
+        n sequences travels as one item). `rank`: a data-parallel engine runs the request on
+        this rank (None: its front routes it; ignored without data parallelism). Validation
         errors (InvalidRequestError) are raised from the first iteration."""
         if self._dead:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
@@ -160,8 +162,11 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.guides.compile, params.guide)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        kw = {"hold_kv": hold_kv, "resume": resume}
+        if rank is not None and isinstance(self.engine, DataParallelEngine):
+            kw["rank"] = rank
         with self._lock:
-            self._inbox.append(("add", request_id, prompt, params, {"hold_kv": hold_kv, "resume": resume}))
+            self._inbox.append(("add", request_id, prompt, params, kw))
         self._wake.set()
         finished = False
         try:
@@ -192,8 +197,13 @@ class AsyncEngine:
         return self._dead
 
     def stats(self) -> EngineStats:
-        """Engine, memory, reuse and store counters (read without stopping the loop)."""
+        """Engine, memory, reuse and store counters (read without stopping the loop); a
+        data-parallel engine's summed over its ranks."""
         return self.engine.stats()
+
+    def rank_stats(self) -> list[EngineStats]:
+        """Each rank's stats, in rank order (one entry unless data-parallel)."""
+        return list(getattr(self.engine, "rank_stats", [self.engine.stats()]))
 
     def shutdown(self) -> None:
         """Stop the loop, then flush the engine's write-behind persistence and close its index."""

@@ -8,7 +8,8 @@ write-behind; attention, mHC, norms, the shared expert and dense layers are repl
 routed experts split (rank r owns experts [r*E/N, (r+1)*E/N)), and each MoE layer exchanges
 the ranks' tokens (model/moe.py `MoE.exchanged`: all-gather of hidden states and picks with
 their counts, all-reduce of the partial expert outputs). Rank 0 is this process and the front;
-ranks 1..N-1 are spawned processes (engine/dp_rank.py).
+ranks 1..N-1 are spawned processes (engine/dp_rank.py), or under Serve rank actors in the
+replica's placement group (cluster/ranks.py). `stats()` sums the ranks; `rank_stats` has each.
 
 The front routes each new request to one rank: the rank whose device pool holds the longest
 prefix of its prompt (in whole blocks; each rank reports what its pool gained and lost every
@@ -36,15 +37,15 @@ from workers.sampling.params import InvalidRequestError, SamplingParams
 
 from .dp_rank import NewRequest, Reply, Residency, Tick, rank_config, run_dp_rank, run_tick
 from .engine import Engine
-from .stats import EngineStats
+from .stats import EngineStats, summed
 
 log = logging.getLogger(__name__)
 
 
 def open_engine(config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
     """The engine `config` asks for: a DataParallelEngine at data_parallel_size > 1, else an Engine.
-    `launcher`: how ranks 1..N-1 start (tensor parallelism: any RankLauncher; data-parallel:
-    a LocalProcessLauncher)."""
+    `launcher`: how ranks 1..N-1 start (any RankLauncher; data-parallel: one that runs the
+    `main` it is given, as LocalProcessLauncher and cluster.ranks.RayRankLauncher do)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, launcher)
     return Engine(config, launcher)
@@ -61,15 +62,17 @@ def check_dp_sizes(args: ModelArgs, size: int) -> None:
 class DataParallelEngine:
     """Rank 0 of a data-parallel replica and its front (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, launcher: LocalProcessLauncher | None = None):
-        """`launcher` (threads per rank) starts ranks 1..N-1, each running `run_dp_rank`."""
+    def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None):
+        """`launcher` starts ranks 1..N-1, each running `run_dp_rank` (local processes by
+        default; serving: Ray actors in the replica's placement group)."""
         self.config, self.size = config, config.data_parallel_size
         model_dir = Path(config.model) if config.model else ensure_default_model()
         check_dp_sizes(ModelArgs.from_file(model_dir / "config.json"), self.size)
         self.launcher = launcher or LocalProcessLauncher()
-        if not isinstance(self.launcher, LocalProcessLauncher):
-            raise ConfigError(f"data_parallel_size={self.size}: ranks start as local processes only "
-                              f"(serving a data-parallel replica is not built yet)")
+        if not hasattr(self.launcher, "main"):
+            raise ConfigError(f"data_parallel_size={self.size}: {type(self.launcher).__name__} cannot start "
+                              f"data-parallel ranks (it has no `main` to run; LocalProcessLauncher and "
+                              f"cluster.ranks.RayRankLauncher do)")
         self.launcher.main = run_dp_rank                     # each rank a whole engine, not a TP follower
         store = Collectives.host_store(self.launcher.host, self.size, config.rank_timeout_s)
         method = init_method(self.launcher.host, store)
@@ -121,11 +124,34 @@ class DataParallelEngine:
     def max_model_len(self) -> int:
         return self.local.max_model_len
 
+    @property
+    def fingerprint(self) -> str:
+        return self.local.fingerprint              # every rank's: it does not depend on the parallel sizes
+
+    @property
+    def model_dir(self) -> Path:
+        return self.local.model_dir
+
+    @property
+    def prefix(self):
+        """Rank 0's prefix cache: its hasher, and the index every rank publishes to."""
+        return self.local.prefix
+
+    @property
+    def guides(self):
+        """Rank 0's guide compiler: a schema compiles (and fails) here first; each rank compiles its own."""
+        return self.local.guides
+
+    def reap_landing(self) -> bool:
+        """Rank 0's (Engine.reap_landing); the other ranks reap theirs in every tick."""
+        return self.local.reap_landing()
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    hold_kv: bool = False, resume=None) -> int:
-        """Queue a request on the rank `route` picks; returns that rank. It starts there on
-        the next step. Handoffs (hold_kv, resume) are not built for data-parallel engines."""
+                    hold_kv: bool = False, resume=None, rank: int | None = None) -> int:
+        """Queue a request on `rank` (the ingress saw that rank hold its prefix), else on the rank
+        `route` picks; returns that rank. It starts there on the next step. Handoffs (hold_kv,
+        resume) are not built for data-parallel engines."""
         if hold_kv or resume is not None:
             raise ConfigError(f"data_parallel_size={self.size}: KV handoffs (prefill / decode roles) are not "
                               f"built for data-parallel engines yet")
@@ -134,7 +160,9 @@ class DataParallelEngine:
         ids = self.local.prepare(prompt, params)
         if params.guide:
             self.local.guides.guide(params.guide)        # a bad schema is a 400 here, not on a rank
-        rank = self.route(ids)
+        if rank is not None and not 0 <= rank < self.size:
+            raise InvalidRequestError(f"rank {rank}: this engine has data-parallel ranks 0..{self.size - 1}")
+        rank = self.route(ids) if rank is None else rank
         self.new[rank].append(NewRequest(request_id, ids, params))
         self.where[request_id] = rank
         self.loads[rank] += params.n
@@ -195,9 +223,10 @@ class DataParallelEngine:
                 self.where.pop(out.request_id, None)
         return outputs
 
-    def stats(self) -> list[EngineStats]:
-        """Each rank's stats as of the last step, in rank order."""
-        return list(self.rank_stats)
+    def stats(self) -> EngineStats:
+        """The replica's stats: every rank's as of the last step, summed (`rank_stats`: each
+        rank's, in rank order)."""
+        return summed(self.rank_stats)
 
     def close(self) -> None:
         if self.health.dead is None:

@@ -75,6 +75,40 @@ class EngineStats:
                if f.name not in ("counters", "reuse", "store")}
         return {**dataclasses.asdict(self.counters), **self.counters.speculation(), **out, **self.reuse, **self.store}
 
+
+SHARED_GAUGES = ("store_bytes",)     # one shared store seen by every rank: its size is not summed
+
+
+def summed(stats: list[EngineStats]) -> EngineStats:
+    """Several engines' stats as one (a data-parallel replica's ranks): loads, memory, counters,
+    histograms and per-tier maps added up; `kv_cache_usage` the used fraction of all blocks."""
+    if len(stats) == 1:
+        return stats[0]
+    counts = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
+              if f.type in ("int", int)}
+    counters = EngineCounters(**{f.name: sum(getattr(s.counters, f.name) for s in stats)
+                                 for f in dataclasses.fields(EngineCounters)})
+    q = [s.queue_time for s in stats]
+    queue = {"buckets": [(b, sum(h["buckets"][i][1] for h in q)) for i, (b, _) in enumerate(q[0]["buckets"])],
+             "sum": sum(h["sum"] for h in q), "count": sum(h["count"] for h in q)}
+    usage = sum(s.kv_cache_usage * s.total_blocks for s in stats) / max(1, counts["total_blocks"])
+    return EngineStats(**counts, kv_cache_usage=usage,
+                       counters=counters, queue_time=queue, reuse=_added([s.reuse for s in stats]),
+                       store=_added([s.store for s in stats]))
+
+
+def _added(maps: list[dict]) -> dict:
+    """Key by key (the union of keys); nested maps (hits by tier) the same way."""
+    out: dict = {}
+    for key in dict.fromkeys(k for m in maps for k in m):
+        values = [m[key] for m in maps if key in m]
+        if isinstance(values[0], dict):
+            out[key] = _added(values)
+        else:
+            out[key] = max(values) if key in SHARED_GAUGES else sum(values)
+    return out
+
+
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 

@@ -50,11 +50,13 @@ log = logging.getLogger(__name__)
 
 
 class RankLauncher(Protocol):
-    """Starts the ranks 1..N-1 of one replica (a local process each, or Ray actors)."""
+    """Starts the ranks 1..N-1 of one replica (a local process each, or Ray actors). A launcher
+    that can start data-parallel ranks also has `main`, what each rank runs (run_rank unless
+    the engine's builder sets another: DataParallelEngine sets run_dp_rank)."""
     host: str      # the address rank 0 binds the process group on (its node IP)
 
     def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
-        """Start ranks 1..world_size-1; each runs run_rank(rank, world_size, init_method, config)."""
+        """Start ranks 1..world_size-1; each runs main(rank, world_size, init_method, config)."""
 
     def check(self) -> None:
         """Raise RankFailed if a rank has died."""
