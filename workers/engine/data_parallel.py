@@ -13,7 +13,7 @@ replica's placement group (cluster/ranks.py). `stats()` sums the ranks; `rank_st
 
 The front routes each new request to one rank: the rank whose device pool holds the longest
 prefix of its prompt (in whole blocks; each rank reports what its pool gained and lost every
-tick), else the least loaded (running + waiting + just routed); n > 1 forks stay on that rank.
+tick), else the least loaded (running + waiting + held + just routed); n > 1 forks stay on that rank.
 Store objects and prefix hashes are the single engine's (the fingerprint does not depend on
 the parallel sizes): what one rank stores, any engine restores.
 
@@ -249,8 +249,7 @@ class DataParallelEngine:
         for rank, reply in enumerate(replies):
             self.resident[rank].difference_update(reply.dropped)
             self.resident[rank].update(reply.named)
-            self.rank_stats[rank] = s = reply.stats
-            self.loads[rank] = s.running + s.waiting + sum(r.params.n for r in self.new[rank])
+            self._note(rank, reply.stats)
             for rid, report in reply.loaded:
                 self.loading.pop(rid).settle(report)
             for out in reply.outputs:
@@ -263,13 +262,21 @@ class DataParallelEngine:
                 self.loading.pop(out.request_id, None)
         return outputs
 
+    def _note(self, rank: int, s: EngineStats) -> None:
+        """A rank's stats and load now. A held cache counts: it occupies its rank's memory until
+        read, so a prefill replica spreads them over its ranks."""
+        self.rank_stats[rank] = s
+        self.loads[rank] = s.running + s.waiting + s.held + sum(r.params.n for r in self.new[rank])
+
     # ---- handoffs (see the module docstring) ---------------------------------------------------
-    def _call(self, rank: int | None, op) -> list[CallReply | None]:
-        """Run a handoff call on `rank` (None: every rank), between steps."""
+    def _call(self, rank: int | None, op) -> list[CallReply]:
+        """Run a handoff call on `rank` (None: every rank), between steps; rank 0's runs here."""
         call = Call(rank, op)
         replies = [run_call(self.handoff, call)] if rank == 0 else \
             self._exchange(call, lambda: run_call(self.handoff, call))
-        bad = [(r, c.error) for r, c in enumerate(replies) if c is not None and c.error]
+        for r, reply in enumerate(replies):
+            self._note(r, reply.stats)
+        bad = [(r, c.error) for r, c in enumerate(replies) if c.error]
         if bad:
             raise HandoffError("; ".join(f"data-parallel rank {r}: {e}" for r, e in bad))
         return replies

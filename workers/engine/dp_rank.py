@@ -13,7 +13,7 @@ exchange (Engine._step, Transformer.idle), so the model's collectives stay in lo
 Handoffs between steps are calls, which step nothing:
 
     rank 0:  send Call(rank, op) ─ run_call(its part) ─ gather_objects(CallReply) -> the target's answer
-    rank k:  recv Call ─ run_call(its part, None unless it is the target) ─ gather_objects(CallReply)
+    rank k:  recv Call ─ run_call(its part: nothing unless it is the target) ─ gather_objects(CallReply)
 
 A held request stays on its rank; `RankHandoff` is a rank's side of handoffs: its own NIXL
 transport (`OpenNixl`: an agent per rank over the rank's own cache memory, so offers name it
@@ -119,7 +119,9 @@ class Call:
 
 @dataclass(frozen=True)
 class CallReply:
-    """A rank's answer to a Call: its value, or the error it raised."""
+    """A rank's answer to a Call: its value (None: the call was for another rank) or the error
+    it raised, and its stats after it (a release changes what the front reports)."""
+    stats: EngineStats
     value: object = None
     error: str | None = None
 
@@ -195,14 +197,15 @@ class RankHandoff:
             self.nixl.close()
 
 
-def run_call(handoff: RankHandoff, call: Call) -> CallReply | None:
-    """Rank `handoff.rank`'s part of a call: its answer, or None when the call is for another rank."""
-    if call.rank is not None and call.rank != handoff.rank:
-        return None
-    try:
-        return CallReply(handoff.run(call.op))
-    except Exception as e:          # the front raises it as the call's error
-        return CallReply(error=f"{type(e).__name__}: {e}")
+def run_call(handoff: RankHandoff, call: Call) -> CallReply:
+    """Rank `handoff.rank`'s part of a call (nothing when the call is for another rank)."""
+    value, error = None, None
+    if call.rank is None or call.rank == handoff.rank:
+        try:
+            value = handoff.run(call.op)
+        except Exception as e:      # the front raises it as the call's error
+            error = f"{type(e).__name__}: {e}"
+    return CallReply(handoff.engine.stats(), value, error)
 
 
 def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency, handoff: RankHandoff) -> Reply:
