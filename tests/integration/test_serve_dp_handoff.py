@@ -27,20 +27,17 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp(NAME), NAME)
+def model(tmp_path_factory):
+    """(the tiny checkpoint, the cold single-process engine on it: the reference for every answer)."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp(NAME), NAME)
+    offline = tiny_engine(path, NAME)
+    yield path, offline
+    offline.close()
 
 
 @pytest.fixture(scope="module")
-def offline(checkpoint):
-    engine = tiny_engine(checkpoint, NAME)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def urls(checkpoint):
-    engine = {"model": str(checkpoint), "block_tokens": BT, "kv_cache_bytes": "8MiB"}
+def urls(model):
+    engine = {"model": str(model[0]), "block_tokens": BT, "kv_cache_bytes": "8MiB"}
     with LocalServe(num_cpus=4) as ls:
         yield {app: ls.deploy(app, small_config(engine=engine, prefill=DP2, decode=decode,
                                                  ingress={"token_timeout_s": 30.0}), f"/{app}")
@@ -66,8 +63,8 @@ def worker(url: str, name: str, pool: str) -> float:
 
 
 @pytest.mark.parametrize("app", sorted(APPS))
-def test_concurrent_handoffs_from_dp_prefill_ranks_equal_the_offline_engine(urls, offline, app):
-    url = urls[app]
+def test_concurrent_handoffs_from_dp_prefill_ranks_equal_the_offline_engine(urls, model, app):
+    url, offline = urls[app], model[1]
     prompts = [random_prompt(n * BT + 3, seed=10 * n + len(app)) for n in (3, 5, 7, 8, 4, 6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda p: complete(url, p), prompts))
