@@ -15,8 +15,8 @@ front: a held cache on rank k is gathered there and its tensors travel to rank 0
 replica's channel, where `RayTransport.relay` puts them; a Ray offer for rank j is fetched on
 rank 0 (`Loader.portable`) and its tensors travel to rank j. NIXL needs no relay: each rank
 registers its own memory with its own agent, so offers name rank k's agent and READs land in
-rank j's memory. A failed READ on rank j > 0 fails that request (HandoffError); only on rank 0
-does it fall back to a Ray copy.
+rank j's memory. A READ that failed on rank j > 0 (and is over) falls back too: rank 0 fetches
+the Ray copy (`Loader.fallback`) and the request starts again on rank j with its tensors.
 """
 from __future__ import annotations
 
@@ -99,10 +99,25 @@ class Loader(PortableLoad):
 
     def portable(self) -> Offer:
         """The offer for a data-parallel rank: NIXL as it is (the rank READs with its own agent;
-        no Ray fallback there), a Ray copy fetched here, its tensors in the offer."""
+        if that fails, `fallback`), a Ray copy fetched here, its tensors in the offer."""
         offer = self._claim()
-        if offer.transport != "ray":
-            return offer
+        return offer if offer.transport != "ray" else self._gathered(offer)
+
+    def fallback(self) -> Offer:
+        """A data-parallel rank's READ failed: prefill's Ray copy, its tensors in the offer."""
+        if self.offer.transport != "nixl" or self.fetch_ray is None:
+            raise HandoffError(f"request {self.offer.request_id}: no Ray copy to fall back to")
+        return self._gathered(self._fetch(self.offer, "on a data-parallel rank"))
+
+    def _fetch(self, offer: Offer, why) -> Offer:
+        """Prefill's Ray copy of `offer` after a READ failed (`why`)."""
+        try:
+            return dataclasses.replace(self.fetch_ray(offer), fallback_reason=READ_FAILED)
+        except Exception as e:
+            raise HandoffError(f"request {offer.request_id}: NIXL READ failed ({why}) and no Ray copy came from "
+                               f"prefill: {type(e).__name__}: {e}") from e
+
+    def _gathered(self, offer: Offer) -> Offer:
         try:
             return dataclasses.replace(offer, location=self.transports["ray"].tensors(offer))
         except Exception as e:
@@ -123,11 +138,7 @@ class Loader(PortableLoad):
             if offer.transport != "nixl" or self.fetch_ray is None or isinstance(e, TransferInFlight):
                 raise
             log.warning("request %s: NIXL READ failed, using a Ray copy: %s", offer.request_id, e)
-            try:
-                offer = dataclasses.replace(self.fetch_ray(offer), fallback_reason=READ_FAILED)
-            except Exception as fetch_error:
-                raise HandoffError(f"request {offer.request_id}: NIXL READ failed ({e}) and no Ray copy "
-                                   f"came from prefill: {type(fetch_error).__name__}: {fetch_error}") from fetch_error
+            offer = self._fetch(offer, e)
             report = self._transport(offer).load(offer, cache, block_ids, slot)
         self.settle(report)
         return report

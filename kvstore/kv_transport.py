@@ -177,3 +177,8 @@ class PortableLoad(ABC):
     @abstractmethod
     def settle(self, report: TransferReport) -> None:
         """How the other process's load went."""
+
+    @abstractmethod
+    def fallback(self) -> Offer:
+        """After the portable NIXL offer's READ failed in the other process (and is over): a
+        copy made portable the same way (HandoffError when there is none)."""

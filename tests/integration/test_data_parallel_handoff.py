@@ -140,23 +140,39 @@ def test_an_offer_from_another_engine_is_refused_before_a_rank_allocates(engines
     assert not engine.has_unfinished() and holder_stats(engine, 1).free_blocks == before
 
 
-def test_a_failed_read_on_a_rank_fails_only_that_request(engines):
-    """Rank j > 0 has no Ray fallback: a READ from an agent that is gone fails its request with
-    the transfer's error; the rank's other request and its memory are fine."""
+@pytest.mark.parametrize("copy", [True, False], ids=["ray_copy", "no_copy"])
+def test_a_failed_read_on_a_rank_falls_back_to_a_ray_copy_or_fails_only_that_request(engines, copy):
+    """A READ on rank 1 from an agent that is gone: rank 0 fetches prefill's Ray copy and rank 1
+    starts the request again from it (cold tokens, one fallback counted); with no copy the
+    request fails with the transfer's error. The rank's other request and its memory are fine."""
     engine, nixl, ray_t = engines["dp_decode"]
     src = engines["tp1"]
-    prompt = random_prompt(4 * BLOCK_TOKENS[NAME] + 1, seed=11)
-    first = prefill(src, "gone", prompt, None)
-    offer = src[0].offer_held("gone", src[1])
-    src[0].release_held("gone")
+    prompt = random_prompt(4 * BLOCK_TOKENS[NAME] + 1, seed=11 + copy)
+    cold = src[0].generate([prompt], GREEDY)[0]
+    rid = f"gone{copy}"
+    first = prefill(src, rid, prompt, None)
+    held = src[0].held_handle(rid)
+    offer = src[0].offer_held(rid, src[1])
     bad = Offer(**{**offer.__dict__, "location": type(offer.location)(
         "no-such-agent", b"not metadata", "10.255.255.1", "DRAM", offer.location.descs)})
-    resume = Resume(first.token_ids[0], first.logprobs[0], Loader(bad, {"nixl": nixl, "ray": ray_t}, None,
-                                                                   counters()))
-    engine.add_request("gone", prompt, GREEDY, resume=resume, rank=1)
-    engine.add_request("fine", prompt, GREEDY, rank=1)
+    fetched = []
+
+    def fetch_ray(o: Offer) -> Offer:               # what Decode asks the prefill worker for (Prefill.export)
+        fetched.append(o.request_id)
+        return src[0].offer_held(rid, src[2])
+    c = counters()
+    loader = Loader(bad, {"nixl": nixl, "ray": ray_t}, fetch_ray if copy else None, c)
+    engine.add_request(rid, prompt, GREEDY, resume=Resume(first.token_ids[0], first.logprobs[0], loader,
+                                                           first.cached_tokens, held.rng_state), rank=1)
+    engine.add_request(f"fine{copy}", prompt, GREEDY, rank=1)
     outs = {o.request_id: o for o in run(engine) if o.finished}
-    assert outs["gone"].finish_reason == "error" and "HandoffError" in outs["gone"].error
-    assert outs["fine"].token_ids == src[0].generate([prompt], GREEDY)[0].token_ids
+    src[0].release_held(rid)
+    if copy:
+        assert outs[rid].token_ids == cold.token_ids and fetched == [rid]
+        assert loader.report.transport == "ray" and loader.report.fallback_reason == "read_failed"
+        assert c["fallbacks"] == 1 and c["ray_bytes"] == loader.report.nbytes > 0 and c["nixl_bytes"] == 0
+    else:
+        assert outs[rid].finish_reason == "error" and "HandoffError" in outs[rid].error
+    assert outs[f"fine{copy}"].token_ids == cold.token_ids
     after = holder_stats(engine, 1)
     assert after.load == 0 and after.free_slots == after.total_slots

@@ -27,8 +27,10 @@ rank 0 (ranks need not be Ray workers): the holding rank gathers its blocks and 
 travel to rank 0, where the RayTransport puts them (`KVTransport.relay`). A resume placed on
 rank j loads into rank j's blocks + slot with rank j's transports: its load must be a
 `PortableLoad` (cluster.transfer.Loader), whose NIXL offer rank j READs itself and whose Ray
-copy rank 0 fetches and sends; only on rank 0 does a failed READ fall back to a Ray copy (on
-rank j it fails that request with the HandoffError).
+copy rank 0 fetches and sends. A failed READ falls back to a Ray copy on any rank: on rank j
+the request fails there (its memory freed once the READ is over, never before) and the front
+starts it again on rank j with the copy's tensors (`PortableLoad.fallback`); when there is no
+copy, the request fails with the HandoffError.
 
 Built: TP=1 inside each DP rank, on the CPU (gloo) or one CUDA device per rank (NCCL, untested
 here). Refused at start-up: DP without expert parallelism, TP x DP (attention TP inside a DP
@@ -37,6 +39,7 @@ A rank that dies or stalls raises RankFailed within rank_timeout_s; the engine s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -105,7 +108,7 @@ class DataParallelEngine:
         self.residency = Residency(self.local.blocks)
         self.handoff = RankHandoff(self.local, 0)
         self.held_on: dict[str, int] = {}                     # held request id -> its rank
-        self.loading: dict[str, PortableLoad] = {}            # resumed on a rank > 0 -> its caller's load
+        self.loading: dict[str, tuple[PortableLoad, NewRequest]] = {}   # resumed on a rank > 0: its load, request
         self.rank_stats: list[EngineStats] = [self.local.stats()] * self.size
         self._clear()
         self.health = Liveness(self.launcher)
@@ -187,9 +190,10 @@ class DataParallelEngine:
                 raise HandoffError(f"request {request_id}: data-parallel rank {rank} loads a handed-off cache with "
                                    f"its own transports, and this Resume.load is no PortableLoad")
             offer = resume.load.portable()
-            self.loading[request_id] = resume.load
-        resume = resume._replace(load=None) if resume is not None else None
-        self.new[rank].append(NewRequest(request_id, ids, params, hold_kv, resume, offer))
+        new = NewRequest(request_id, ids, params, hold_kv, resume._replace(load=None) if resume else None, offer)
+        if offer is not None:
+            self.loading[request_id] = (resume.load, new)
+        self.new[rank].append(new)
         self.where[request_id] = rank
         self.loads[rank] += params.n
         return rank
@@ -251,16 +255,29 @@ class DataParallelEngine:
             self.resident[rank].update(reply.named)
             self._note(rank, reply.stats)
             for rid, report in reply.loaded:
-                self.loading.pop(rid).settle(report)
+                self.loading.pop(rid)[0].settle(report)
             for out in reply.outputs:
                 if out.held:
                     self.held_on[out.request_id] = rank
-            outputs += reply.outputs
+            outputs += [o for o in reply.outputs if not (o.request_id in reply.unread and self._again(o, rank))]
         for out in outputs:
             if out.finished and out.all_finished:
                 self.where.pop(out.request_id, None)
                 self.loading.pop(out.request_id, None)
         return outputs
+
+    def _again(self, failed: RequestOutput, rank: int) -> bool:
+        """A READ on `rank` failed (and is over): queue the request there again with the Ray
+        copy instead; False (its error output stands) when there is none."""
+        load, new = self.loading[failed.request_id]
+        try:
+            offer = load.fallback()
+        except HandoffError as e:
+            log.warning("request %s: %s", failed.request_id, e)
+            return False
+        self.new[rank].append(dataclasses.replace(new, offer=offer))
+        self.loads[rank] += new.params.n
+        return True
 
     def _note(self, rank: int, s: EngineStats) -> None:
         """A rank's stats and load now. A held cache counts: it occupies its rank's memory until

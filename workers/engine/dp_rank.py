@@ -19,7 +19,8 @@ A held request stays on its rank; `RankHandoff` is a rank's side of handoffs: it
 transport (`OpenNixl`: an agent per rank over the rank's own cache memory, so offers name it
 and READs land in it), gathered copies for Ray (GatheredTransport: a rank need not be a Ray
 worker; its front relays the tensors), the reads it finished (`PollReleased`: the rank frees
-them itself) and the loads it ran (Reply.loaded, so the front settles each request's load).
+them itself) and the loads it ran (Reply.loaded, so the front settles each request's load; and
+Reply.unread, failed READs that are over, which the front starts again from a Ray copy).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import traceback
 from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool
-from kvstore.kv_transport import GatheredTransport, HandoffError, KVTransport, Offer, TransferReport
+from kvstore.kv_transport import GatheredTransport, HandoffError, KVTransport, Offer, TransferInFlight, TransferReport
 from workers.engine_config import EngineConfig
 from workers.parallel.collectives import Collectives
 from workers.parallel.replica import Stop, rank_device
@@ -74,6 +75,7 @@ class Reply:
     named: list[int]
     dropped: list[int]
     loaded: list[tuple[str, TransferReport]] = dataclasses.field(default_factory=list)   # request id, report
+    unread: list[str] = dataclasses.field(default_factory=list)   # NIXL READs that failed and are over
 
 
 # ---- handoff calls (rank 0 -> all, between steps; the target answers) ----------------------------
@@ -154,6 +156,7 @@ class RankHandoff:
         self.nixl = None                                   # NixlTransport once OpenNixl opened one
         self.gathered = GatheredTransport(engine.fingerprint)
         self.loaded: list[tuple[str, TransferReport]] = []
+        self.unread: list[str] = []
         self.kept: dict[str, object] = {}                 # rank 0: request id -> the caller's own Resume.load
 
     def transport(self, kind: str) -> KVTransport:
@@ -170,14 +173,20 @@ class RankHandoff:
             return r.resume._replace(load=self.kept.pop(r.request_id))
 
         def load(cache, block_ids: list[int], slot: int) -> TransferReport:
-            report = self.transport(r.offer.transport).load(r.offer, cache, block_ids, slot)
+            try:
+                report = self.transport(r.offer.transport).load(r.offer, cache, block_ids, slot)
+            except HandoffError as e:    # over (not in flight): the front may start it again from a Ray copy
+                if r.offer.transport == "nixl" and not isinstance(e, TransferInFlight):
+                    self.unread.append(r.request_id)
+                raise
             self.loaded.append((r.request_id, report))
             return report
         return r.resume._replace(load=load)
 
-    def reports(self) -> list[tuple[str, TransferReport]]:
-        loaded, self.loaded = self.loaded, []
-        return loaded
+    def reports(self) -> tuple[list[tuple[str, TransferReport]], list[str]]:
+        """(loads run, NIXL READs failed) since the last call."""
+        loaded, unread, self.loaded, self.unread = self.loaded, self.unread, [], []
+        return loaded, unread
 
     def run(self, op) -> object:
         e = self.engine
@@ -223,7 +232,7 @@ def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency, handof
             refused.append(RequestOutput(r.request_id, r.prompt, [], [], [], "", True, "error", len(r.prompt), 0,
                                          error=f"{type(e).__name__}: {e}"))
     outputs = refused + engine.step()
-    return Reply(outputs, engine.stats(), *residency.changes(), handoff.reports())
+    return Reply(outputs, engine.stats(), *residency.changes(), *handoff.reports())
 
 
 def run_dp_rank(rank: int, world_size: int, init_method: str, config: EngineConfig) -> None:
