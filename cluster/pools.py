@@ -29,7 +29,7 @@ from workers.request import Resume
 
 from .config import ServeConfig
 from .messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
-from .routing import rank_hint
+from .routing import NO_HINT, rank_hint
 from .transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Colocated(_Worker):
     POOL = "colocated"
 
     async def generate(self, req: GenRequest, hint: RouteHint | None = None):
-        rank = rank_hint(hint or RouteHint(), self.worker_id)      # data-parallel: the rank holding the prefix
+        rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
         async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True, rank=rank):
             yield self._chunks(outs)
 
@@ -125,7 +125,7 @@ class Prefill(_Worker):
         handed_over = False
         try:
             last = None
-            rank = rank_hint(hint or RouteHint(), self.worker_id)      # data-parallel: the rank holding the prefix
+            rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
             async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True, rank=rank):
                 last = out
             base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],

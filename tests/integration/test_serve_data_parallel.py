@@ -79,6 +79,26 @@ def replica_ids() -> set[str]:
             if a["name"].startswith(prefix)}
 
 
+def replaced(victim: str, start: float) -> str:
+    """The replica Serve started in place of `victim` once it runs alone (placement group, ranks and all)."""
+    while time.monotonic() - start < RECOVER_BOUND_S:
+        live = replica_ids()
+        if victim not in live and len(live) == 1 and \
+                serve.status().applications["dp"].deployments["Colocated"].status == "HEALTHY":
+            if victim:
+                print(f"colocated DP=2 replica replaced after {time.monotonic() - start:.1f}s: {live}")
+            return live.pop()
+        time.sleep(0.5)
+    raise AssertionError(f"Serve did not replace the replica {victim} whose rank died: {replica_ids()}")
+
+
+def rank1(replica: str) -> tuple[str, str]:
+    """(name, namespace) of `replica`'s rank-1 actor."""
+    name = f"kvmesh-rank:colocated:{replica}:1"
+    (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+    return name, actor["namespace"]
+
+
 def test_dp2_over_http_equals_the_offline_engine_tokens_and_logprobs(url, offline):
     for n in (5, 70, 9 * BT + 3):                                   # within a block, across many
         prompt = random_prompt(n, seed=n)
@@ -158,21 +178,24 @@ def test_a_rank_actor_killed_mid_stream_ends_cleanly_and_serve_replaces_the_repl
     prompt = random_prompt(20, seed=3)
     want = greedy(offline, prompt, 300).token_ids
     (victim,) = replica_ids()
-    name = f"kvmesh-rank:colocated:{victim}:1"
-    (rank,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+    name, namespace = rank1(victim)
     body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     start = time.monotonic()
     tokens, errors, _ = stream_and_kill(
-        url, body, lambda: ray.kill(ray.get_actor(name, namespace=rank["namespace"]), no_restart=True), KILL_BOUND_S)
+        url, body, lambda: ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True), KILL_BOUND_S)
     assert len(tokens) < len(want) or tokens == want
     assert_clean_end(tokens, errors, want)
-    fresh: set[str] = set()
-    while time.monotonic() - start < RECOVER_BOUND_S:       # a new replica: placement group, ranks and all
-        fresh = replica_ids() - {victim}
-        if fresh and serve.status().applications["dp"].deployments["Colocated"].replica_states.get("RUNNING"):
-            break
-        time.sleep(0.5)
-    print(f"colocated DP=2 replica replaced after {time.monotonic() - start:.1f}s: {fresh}")
-    assert fresh, "Serve did not replace the replica whose rank died"
+    replaced(victim, start)
     assert complete(url, prompt, 8)["choices"][0]["token_ids"] == want[:8]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_while_idle_fails_the_health_check_and_the_replica_is_replaced(url, offline):
+    victim = replaced("", time.monotonic())          # the replica the test above left running
+    name, namespace = rank1(victim)
+    start = time.monotonic()
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    replaced(victim, start)
+    prompt = random_prompt(30, seed=7)
+    assert complete(url, prompt, 8)["choices"][0]["token_ids"] == greedy(offline, prompt, 8).token_ids

@@ -85,7 +85,7 @@ def summed(stats: list[EngineStats]) -> EngineStats:
     if len(stats) == 1:
         return stats[0]
     counts = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
-              if f.type == "int"}
+              if f.type in ("int", int)}
     counters = EngineCounters(**{f.name: sum(getattr(s.counters, f.name) for s in stats)
                                  for f in dataclasses.fields(EngineCounters)})
     q = [s.queue_time for s in stats]
