@@ -260,18 +260,6 @@ class ServeConfig(_Strict):
                 raise ValueError(f"{name}: {e}") from None
         return self
 
-    @model_validator(mode="after")
-    def _no_data_parallel_handoffs(self):
-        """A data-parallel prefill or decode pool would need KV handoffs from / to DP ranks (not built)."""
-        if self.mode == "disaggregated":
-            for name in ("prefill", "decode"):
-                size = getattr(self, name).data_parallel_size
-                if size > 1:
-                    raise ValueError(f"{name}.data_parallel_size {size}: a data-parallel {name} pool is not built "
-                                     "yet (KV handoffs from or to data-parallel ranks); serve data-parallel with "
-                                     "mode: colocated, or use tensor_parallel_size for this pool")
-        return self
-
     def pool_engine(self, pool: PoolConfig, worker_id: str | None = None) -> EngineConfig:
         """The engine config a worker of `pool` runs: `engine`, then the pool's own overrides."""
         engine = self.engine

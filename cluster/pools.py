@@ -6,6 +6,11 @@
 
 Each class is plain Python; `cluster.app` turns it into a deployment with the pool's
 options. A worker's id is its Serve replica id (the router pins follow-ups by it).
+
+A data-parallel prefill or decode replica (engine/data_parallel.py) keeps this code: each rank
+registers its own cache with its own NIXL agent (`kvmesh-{pool}-{worker}-dp{rank}`), a held
+cache stays on its rank until that rank's agent hears the READ's notification (the release
+loop's `release_read` polls every rank) or the timeout, and Ray copies go through rank 0.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import ray
 from ray import serve
 
 from kvstore.kv_transport import KVTransport, Offer
-from kvstore.nixl_transfer import NixlTransport, make_agent
+from kvstore.nixl_transfer import NixlTransport
 from workers.engine.async_engine import AsyncEngine
 from workers.request import Resume
 
@@ -48,14 +53,14 @@ class _Worker:
         self.ray = RayTransport(self.engine.fingerprint, config.handoff.release_timeout_s)
 
     def _nixl(self) -> tuple[NixlTransport | None, str | None]:
-        """(the NIXL transport or None, the fallback label handoffs carry when NIXL was wanted but is off)."""
-        if self.config.handoff.transport != "nixl":
+        """(the NIXL transport or None, the fallback label handoffs carry when NIXL was wanted but
+        is off). Data-parallel: every rank opens its own; this is rank 0's."""
+        h = self.config.handoff
+        if h.transport != "nixl":
             return None, None
-        agent, _ = make_agent(f"kvmesh-{self.POOL}-{self.worker_id}", self.engine.kv_tensors(),
-                              ray.util.get_node_ip_address(), self.config.handoff.nixl_backend)
-        if agent is None:
-            return None, NIXL_UNAVAILABLE
-        return NixlTransport(agent, self.engine.fingerprint, self.config.handoff.release_timeout_s), None
+        nixl = self.engine.call(self.engine.engine.open_nixl, f"kvmesh-{self.POOL}-{self.worker_id}",
+                                ray.util.get_node_ip_address(), h.nixl_backend, h.release_timeout_s).result()
+        return (nixl, None) if nixl is not None else (None, NIXL_UNAVAILABLE)
 
     def info(self, hint: RouteHint | None = None) -> dict:
         return {**self.engine.info(), "pool": self.POOL, "worker_id": self.worker_id,
@@ -120,7 +125,8 @@ class Prefill(_Worker):
         handed_over = False
         try:
             last = None
-            async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True):
+            rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
+            async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True, rank=rank):
                 last = out
             base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
                         first_logprob=last.logprobs[0], finished=not last.held,
@@ -180,9 +186,8 @@ class Prefill(_Worker):
                 await self._held_changed.wait()
             await asyncio.sleep(RELEASE_POLL_S)
             try:
-                for rid in self.nixl.released() if self.nixl else []:
-                    if self.held.pop(rid, None) is not None:
-                        await self.engine.release_held(rid)
+                for rid in await self._release_read():
+                    self.held.pop(rid, None)
                 now = time.monotonic()
                 for rid in [r for r, deadline in self.held.items() if deadline < now]:
                     log.warning("request %s: decode never read its cache; released after timeout", rid)
@@ -190,6 +195,13 @@ class Prefill(_Worker):
                     await self.release(rid)
             except Exception:
                 log.exception("prefill release loop")
+
+
+    async def _release_read(self) -> list[str]:
+        """Free (on the engine thread) the held caches decode finished reading; their ids."""
+        if self.nixl is None:
+            return []
+        return await asyncio.wrap_future(self.engine.call(self.engine.engine.release_read, self.nixl))
 
 
 class Decode(_Worker):
@@ -209,7 +221,7 @@ class Decode(_Worker):
         loader = Loader(offer, self.transports, lambda _: self._fetch_export(handoff), self.counters)
         if offer.transport not in self.transports:
             await loader.prefetch(self._fetch_export_async(handoff))
-        resume = Resume(handoff.first_token, handoff.first_logprob, loader.load, handoff.cached_tokens,
+        resume = Resume(handoff.first_token, handoff.first_logprob, loader, handoff.cached_tokens,
                         handoff.rng_state, handoff.siblings, handoff.first_top, handoff.first_finish)
         first = True
         try:

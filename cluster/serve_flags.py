@@ -9,9 +9,9 @@ A plain flag sets every pool the mode runs (prefill and decode, or the colocated
 becomes one config key (`prefill.tensor_parallel_size`, `decode.engine.max_num_seqs`,
 `engine.kv_cache_dtype`, `ingress.model_name`, `colocated.data_parallel_size`) and never silently
 overrides the config file: where the file sets that key (or the `engine` key a pool inherits) to
-another value, it is an error naming both. `--data-parallel-size` N > 1 serves the colocated
-pool data-parallel (it needs `--enable-expert-parallel`); a data-parallel prefill or decode pool
-is refused by the config (KV handoffs from data-parallel ranks are not built yet).
+another value, it is an error naming both. `--data-parallel-size` N > 1 serves every pool the mode
+runs data-parallel (it needs `--enable-expert-parallel`); prefill and decode pools hand off rank to
+rank (engine/data_parallel.py).
 """
 from __future__ import annotations
 

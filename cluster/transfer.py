@@ -8,6 +8,15 @@ registered memory (which also notifies it to release); else the Ray-object copy 
 tensors (the offer itself when prefill had no NIXL, or one fetched from the prefill worker
 after a failed READ; never after a READ that timed out, whose bytes may still land). Every
 failure is a HandoffError (kvstore.kv_transport).
+
+With a data-parallel engine the cache sits on one rank of the replica, and the ranks may not be
+Ray workers (offline they are plain spawned processes), so Ray objects stay on rank 0, the
+front: a held cache on rank k is gathered there and its tensors travel to rank 0 over the
+replica's channel, where `RayTransport.relay` puts them; a Ray offer for rank j is fetched on
+rank 0 (`Loader.portable`) and its tensors travel to rank j. NIXL needs no relay: each rank
+registers its own memory with its own agent, so offers name rank k's agent and READs land in
+rank j's memory. A READ that failed on rank j > 0 (and is over) falls back too: rank 0 fetches
+the Ray copy (`Loader.fallback`) and the request starts again on rank j with its tensors.
 """
 from __future__ import annotations
 
@@ -18,7 +27,8 @@ from typing import Callable
 
 import ray
 
-from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferInFlight, TransferReport
+from kvstore.kv_transport import (GatheredTransport, HandoffError, KVTransport, Offer, PortableLoad, TransferInFlight,
+                                  TransferReport)
 
 __all__ = ["HandoffError", "Loader", "RayTransport", "NIXL_UNAVAILABLE", "READ_FAILED"]
 log = logging.getLogger(__name__)
@@ -28,7 +38,7 @@ NIXL_UNAVAILABLE = "nixl_unavailable"
 READ_FAILED = "read_failed"
 
 
-class RayTransport(KVTransport):
+class RayTransport(GatheredTransport):
     """The handoff as a Ray object: an offer is a CPU copy of the blocks + slot (`gather`)
     in the object store; a load gets it and scatters it into the allocated blocks + slot."""
     name = "ray"
@@ -37,22 +47,26 @@ class RayTransport(KVTransport):
         super().__init__(fingerprint)
         self.timeout_s = timeout_s
 
-    def offer(self, held: HeldKV, cache) -> Offer:
-        tensors = cache.gather(held.block_ids, held.slot)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return Offer(held.request_id, self.fingerprint, len(held.block_ids), nbytes, self.name, [ray.put(tensors)])
+    def offer(self, held, cache) -> Offer:
+        return self.relay(super().offer(held, cache))
 
-    def _read(self, offer: Offer, cache, block_ids: list[int], slot: int) -> int:
-        tensors = ray.get(offer.location[0], timeout=self.timeout_s)
-        cache.scatter(block_ids, slot, tensors)
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+    def relay(self, offer: Offer) -> Offer:
+        """A gathered offer (a data-parallel rank's) as a Ray object."""
+        if isinstance(offer.location, dict):
+            offer = dataclasses.replace(offer, location=[ray.put(offer.location)])
+        return offer
+
+    def tensors(self, offer: Offer) -> dict:
+        return ray.get(offer.location[0], timeout=self.timeout_s)
 
 
-class Loader:
-    """The decode side of one handoff. `load(cache, block_ids, slot)` is the engine's Resume
-    hook, run on the engine thread: it loads `offer` with the transport of its kind, and when a
-    NIXL READ fails, a Ray copy that `fetch_ray(offer)` asks the prefill worker for. It raises
-    HandoffError only (the engine then fails this request alone); `report` says how it went."""
+class Loader(PortableLoad):
+    """The decode side of one handoff. The loader itself is the engine's Resume hook
+    (`load(cache, block_ids, slot)`), run on the engine thread: it loads `offer` with the
+    transport of its kind, and when a NIXL READ fails, a Ray copy that `fetch_ray(offer)` asks
+    the prefill worker for. It raises HandoffError only (the engine then fails this request
+    alone); `report` says how it went. A data-parallel engine placing the request on rank j > 0
+    takes `portable()` instead and `settle`s with that rank's report."""
 
     def __init__(self, offer: Offer, transports: dict[str, KVTransport], fetch_ray: Callable[[Offer], Offer] | None,
                  counters: dict):
@@ -75,13 +89,48 @@ class Loader:
         """This worker cannot read NIXL: load the Ray copy `reply` (awaitable Offer) brings instead."""
         self.offer = dataclasses.replace(await reply, fallback_reason=NIXL_UNAVAILABLE)
 
-    def load(self, cache, block_ids: list[int], slot: int) -> TransferReport:
+    def _claim(self) -> Offer:
         with self._lock:
             if self._state != "pending":
                 raise HandoffError(f"request {self.offer.request_id}: it ended before its cache was read")
             self._state = "loading"
-        offer = self.offer
-        self.transports["ray"].check(offer)       # another engine's cache is refused before any copy
+        self.transports["ray"].check(self.offer)       # another engine's cache is refused before any copy
+        return self.offer
+
+    def portable(self) -> Offer:
+        """The offer for a data-parallel rank: NIXL as it is (the rank READs with its own agent;
+        if that fails, `fallback`), a Ray copy fetched here, its tensors in the offer."""
+        offer = self._claim()
+        return offer if offer.transport != "ray" else self._gathered(offer)
+
+    def fallback(self) -> Offer:
+        """A data-parallel rank's READ failed: prefill's Ray copy, its tensors in the offer."""
+        if self.offer.transport != "nixl" or self.fetch_ray is None:
+            raise HandoffError(f"request {self.offer.request_id}: no Ray copy to fall back to")
+        return self._gathered(self._fetch(self.offer, "on a data-parallel rank"))
+
+    def _fetch(self, offer: Offer, why) -> Offer:
+        """Prefill's Ray copy of `offer` after a READ failed (`why`)."""
+        try:
+            return dataclasses.replace(self.fetch_ray(offer), fallback_reason=READ_FAILED)
+        except Exception as e:
+            raise HandoffError(f"request {offer.request_id}: NIXL READ failed ({why}) and no Ray copy came from "
+                               f"prefill: {type(e).__name__}: {e}") from e
+
+    def _gathered(self, offer: Offer) -> Offer:
+        try:
+            return dataclasses.replace(offer, location=self.transports["ray"].tensors(offer))
+        except Exception as e:
+            raise HandoffError(f"request {offer.request_id}: the Ray copy could not be fetched: "
+                               f"{type(e).__name__}: {e}") from e
+
+    def settle(self, report: TransferReport) -> None:
+        self.counters[f"{report.transport}_bytes"] += report.nbytes
+        self.counters["fallbacks"] += report.fallback_reason is not None
+        self.report = report
+
+    def load(self, cache, block_ids: list[int], slot: int) -> TransferReport:
+        offer = self._claim()
         try:
             report = self._transport(offer).load(offer, cache, block_ids, slot)
         except HandoffError as e:
@@ -89,16 +138,12 @@ class Loader:
             if offer.transport != "nixl" or self.fetch_ray is None or isinstance(e, TransferInFlight):
                 raise
             log.warning("request %s: NIXL READ failed, using a Ray copy: %s", offer.request_id, e)
-            try:
-                offer = dataclasses.replace(self.fetch_ray(offer), fallback_reason=READ_FAILED)
-            except Exception as fetch_error:
-                raise HandoffError(f"request {offer.request_id}: NIXL READ failed ({e}) and no Ray copy "
-                                   f"came from prefill: {type(fetch_error).__name__}: {fetch_error}") from fetch_error
+            offer = self._fetch(offer, e)
             report = self._transport(offer).load(offer, cache, block_ids, slot)
-        self.counters[f"{report.transport}_bytes"] += report.nbytes
-        self.counters["fallbacks"] += report.fallback_reason is not None
-        self.report = report
+        self.settle(report)
         return report
+
+    __call__ = load
 
     def _transport(self, offer: Offer) -> KVTransport:
         transport = self.transports.get(offer.transport)

@@ -13,8 +13,10 @@ nothing else; a destination whose engine fingerprint differs refuses the offer. 
 gave up while its bytes may still arrive raises `TransferInFlight`: its blocks + slot stay
 out of use until the transfer is over.
 
-Implementations: `kvstore.nixl_transfer.NixlTransport` (a NIXL READ, no Ray) and
-`cluster.transfer.RayTransport` (a Ray object copy).
+Implementations: `kvstore.nixl_transfer.NixlTransport` (a NIXL READ, no Ray),
+`GatheredTransport` (the tensors in the offer itself) and `cluster.transfer.RayTransport`
+(the same tensors in a Ray object). A data-parallel engine moves a load to the rank it places
+the request on as a `PortableLoad` (engine/dp_rank.py).
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ class Offer:
     num_blocks: int
     nbytes: int
     transport: str                  # the KVTransport.name that made it ("nixl" | "ray")
-    location: Any                   # nixl: RemoteKV; ray: [ObjectRef] (a list, so the ref travels unresolved)
+    location: Any                   # nixl: RemoteKV; ray: [ObjectRef] (a list, so the ref travels unresolved),
+                                    # or the gathered tensors themselves (GatheredTransport)
     fallback_reason: str | None = None   # set when the preferred transport could not be used
     # wall-clock time (time.time()) after which the source may free and reuse the memory: a
     # one-sided READ must be over by then, or it reads another request's cache
@@ -122,5 +125,60 @@ class KVTransport(ABC):
                                f"{offer.fingerprint[:16]}, this one is {self.fingerprint[:16]}: run both pools "
                                f"with the same model and engine settings")
 
+    def relay(self, offer: Offer) -> Offer:
+        """An offer of this kind that another process made (a data-parallel rank), made good
+        here (by default as it is; RayTransport puts gathered tensors in the object store)."""
+        return offer
+
     def close(self) -> None:
         """Free what the transport registered (nothing by default)."""
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class GatheredTransport(KVTransport):
+    """The handoff as a copy in the offer itself: `location` is `CacheTensors.gather` of the
+    blocks + slot, and a load scatters it. For processes that share no object store: a
+    data-parallel rank that is not a Ray worker offers and loads Ray copies this way, its front
+    moving the tensors over the replica's channel (RayTransport.relay, Loader.portable)."""
+    name = "ray"
+
+    def offer(self, held: HeldKV, cache: CacheTensors) -> Offer:
+        tensors = cache.gather(held.block_ids, held.slot)
+        return Offer(held.request_id, self.fingerprint, len(held.block_ids), tensor_bytes(tensors), self.name,
+                     tensors)
+
+    def tensors(self, offer: Offer) -> dict[str, torch.Tensor]:
+        """The offer's gathered tensors."""
+        return offer.location
+
+    def _read(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int) -> int:
+        tensors = self.tensors(offer)
+        cache.scatter(block_ids, slot, tensors)
+        return tensor_bytes(tensors)
+
+
+class PortableLoad(ABC):
+    """A `Resume.load` hook that a data-parallel front can hand to another rank: `portable()`
+    claims the load once and returns an offer made of plain data (a NIXL offer as it is, a Ray
+    copy as its gathered tensors), which that rank loads with its own transports; the rank's
+    report comes back to `settle`. Called itself, it loads here (`load(cache, block_ids, slot)`)."""
+
+    @abstractmethod
+    def __call__(self, cache: CacheTensors, block_ids: list[int], slot: int) -> TransferReport:
+        """Load here, with this process's transports and fallbacks."""
+
+    @abstractmethod
+    def portable(self) -> Offer:
+        """The offer another process loads instead (HandoffError if the load ended already)."""
+
+    @abstractmethod
+    def settle(self, report: TransferReport) -> None:
+        """How the other process's load went."""
+
+    @abstractmethod
+    def fallback(self) -> Offer:
+        """After the portable NIXL offer's READ failed in the other process (and is over): a
+        copy made portable the same way (HandoffError when there is none)."""

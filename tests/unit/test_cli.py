@@ -228,9 +228,8 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--data-parallel-size", "2", "--enable-expert-parallel"], "prefill.data_parallel_size 2: a data-parallel prefill pool is not built yet"),
-    (["--decode-data-parallel-size", "4", "--enable-expert-parallel"],
-     "decode.data_parallel_size 4: a data-parallel decode pool is not built yet"),
+    (["--decode-data-parallel-size", "3", "--enable-expert-parallel"],   # the built-in model: 4 experts
+     "decode.data_parallel_size: data_parallel_size=3 does not divide n_routed_experts=4"),
     (["--data-parallel-size", "0"], "data_parallel_size"),
     (["--mode", "colocated", "--data-parallel-size", "2"],
      "colocated: EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"),

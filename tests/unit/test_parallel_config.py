@@ -71,15 +71,20 @@ def test_a_dp_pool_is_one_bundle_per_rank_and_its_engine_gets_the_sizes():
     assert config.pool_engine(config.prefill).data_parallel_size == 1
 
 
+def test_prefill_and_decode_pools_may_each_be_data_parallel_with_their_own_sizes():
+    config = load_config(None, {"prefill.data_parallel_size": 2, "prefill.enable_expert_parallel": True,
+                                "decode.tensor_parallel_size": 2})
+    prefill, decode = config.pool_engine(config.prefill), config.pool_engine(config.decode)
+    assert (prefill.data_parallel_size, prefill.tensor_parallel_size) == (2, 1)
+    assert (decode.data_parallel_size, decode.tensor_parallel_size) == (1, 2)
+
+
 @pytest.mark.parametrize("overrides, words", [
     ({"mode": "colocated", "colocated.data_parallel_size": 2},
      ["colocated: EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"]),
     ({"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.tensor_parallel_size": 2,
       "colocated.enable_expert_parallel": True}, ["tensor_parallel_size=2 with data_parallel_size=2", "not built"]),
-    ({"prefill.data_parallel_size": 2, "prefill.enable_expert_parallel": True},
-     ["prefill.data_parallel_size 2: a data-parallel prefill pool is not built yet", "mode: colocated"]),
-    ({"decode.data_parallel_size": 4, "decode.enable_expert_parallel": True},
-     ["decode.data_parallel_size 4: a data-parallel decode pool is not built yet"]),
+    ({"decode.data_parallel_size": 4}, ["decode: EngineConfig.data_parallel_size=4 needs enable_expert_parallel=true"]),
     ({"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.enable_expert_parallel": True,
       "colocated.num_cpus": 0}, ["data_parallel_size 2 places one rank per bundle"]),
     ({"colocated.data_parallel_size": 0}, ["data_parallel_size", "greater than or equal to 1"]),

@@ -13,29 +13,48 @@ replica's placement group (cluster/ranks.py). `stats()` sums the ranks; `rank_st
 
 The front routes each new request to one rank: the rank whose device pool holds the longest
 prefix of its prompt (in whole blocks; each rank reports what its pool gained and lost every
-tick), else the least loaded (running + waiting + just routed); n > 1 forks stay on that rank.
+tick), else the least loaded (running + waiting + held + just routed); n > 1 forks stay on that rank.
 Store objects and prefix hashes are the single engine's (the fingerprint does not depend on
 the parallel sizes): what one rank stores, any engine restores.
 
+Handoffs (prefill / decode roles) keep the Engine API: a hold_kv request holds its blocks +
+state slot on the rank it ran on, and `held_handle` / `offer_held` / `release_held` /
+`is_held` / `release_read` act on that rank through handoff calls (engine/dp_rank.py). Each
+rank registers its own cache with its own NIXL agent (`open_nixl`), so an offer names the
+holding rank's agent and a decode engine READs straight from that rank's memory; the read's
+notification reaches that rank, which frees the cache (`release_read`). Ray copies stay on
+rank 0 (ranks need not be Ray workers): the holding rank gathers its blocks and the tensors
+travel to rank 0, where the RayTransport puts them (`KVTransport.relay`). A resume placed on
+rank j loads into rank j's blocks + slot with rank j's transports: its load must be a
+`PortableLoad` (cluster.transfer.Loader), whose NIXL offer rank j READs itself and whose Ray
+copy rank 0 fetches and sends. A failed READ falls back to a Ray copy on any rank: on rank j
+the request fails there (its memory freed once the READ is over, never before) and the front
+starts it again on rank j with the copy's tensors (`PortableLoad.fallback`); when there is no
+copy, the request fails with the HandoffError.
+
 Built: TP=1 inside each DP rank, on the CPU (gloo) or one CUDA device per rank (NCCL, untested
 here). Refused at start-up: DP without expert parallelism, TP x DP (attention TP inside a DP
-rank), speculative decoding (the MTP layer's MoE), handoffs (hold_kv / resume: serving).
+rank), speculative decoding (the MTP layer's MoE).
 A rank that dies or stalls raises RankFailed within rank_timeout_s; the engine stays failed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
+from kvstore.kv_transport import HandoffError, KVTransport, Offer, PortableLoad
+from kvstore.nixl_transfer import NixlTransport
 from workers.checkpoint.default_model import ensure_default_model
 from workers.engine_config import EngineConfig
 from workers.model.args import ConfigError, ModelArgs
 from workers.parallel.collectives import Collectives, RankFailed, init_method
 from workers.parallel.replica import Liveness, LocalProcessLauncher, RankLauncher, Stop
-from workers.request import RequestOutput
+from workers.request import HeldKV, RequestOutput, Resume
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
-from .dp_rank import NewRequest, Reply, Residency, Tick, rank_config, run_dp_rank, run_tick
+from .dp_rank import (Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
+                      ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
 from .engine import Engine
 from .stats import EngineStats, summed
 
@@ -87,6 +106,9 @@ class DataParallelEngine:
         self.loads = [0] * self.size
         self.resident: list[set[int]] = [set() for _ in range(self.size)]
         self.residency = Residency(self.local.blocks)
+        self.handoff = RankHandoff(self.local, 0)
+        self.held_on: dict[str, int] = {}                     # held request id -> its rank
+        self.loading: dict[str, tuple[PortableLoad, NewRequest]] = {}   # resumed on a rank > 0: its load, request
         self.rank_stats: list[EngineStats] = [self.local.stats()] * self.size
         self._clear()
         self.health = Liveness(self.launcher)
@@ -148,14 +170,11 @@ class DataParallelEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    hold_kv: bool = False, resume=None, rank: int | None = None) -> int:
+                    hold_kv: bool = False, resume: Resume | None = None, rank: int | None = None) -> int:
         """Queue a request on `rank` (the ingress saw that rank hold its prefix), else on the rank
-        `route` picks; returns that rank. It starts there on the next step. Handoffs (hold_kv,
-        resume) are not built for data-parallel engines."""
-        if hold_kv or resume is not None:
-            raise ConfigError(f"data_parallel_size={self.size}: KV handoffs (prefill / decode roles) are not "
-                              f"built for data-parallel engines yet")
-        if request_id in self.where:
+        `route` picks; returns that rank. It starts there on the next step. `hold_kv` / `resume`:
+        Engine.add_request's, on that rank (a resume on rank j > 0 needs a PortableLoad)."""
+        if request_id in self.where or request_id in self.held_on:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         ids = self.local.prepare(prompt, params)
         if params.guide:
@@ -163,7 +182,18 @@ class DataParallelEngine:
         if rank is not None and not 0 <= rank < self.size:
             raise InvalidRequestError(f"rank {rank}: this engine has data-parallel ranks 0..{self.size - 1}")
         rank = self.route(ids) if rank is None else rank
-        self.new[rank].append(NewRequest(request_id, ids, params))
+        offer = None
+        if resume is not None and rank == 0:     # rank 0 runs the caller's load itself (Ray fallback too)
+            self.handoff.kept[request_id] = resume.load
+        elif resume is not None:
+            if not isinstance(resume.load, PortableLoad):
+                raise HandoffError(f"request {request_id}: data-parallel rank {rank} loads a handed-off cache with "
+                                   f"its own transports, and this Resume.load is no PortableLoad")
+            offer = resume.load.portable()
+        new = NewRequest(request_id, ids, params, hold_kv, resume._replace(load=None) if resume else None, offer)
+        if offer is not None:
+            self.loading[request_id] = (resume.load, new)
+        self.new[rank].append(new)
         self.where[request_id] = rank
         self.loads[rank] += params.n
         return rank
@@ -177,12 +207,16 @@ class DataParallelEngine:
         return min(range(self.size), key=lambda r: (-hits[r], self.loads[r], r))
 
     def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (waiting, running, or held for a handoff)."""
         rank = self.where.pop(request_id, None)
         if rank is None:
+            self.release_held(request_id)
             return
         queued = [r for r in self.new[rank] if r.request_id == request_id]
         if queued:
             self.new[rank].remove(queued[0])
+            self.handoff.kept.pop(request_id, None)
+            self.loading.pop(request_id, None)
         else:
             self.aborts[rank].append(request_id)
 
@@ -202,26 +236,108 @@ class DataParallelEngine:
         none = ((),) * self.size
         self._tick(Tick(none, none, flush=True))
 
-    def _tick(self, tick: Tick) -> list[RequestOutput]:
+    def _exchange(self, message: Tick | Call, mine) -> list:
+        """Send `message` to every rank; every rank's answer (`mine()`: rank 0's), in rank order."""
         self.health.check()
         try:
-            self.comm.send(tick)
-            replies: list[Reply] = self.comm.gather_objects(run_tick(self.local, tick, 0, self.residency),
-                                                            starting=False)
+            self.comm.send(message)
+            return self.comm.gather_objects(mine(), starting=False)
         except RankFailed as e:
             self.health.failed(e)
             raise
+
+    def _tick(self, tick: Tick) -> list[RequestOutput]:
+        replies: list[Reply] = self._exchange(tick, lambda: run_tick(self.local, tick, 0, self.residency,
+                                                                       self.handoff))
         outputs = []
         for rank, reply in enumerate(replies):
             self.resident[rank].difference_update(reply.dropped)
             self.resident[rank].update(reply.named)
-            self.rank_stats[rank] = s = reply.stats
-            self.loads[rank] = s.running + s.waiting + sum(r.params.n for r in self.new[rank])
-            outputs += reply.outputs
+            self._note(rank, reply.stats)
+            for rid, report in reply.loaded:
+                self.loading.pop(rid)[0].settle(report)
+            for out in reply.outputs:
+                if out.held:
+                    self.held_on[out.request_id] = rank
+            outputs += [o for o in reply.outputs if not (o.request_id in reply.unread and self._again(o, rank))]
         for out in outputs:
             if out.finished and out.all_finished:
                 self.where.pop(out.request_id, None)
+                self.loading.pop(out.request_id, None)
         return outputs
+
+    def _again(self, failed: RequestOutput, rank: int) -> bool:
+        """A READ on `rank` failed (and is over): queue the request there again with the Ray
+        copy instead; False (its error output stands) when there is none."""
+        load, new = self.loading[failed.request_id]
+        try:
+            offer = load.fallback()
+        except HandoffError as e:
+            log.warning("request %s: %s", failed.request_id, e)
+            return False
+        self.new[rank].append(dataclasses.replace(new, offer=offer))
+        self.loads[rank] += new.params.n
+        return True
+
+    def _note(self, rank: int, s: EngineStats) -> None:
+        """A rank's stats and load now. A held cache counts: it occupies its rank's memory until
+        read, so a prefill replica spreads them over its ranks."""
+        self.rank_stats[rank] = s
+        self.loads[rank] = s.running + s.waiting + s.held + sum(r.params.n for r in self.new[rank])
+
+    # ---- handoffs (see the module docstring) ---------------------------------------------------
+    def _call(self, rank: int | None, op) -> list[CallReply]:
+        """Run a handoff call on `rank` (None: every rank), between steps; rank 0's runs here."""
+        call = Call(rank, op)
+        replies = [run_call(self.handoff, call)] if rank == 0 else \
+            self._exchange(call, lambda: run_call(self.handoff, call))
+        for r, reply in enumerate(replies):
+            self._note(r, reply.stats)
+        bad = [(r, c.error) for r, c in enumerate(replies) if c.error]
+        if bad:
+            raise HandoffError("; ".join(f"data-parallel rank {r}: {e}" for r, e in bad))
+        return replies
+
+    def _holder(self, request_id: str) -> int:
+        rank = self.held_on.get(request_id)
+        if rank is None:
+            raise HandoffError(f"this engine does not hold request {request_id}")
+        return rank
+
+    def open_nixl(self, name: str, node_ip: str, backend: str, timeout_s: float) -> NixlTransport | None:
+        """Every rank registers its cache with its own NIXL agent (`{name}-dp{rank}`); rank 0's
+        transport (None when NIXL cannot run here; a rank where it cannot refuses NIXL offers)."""
+        self._call(None, OpenNixl(name, node_ip, backend, timeout_s))
+        return self.handoff.nixl
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self.held_on
+
+    def held_handle(self, request_id: str) -> HeldKV:
+        """The holding rank's HeldKV (its block ids and slot)."""
+        rank = self._holder(request_id)
+        return self._call(rank, HeldHandle(request_id))[rank].value
+
+    def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
+        """The holding rank offers its cache with its own transport of `transport`'s kind (NIXL:
+        its agent; Ray: its gathered tensors, which `transport` relays here)."""
+        rank = self._holder(request_id)
+        if rank == 0:
+            return self.local.offer_held(request_id, transport)
+        return transport.relay(self._call(rank, OfferHeld(request_id, transport.name))[rank].value)
+
+    def release_held(self, request_id: str) -> None:
+        rank = self.held_on.pop(request_id, None)
+        if rank is not None:
+            self._call(rank, ReleaseHeld(request_id))
+
+    def release_read(self, transport: NixlTransport) -> list[str]:
+        """Every rank frees the held caches destinations finished reading from its agent
+        (`transport`: rank 0's, from open_nixl); their request ids."""
+        read = [rid for c in self._call(None, PollReleased()) for rid in c.value]
+        for rid in read:
+            self.held_on.pop(rid, None)
+        return read
 
     def stats(self) -> EngineStats:
         """The replica's stats: every rank's as of the last step, summed (`rank_stats`: each
@@ -234,6 +350,7 @@ class DataParallelEngine:
                 self.comm.send(Stop("engine closed"), starting=True)
             except RankFailed:
                 pass
+        self.handoff.close()
         self.local.close()
         self.launcher.stop()
         self.comm.close()

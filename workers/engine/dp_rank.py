@@ -9,6 +9,18 @@ A tick is one `DataParallelEngine.step()`:
 agree there whether anyone has a batch; one that has none runs an empty batch through every MoE
 exchange (Engine._step, Transformer.idle), so the model's collectives stay in lockstep. Ranks
 1..N-1 run `run_dp_rank` in their own process (LocalProcessLauncher(main=run_dp_rank)).
+
+Handoffs between steps are calls, which step nothing:
+
+    rank 0:  send Call(rank, op) ─ run_call(its part) ─ gather_objects(CallReply) -> the target's answer
+    rank k:  recv Call ─ run_call(its part: nothing unless it is the target) ─ gather_objects(CallReply)
+
+A held request stays on its rank; `RankHandoff` is a rank's side of handoffs: its own NIXL
+transport (`OpenNixl`: an agent per rank over the rank's own cache memory, so offers name it
+and READs land in it), gathered copies for Ray (GatheredTransport: a rank need not be a Ray
+worker; its front relays the tensors), the reads it finished (`PollReleased`: the rank frees
+them itself) and the loads it ran (Reply.loaded, so the front settles each request's load; and
+Reply.unread, failed READs that are over, which the front starts again from a Ray copy).
 """
 from __future__ import annotations
 
@@ -18,10 +30,11 @@ import traceback
 from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool
+from kvstore.kv_transport import GatheredTransport, HandoffError, KVTransport, Offer, TransferInFlight, TransferReport
 from workers.engine_config import EngineConfig
 from workers.parallel.collectives import Collectives
 from workers.parallel.replica import Stop, rank_device
-from workers.request import RequestOutput
+from workers.request import RequestOutput, Resume
 from workers.sampling.params import SamplingParams
 
 from .engine import Engine
@@ -33,10 +46,15 @@ log = logging.getLogger(__name__)
 # ---- messages (one dataclass per message) -------------------------------------------------------
 @dataclass(frozen=True)
 class NewRequest:
-    """A request the front checked (token ids) and routed to one rank."""
+    """A request the front checked (token ids) and routed to one rank. `hold_kv`: prefill role;
+    `resume` (its `load` None) + `offer`: decode role, the rank loads `offer` with its own
+    transports (a NIXL offer, or a Ray copy's gathered tensors)."""
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    hold_kv: bool = False
+    resume: Resume | None = None
+    offer: Offer | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,58 @@ class Reply:
     stats: EngineStats
     named: list[int]
     dropped: list[int]
+    loaded: list[tuple[str, TransferReport]] = dataclasses.field(default_factory=list)   # request id, report
+    unread: list[str] = dataclasses.field(default_factory=list)   # NIXL READs that failed and are over
+
+
+# ---- handoff calls (rank 0 -> all, between steps; the target answers) ----------------------------
+@dataclass(frozen=True)
+class OpenNixl:
+    """Every rank: register its cache with a NIXL agent `{name}-dp{rank}`."""
+    name: str
+    node_ip: str
+    backend: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class HeldHandle:
+    """The holding rank: Engine.held_handle."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class OfferHeld:
+    """The holding rank: offer a held cache with its own transport of kind `transport`."""
+    request_id: str
+    transport: str
+
+
+@dataclass(frozen=True)
+class ReleaseHeld:
+    """The holding rank: free a held cache."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PollReleased:
+    """Every rank: free the held caches destinations finished reading; answer their ids."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One handoff call for rank `rank` (None: every rank)."""
+    rank: int | None
+    op: OpenNixl | HeldHandle | OfferHeld | ReleaseHeld | PollReleased
+
+
+@dataclass(frozen=True)
+class CallReply:
+    """A rank's answer to a Call: its value (None: the call was for another rank) or the error
+    it raised, and its stats after it (a release changes what the front reports)."""
+    stats: EngineStats
+    value: object = None
+    error: str | None = None
 
 
 class Residency:
@@ -78,7 +148,76 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=rank_device(config.device, rank), worker_id=worker)
 
 
-def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency) -> Reply:
+class RankHandoff:
+    """A rank's side of handoffs (see the module docstring)."""
+
+    def __init__(self, engine: Engine, rank: int):
+        self.engine, self.rank = engine, rank
+        self.nixl = None                                   # NixlTransport once OpenNixl opened one
+        self.gathered = GatheredTransport(engine.fingerprint)
+        self.loaded: list[tuple[str, TransferReport]] = []
+        self.unread: list[str] = []
+        self.kept: dict[str, object] = {}                 # rank 0: request id -> the caller's own Resume.load
+
+    def transport(self, kind: str) -> KVTransport:
+        found = {"nixl": self.nixl, "ray": self.gathered}.get(kind)
+        if found is None:
+            raise HandoffError(f"data-parallel rank {self.rank} has no {kind} transport")
+        return found
+
+    def resume(self, r: NewRequest) -> Resume | None:
+        """The rank's Resume for `r`: its load reads `r.offer` here and reports how it went."""
+        if r.resume is None:
+            return None
+        if r.offer is None:                                # rank 0: the caller's load (its Ray fallback too)
+            return r.resume._replace(load=self.kept.pop(r.request_id))
+
+        def load(cache, block_ids: list[int], slot: int) -> TransferReport:
+            try:
+                report = self.transport(r.offer.transport).load(r.offer, cache, block_ids, slot)
+            except HandoffError as e:    # over (not in flight): the front may start it again from a Ray copy
+                if r.offer.transport == "nixl" and not isinstance(e, TransferInFlight):
+                    self.unread.append(r.request_id)
+                raise
+            self.loaded.append((r.request_id, report))
+            return report
+        return r.resume._replace(load=load)
+
+    def reports(self) -> tuple[list[tuple[str, TransferReport]], list[str]]:
+        """(loads run, NIXL READs failed) since the last call."""
+        loaded, unread, self.loaded, self.unread = self.loaded, self.unread, [], []
+        return loaded, unread
+
+    def run(self, op) -> object:
+        e = self.engine
+        if isinstance(op, OpenNixl):
+            self.nixl = e.open_nixl(f"{op.name}-dp{self.rank}", op.node_ip, op.backend, op.timeout_s)
+            return self.nixl is not None
+        if isinstance(op, PollReleased):
+            return e.release_read(self.nixl) if self.nixl is not None else []
+        if isinstance(op, HeldHandle):
+            return e.held_handle(op.request_id)
+        if isinstance(op, OfferHeld):
+            return e.offer_held(op.request_id, self.transport(op.transport))
+        e.release_held(op.request_id)
+
+    def close(self) -> None:
+        if self.nixl is not None:
+            self.nixl.close()
+
+
+def run_call(handoff: RankHandoff, call: Call) -> CallReply:
+    """Rank `handoff.rank`'s part of a call (nothing when the call is for another rank)."""
+    value, error = None, None
+    if call.rank is None or call.rank == handoff.rank:
+        try:
+            value = handoff.run(call.op)
+        except Exception as e:      # the front raises it as the call's error
+            error = f"{type(e).__name__}: {e}"
+    return CallReply(handoff.engine.stats(), value, error)
+
+
+def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency, handoff: RankHandoff) -> Reply:
     """Rank `rank`'s part of one tick (see the module docstring); a `flush` tick only flushes."""
     if tick.flush:
         engine.flush()
@@ -88,12 +227,12 @@ def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency) -> Rep
     refused = []
     for r in tick.new[rank]:
         try:
-            engine.add_request(r.request_id, r.prompt, r.params)
+            engine.add_request(r.request_id, r.prompt, r.params, hold_kv=r.hold_kv, resume=handoff.resume(r))
         except Exception as e:      # checked by the front already; whatever is left fails the request only
             refused.append(RequestOutput(r.request_id, r.prompt, [], [], [], "", True, "error", len(r.prompt), 0,
                                          error=f"{type(e).__name__}: {e}"))
     outputs = refused + engine.step()
-    return Reply(outputs, engine.stats(), *residency.changes())
+    return Reply(outputs, engine.stats(), *residency.changes(), *handoff.reports())
 
 
 def run_dp_rank(rank: int, world_size: int, init_method: str, config: EngineConfig) -> None:
@@ -101,19 +240,23 @@ def run_dp_rank(rank: int, world_size: int, init_method: str, config: EngineConf
     engine (its share of the experts), reports whether that worked, then runs rank 0's ticks
     until rank 0 stops it (or dies: then a collective raises RankFailed and this returns)."""
     comm = Collectives(rank, world_size, init_method, config.device, config.rank_timeout_s)
-    engine, error = None, None
+    engine, handoff, error = None, None, None
     try:
         try:
             engine = Engine(rank_config(config, rank), dp=comm)
+            handoff = RankHandoff(engine, rank)
         except Exception as e:     # reported to rank 0, which raises it
             error = f"{type(e).__name__}: {e}"
             log.error("data-parallel rank %d: start-up failed\n%s", rank, traceback.format_exc())
         if any(comm.gather_objects(error)):
             return
         residency = Residency(engine.blocks)
-        while not isinstance(tick := comm.recv(), Stop):
-            comm.gather_objects(run_tick(engine, tick, rank, residency), starting=False)
+        while not isinstance(msg := comm.recv(), Stop):
+            reply = run_call(handoff, msg) if isinstance(msg, Call) else run_tick(engine, msg, rank, residency, handoff)
+            comm.gather_objects(reply, starting=False)
     finally:
+        if handoff is not None:
+            handoff.close()
         if engine is not None:
             engine.close()
         comm.close()

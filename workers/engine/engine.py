@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvstore.kv_transport import HandoffError, KVTransport, Offer
+from kvstore.nixl_transfer import NixlTransport, make_agent
 from workers.checkpoint.default_model import ensure_default_model
 from workers.engine_config import EngineConfig
 from workers.model.args import ConfigError
@@ -260,6 +261,20 @@ class Engine:
         seq = self.held.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)
+
+    def open_nixl(self, name: str, node_ip: str, backend: str, timeout_s: float) -> NixlTransport | None:
+        """A NIXL transport over this engine's cache, registered with an agent called `name`
+        (None, with a warning, when NIXL cannot run here: handoffs then use Ray copies)."""
+        agent, _ = make_agent(name, self.kv_tensors(), node_ip, backend)
+        return NixlTransport(agent, self.fingerprint, timeout_s) if agent is not None else None
+
+    def release_read(self, transport: NixlTransport) -> list[str]:
+        """Free the held caches destinations have finished reading (`transport.released()`);
+        their request ids."""
+        read = transport.released()
+        for rid in read:
+            self.release_held(rid)
+        return read
 
     def stats(self) -> EngineStats:
         """Load, memory and counters now (cheap: read between steps, or racily from another thread)."""
