@@ -12,7 +12,9 @@ when no sequence has more than one row past what it kept (one rejected draft at 
 row gets a placeholder next token and writes the layer's ring at the sequence's next
 position, which the next step's pass rewrites before any query reads it. Otherwise (two or
 more rejected rows would overwrite ring rows still in the window) the pass runs over the
-kept rows only.
+kept rows only. Either way every row's K=V goes to the layer's ring, but the rest of the layer
+(attention output, MoE, mHC mixing) runs only for the rows a draft comes from: one per drafting
+sequence.
 """
 from __future__ import annotations
 
