@@ -29,6 +29,7 @@ class StepRows(Protocol):
     block_table: torch.Tensor   # [B, MB] block ids
     keep_tokens: torch.Tensor   # [B] tokens restored from stored blocks (not rewritten)
     decode: bool                # one row per sequence, past its restored tokens: no masks needed
+    fresh: bool                 # every row lies past its sequence's restored tokens: block writes need no mask
     max_len: int | None         # host-known bound on lengths (None: unknown)
 
 
@@ -162,20 +163,20 @@ class LayerCache:
         and, with swa_blocks (the `full` policy), every row not restored into its block (a
         prefill chunk may be longer than the window: the blocks get all of it)."""
         w = self.ring.shape[1]
-        if step.decode:          # one row per sequence: every row goes to the ring and its block
+        if step.decode:          # one row per sequence: every row goes to the ring
             self.ring[step.slots, step.positions % w] = kv
-            if self.swa is not None:
-                bt = self.swa.shape[1]
-                self.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
-            return
-        if step.max_len is not None and step.max_len <= w:   # every row is among its sequence's newest w
+        elif step.max_len is not None and step.max_len <= w:   # every row is among its sequence's newest w
             self.ring[step.slots[step.q_seq], step.positions % w] = kv
         else:
             ends = (step.starts + step.lengths)[step.q_seq]
             last = step.positions >= ends - w
             self.ring[step.slots[step.q_seq[last]], step.positions[last] % w] = kv[last]
-        if self.swa is not None:
-            bt = self.swa.shape[1]
+        if self.swa is None:
+            return
+        bt = self.swa.shape[1]
+        if step.fresh:           # no row was restored: every row goes to its block
+            self.swa[step.block_table[step.q_seq, step.positions // bt].long(), step.positions % bt] = kv
+        else:
             new = step.positions >= step.keep_tokens[step.q_seq]
             blocks = step.block_table[step.q_seq[new], step.positions[new] // bt].long()
             self.swa[blocks, step.positions[new] % bt] = kv[new]

@@ -106,11 +106,13 @@ def random_cache(layout, num_blocks: int, num_slots: int, seed: int):
     return cache
 
 
-def mtp_logits(path, tokens: list[int], block_tokens: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def mtp_logits(path, tokens: list[int], block_tokens: int = 16, rows: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(main streams [S, N, C], MTP logits [S - 1, V]: row t from the streams at t and token
     t + 1) from kvmesh: the main forward over the prompt as one prefill (keep_streams), then
     `MTPLayer.predict` and `Transformer.logits` through the layer's own head, as the drafter
-    runs them."""
+    runs them; with `rows`, the layer runs past its K=V for those rows only (the logits are
+    theirs) and the layer's window ring comes back too: (ring, logits)."""
     from kvstore.cache_tensors import CacheTensors, LayerCache
     from kvstore.layout import CacheLayout, LayoutParams, SWASpec
     from workers.checkpoint.loader import load_model
@@ -134,8 +136,9 @@ def mtp_logits(path, tokens: list[int], block_tokens: int = 16) -> tuple[torch.T
                       num_blocks=0, num_slots=1)
     layer, mstep = model.mtp[0], step(tokens[1:], 1)
     with torch.inference_mode():
-        x = layer.predict(streams[:-1], mstep.tokens, model.embed, mstep, ring, model.ropes, model.ops)
-        return streams, model.logits(x, layer)
+        x = layer.predict(streams[:-1], mstep.tokens, model.embed, mstep, ring, model.ropes, model.ops,
+                          None if rows is None else torch.tensor(rows))
+        return (streams if rows is None else ring.ring), model.logits(x, layer)
 
 
 LOGPROB_TOL = 2e-4      # chosen-token logprobs of two fp32 runs that must agree

@@ -127,6 +127,21 @@ def test_mtp_layer_logits_match_an_independent_v4_mtp_implementation(models):
     assert logits.std() > 100 * TOL           # not vacuous: the logits vary far beyond the tolerance
 
 
+def test_mtp_layer_run_for_a_few_rows_gives_their_logits_and_writes_every_row_to_its_ring(models):
+    """The drafter runs the layer past its K=V only for the rows it drafts from: their logits
+    are those of the whole run, and the window ring is the same as after it."""
+    from tests.helpers import mtp_logits
+    path, _, _ = models
+    tokens = random_prompt(PROMPT, seed=5)
+    _, whole = mtp_logits(path, tokens)
+    ring, every = mtp_logits(path, tokens, rows=list(range(PROMPT - 1)))
+    torch.testing.assert_close(every, whole, atol=TOL, rtol=TOL)
+    rows = [3, PROMPT - 2]
+    some_ring, some = mtp_logits(path, tokens, rows=rows)
+    torch.testing.assert_close(some, whole[rows], atol=TOL, rtol=TOL)
+    assert torch.equal(some_ring, ring) and ring.abs().sum() > 0
+
+
 def test_mtp_drafter_proposes_the_reference_argmax_from_the_main_streams_and_the_sampled_token(models):
     """After the prefill step the drafter's first draft is the reference MTP's argmax at the
     prompt's last position, fed the token the engine just sampled there."""

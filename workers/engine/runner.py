@@ -60,13 +60,13 @@ class ModelRunner:
         logits_at = torch.cat([(ends[sampled] - rows).repeat_interleave(rows) + _ranks(rows),
                                torch.tensor(extra_at, dtype=torch.long)])
         lens = [n + len(drafts.get(b, ())) for b, (_, n) in enumerate(batch)]
-        decode = max(lens) == 1 and all(s.num_computed >= s.keep_tokens for s, _ in batch)
+        fresh = all(s.num_computed >= s.keep_tokens for s, _ in batch)
         step = StepInput(tokens=torch.tensor(tokens, dtype=torch.long), positions=positions,
                          q_seq=q_seq, starts=starts, lengths=lengths, slots=slots,
                          block_table=table, ring_from=ring_from, keep_tokens=keep,
                          logits_at=logits_at, max_len=max(lens),
                          max_end=max(s.num_computed + n for s, n in zip((s for s, _ in batch), lens)),
-                         decode=decode)
+                         decode=max(lens) == 1 and fresh, fresh=fresh)
         return step, sampled.tolist(), extra
 
     def run(self, batch: list[tuple[Sequence, int]], drafts: dict[int, list[int]] | None = None,

@@ -48,8 +48,8 @@ class Compressor(nn.Module):
             cos, sin = rope(plan.index * m, x.dtype)
             entries = ops.compress_windows(win_kv, win_gate, self.ape, prev_kv, prev_gate,
                                            self.norm.weight, self.eps, cos, sin, self.overlap)
-            if plan.padded:   # every row to its own window's entry, invisible until that window closes
-                w, b = plan.index, plan.seq
+            if plan.padded or step.fresh:   # (padded: every row to its own window's entry, invisible until
+                w, b = plan.index, plan.seq      # that window closes; fresh: no closed window was restored)
             else:
                 w, b, entries = plan.index[plan.keep], plan.seq[plan.keep], entries[plan.keep]
             cache.write_entries(step.block_table[b, w // epb].long(), w % epb, entries)
@@ -132,13 +132,20 @@ class Attention(nn.Module):
         return (old if rw.step_rows is None else torch.cat([old, kv[rw.step_rows]], 1)), rw.positions
 
     def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes: dict[str, Rope],
-                pos_rope: PositionRope, ops: KernelOps) -> torch.Tensor:
-        t = x.shape[0]
+                pos_rope: PositionRope, ops: KernelOps, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The output of every row of the step, or (`rows`, a sliding-window layer in a step that
+        is not a decode step) of those rows only: the others' K=V still go to the cache."""
         cos, sin = pos_rope["main" if self.layer_type == SWA else "compress"]
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
+        q_pos, q_seq = step.positions, step.q_seq
+        if rows is not None:
+            if self.layer_type != SWA or step.decode:
+                raise ValueError("output rows: only a sliding-window layer in a step that is not a decode step")
+            x, cos, sin, q_pos, q_seq = x[rows], cos[rows], sin[rows], q_pos[rows], q_seq[rows]
+        t = x.shape[0]
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(t, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
         if step.decode:     # the token goes to the ring first: the window is then read from there alone
             cache.append_kv(step, kv)
             win_kv, win_pos = self.window_kv(kv, step, cache.ring)
@@ -153,11 +160,14 @@ class Attention(nn.Module):
         if self.indexer is not None:
             topk = self.indexer(x, q_res, step, cache, ropes["compress"], pos_rope["compress"], ops)
         comp, table = cache.compressor.paged(step.block_table, x.dtype) if self.compressor else (None, step.block_table)
-        out = ops.sparse_attention(q, step.positions, step.q_seq, win_kv, win_pos, comp,
+        win_rows, win_valid = rw.query_rows, rw.query_valid
+        if rows is not None:
+            win_rows, win_valid = win_rows[rows], win_valid[rows]
+        out = ops.sparse_attention(q, q_pos, q_seq, win_kv, win_pos, comp,
                                    table, comp_len, topk, self.attn_sink,
                                    self.head_dim ** -0.5, self.window, max(self.ratio, 1),
                                    max_entries=step.entry_bound(self.ratio) if self.compressor else None,
-                                   decode=step.decode, win_rows=rw.query_rows, win_valid=rw.query_valid)
+                                   decode=step.decode, win_rows=win_rows, win_valid=win_valid)
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.n_groups, -1)                           # [T, G, H*D/G]
         partial = self.wo_b(grouped_linear(self.wo_a, grouped))               # wo_a: [G*R, H*D/G]

@@ -33,6 +33,8 @@ class StepInput:
     max_end: int | None = None  # >= max(starts + lengths): bounds every sequence's entry count
     decode: bool = False        # every sequence has one token, past what was restored (keep_tokens):
                                 # unmasked ring writes
+    fresh: bool = False         # every row lies past what was restored (keep_tokens; a decode step's do):
+                                # block writes and compressor entries need no mask
     fixed_shapes: bool = False  # (decode only) every op's shape follows from B alone, whatever the
                                 # data: window plans of one row per sequence (WindowPlan.build_decode)
     cu: torch.Tensor = field(init=False)        # [B + 1] row offsets of each sequence in T
@@ -42,6 +44,7 @@ class StepInput:
     def __post_init__(self) -> None:
         if self.fixed_shapes and not self.decode:
             raise ValueError("fixed_shapes needs a decode step (one token per sequence)")
+        self.fresh = self.fresh or self.decode
         self.cu = torch.nn.functional.pad(torch.cumsum(self.lengths, 0), (1, 0))
 
     def to(self, device: str | torch.device) -> "StepInput":

@@ -47,11 +47,15 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
-    def mix(self, x: torch.Tensor, site: str, sublayer) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, site: str, sublayer, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """mHC around `sublayer`: its input collapsed from every row's streams; it returns the rows
+        `rows` (default all), whose new streams come back."""
         pre, post, comb = hc_weights(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                                      getattr(self, f"hc_{site}_scale"), self.args)
         collapsed = (pre.unsqueeze(-1) * x).sum(1).to(x.dtype)
         y = sublayer(collapsed)
+        if rows is not None:
+            x, post, comb = x[rows], post[rows], comb[rows]
         return post.to(x.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.to(x.dtype).transpose(1, 2), x)
 
     def forward(self, x: torch.Tensor, step: StepInput, cache: LayerCache, ropes, pos_rope: PositionRope,
@@ -77,13 +81,19 @@ class MTPLayer(Block):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
 
     def predict(self, streams: torch.Tensor, next_tokens: torch.Tensor, embed: nn.Embedding, step: StepInput,
-                cache: LayerCache, ropes, ops) -> torch.Tensor:
+                cache: LayerCache, ropes, ops, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Main-model streams [T, N, C] at step.positions and each position's next token [T]
-        -> this layer's streams [T, N, C] (which predict the token after the next one)."""
+        -> this layer's streams [T, N, C] (which predict the token after the next one), or with
+        `rows` (a step that is not a decode step) [len(rows), N, C] of those rows: every row's
+        K=V still goes to the layer's window ring, but the attention output, the MoE and the
+        mHC mixing after the attention run for `rows` only (a draft needs one row per sequence)."""
         e = self.e_proj(self.enorm(embed(next_tokens)))
         x = e.unsqueeze(1) + self.h_proj(self.hnorm(streams))
         pos_rope = {"main": ropes["main"](step.positions, x.dtype)}     # a sliding-window block: main RoPE only
-        return super().forward(x, step, cache, ropes, pos_rope, ops)
+        if rows is None:
+            return super().forward(x, step, cache, ropes, pos_rope, ops)
+        x = self.mix(x, "attn", lambda h: self.attn(self.attn_norm(h), step, cache, ropes, pos_rope, ops, rows), rows)
+        return self.mix(x, "ffn", lambda h: self.ffn(self.ffn_norm(h), next_tokens[rows]))
 
 
 class ParallelEmbedding(nn.Embedding):

@@ -12,7 +12,9 @@ when no sequence has more than one row past what it kept (one rejected draft at 
 row gets a placeholder next token and writes the layer's ring at the sequence's next
 position, which the next step's pass rewrites before any query reads it. Otherwise (two or
 more rejected rows would overwrite ring rows still in the window) the pass runs over the
-kept rows only.
+kept rows only. Either way every row's K=V goes to the layer's ring, but the rest of the layer
+(attention output, MoE, mHC mixing) runs only for the rows a draft comes from: one per drafting
+sequence.
 """
 from __future__ import annotations
 
@@ -63,29 +65,29 @@ class MTPDrafter(Drafter):
         lengths = step.lengths.tolist()
         if all(n - m <= 1 for n, m in zip(lengths, kept)):
             drafting_rows = {b for b, d in zip(index, decoding) if d}
-            x, at = self._whole_step(batch, starts, step, streams, kept, lengths, drafting_rows)
+            x = self._whole_step(batch, starts, step, streams, kept, lengths, drafting_rows)
         else:
-            x, mstep = self._kept_rows(step, streams, seqs, spans, index)
-            at = mstep.logits_at[torch.tensor(decoding, dtype=torch.bool)]
+            x = self._kept_rows(step, streams, seqs, spans, index, decoding)
         if not any(decoding):
             return
         drafting = [s for s, d in zip(seqs, decoding) if d]
-        x, last = x[at], step.positions.new_tensor([s.num_computed - 1 for s in drafting])
+        last = step.positions.new_tensor([s.num_computed - 1 for s in drafting])
         out = [[] for _ in drafting]
         for i in range(k):
             token = self.model.logits(x, self.layer).argmax(-1).tolist()
             for o, t in zip(out, token):
                 o.append(t)
             if i + 1 < k:
-                x, _ = self._run(x, token, drafting, [(int(p) + 1 + i, 1) for p in last])
+                x = self._run(x, token, drafting, [(int(p) + 1 + i, 1) for p in last])
         self.drafts = {id(s): o for s, o in zip(drafting, out)}
 
     def _whole_step(self, batch, starts: list[int], step: StepInput, streams: torch.Tensor, kept: list[int],
-                    lengths: list[int], decoding: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                    lengths: list[int], decoding: set[int]) -> torch.Tensor:
         """The layer over every row of the main step (of sequence b's `lengths[b]` rows, `kept[b]`
-        hold their next token, the others a placeholder); returns its streams and, in batch order, the
-        rows of the `decoding` sequences' last kept positions. Where the layer ran from the
-        ring's first valid row on (no restored prefix), its window indices are the step's."""
+        hold their next token, the others a placeholder); returns its streams at the `decoding`
+        sequences' last kept positions, in batch order (past the attention's K=V, only those rows
+        run). Where the layer ran from the ring's first valid row on (no restored prefix), its
+        window indices are the step's."""
         tokens, ring_from, at = [], [], []
         for b, ((seq, _), row, n) in enumerate(zip(batch, step.cu.tolist(), lengths)):
             nxt = seq.token_slice(starts[b] + 1, starts[b] + kept[b] + 1)
@@ -99,33 +101,44 @@ class MTPDrafter(Drafter):
                                     logits_at=new(at))
         if same:
             mstep.rings.update(step.rings)
-        m = self.model
-        return self.layer.predict(streams, mstep.tokens, m.embed, mstep, self.cache, m.ropes, m.ops), mstep.logits_at
+        return self._predict(streams, mstep, mstep.logits_at)
 
     def _kept_rows(self, step: StepInput, streams: torch.Tensor, seqs: list[Sequence],
-                   spans: list[tuple[int, int]], index: list[int]) -> tuple[torch.Tensor, StepInput]:
+                   spans: list[tuple[int, int]], index: list[int], decoding: list[bool]) -> torch.Tensor:
         """The layer over the rows each sequence kept (its span: first position, count; its
-        batch index)."""
+        batch index); returns its streams at the last kept row of each `decoding` sequence."""
         rows, tokens, cu = [], [], step.cu.tolist()
         for seq, (start, n), b in zip(seqs, spans, index):
             rows += range(cu[b], cu[b] + n)
             tokens += seq.token_slice(start + 1, start + n + 1)
-        return self._run(streams[torch.tensor(rows, dtype=torch.long)], tokens, seqs, spans)
+        mstep = self._step(tokens, seqs, spans, streams.device)
+        return self._predict(streams[torch.tensor(rows, dtype=torch.long)], mstep,
+                             mstep.logits_at[torch.tensor(decoding, dtype=torch.bool)])
 
     def _run(self, streams: torch.Tensor, next_tokens: list[int], seqs: list[Sequence],
-             spans: list[tuple[int, int]]) -> tuple[torch.Tensor, StepInput]:
+             spans: list[tuple[int, int]]) -> torch.Tensor:
         """The layer over each sequence's span (first position, count) of rows."""
+        return self._predict(streams, self._step(next_tokens, seqs, spans, streams.device), None)
+
+    def _predict(self, streams: torch.Tensor, step: StepInput, rows: torch.Tensor | None) -> torch.Tensor:
+        """The layer's streams at `rows` of `step` (None: every row). The ring is written at every
+        row; past that only `rows` run, unless it is a decode step or no row is asked for."""
+        m = self.model
+        only = rows is not None and rows.numel() > 0 and not step.decode
+        x = self.layer.predict(streams, step.tokens, m.embed, step, self.cache, m.ropes, m.ops, rows if only else None)
+        return x if only or rows is None else x[rows]
+
+    def _step(self, next_tokens: list[int], seqs: list[Sequence], spans: list[tuple[int, int]],
+              dev: torch.device) -> StepInput:
+        """The layer's own step over each sequence's span (first position, count) of rows."""
         t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
         starts, lengths = t([s for s, _ in spans]), t([n for _, n in spans])
         q_seq = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
         ends = torch.cumsum(lengths, 0)
         positions = starts[q_seq] + torch.arange(q_seq.shape[0]) - (ends - lengths)[q_seq]
         ring_from = t([max(s.ring_from, self.first.get(id(s), 0)) for s in seqs])
-        dev = streams.device
-        step = StepInput(tokens=t(next_tokens).to(dev), positions=positions.to(dev), q_seq=q_seq.to(dev),
+        return StepInput(tokens=t(next_tokens).to(dev), positions=positions.to(dev), q_seq=q_seq.to(dev),
                          starts=starts.to(dev), lengths=lengths.to(dev), slots=t([s.slot for s in seqs]).to(dev),
                          block_table=torch.zeros(len(seqs), 1, dtype=torch.int32, device=dev),
                          ring_from=ring_from.to(dev), keep_tokens=torch.zeros_like(starts).to(dev),
                          logits_at=(ends - 1).to(dev))
-        m = self.model
-        return self.layer.predict(streams, step.tokens, m.embed, step, self.cache, m.ropes, m.ops), step
