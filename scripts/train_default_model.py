@@ -41,8 +41,17 @@ norm, the main vocabulary head) is trained alone on the MTP loss of the V4 repor
 from the main model's last streams at t and the embedding of token t + 1), starting from the
 main model's last block, and written to `mtp.safetensors` in the release's names (`mtp.0.*`).
 `model.safetensors` is never rewritten, so every greedy answer of the main model stays the same.
-`--mtp-only` runs this stage alone on the checkpoint already in `--out` (what made the shipped
-`mtp.safetensors`: 800 steps of 8 x 256 tokens, one thread).
+`--mtp-only` runs this stage alone on the checkpoint already in `--out` (800 steps of 8 x 256
+tokens, one thread). `--mtp-target main` trains on self-distillation instead (as EAGLE's and
+Medusa-2's drafters are trained): cross-entropy against the frozen main model's own
+distribution over token t + 2 (its logits at t + 1, from the same forward that gives the
+streams), on every row. A draft is accepted when it equals the main model's prediction, not
+the corpus's next token, so that is the target to learn; the corpus loss spends capacity on
+tokens the main model gets wrong anyway, and no corpus term is mixed in. `--mtp-resume` starts
+from `--out`'s `mtp.safetensors` instead of the main model's last block. The shipped
+`mtp.safetensors` is the 800-step corpus layer self-distilled for 400 more steps
+(`--mtp-only --mtp-resume --mtp-target main --mtp-steps 400 --mtp-lr 1e-3 --threads 2`):
+k = 1 acceptance 0.74 -> 0.90 on the model's own text.
 
 **Determinism.** Every random draw comes from `--seed` (torch, the hash-routing table, the
 batch order, the conversations); with the same thread count a re-run writes the same bytes.
