@@ -40,8 +40,8 @@ from .stats import EngineCounters, EngineStats, Histogram
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
-# Drafts per step by default with an MTP layer: k = 1 is the fastest k at batch 1 on CPU
-# (docs/benchmarks.md, speculative decoding); more drafts cost more than they add there.
+# Drafts per step by default with an MTP layer: on CPU k = 1 is 1.4x at batch 1 and the best k
+# at batch 8; more drafts pay more at batch 1 but lose at batch 8 and 32 (docs/benchmarks.md).
 AUTO_SPECULATIVE_TOKENS = 1
 
 
