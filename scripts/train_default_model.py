@@ -55,7 +55,8 @@ k = 1 acceptance 0.74 -> 0.90 on the model's own text.
 
 **Determinism.** Every random draw comes from `--seed` (torch, the hash-routing table, the
 batch order, the conversations); with the same thread count a re-run writes the same bytes.
-The defaults are what made the shipped checkpoint (stage 1: 36 min on 2 cores shared with six
+The defaults are what made the shipped checkpoint, up to its MTP layer's self-distillation
+above (stage 1: 36 min on 2 cores shared with six
 other busy sessions; the step losses are printed); `--steps 3 --max-chars 30000 --vocab-size
 512 --chat-steps 3` is a seconds-long smoke run.
 """
