@@ -478,7 +478,8 @@ def tp_main(args, levels: list[int], sizes: list[int]) -> int:
         engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                      max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
                                      tensor_parallel_size=size, enable_expert_parallel=args.enable_expert_parallel,
-                                     prefix_reuse=False, speculative_tokens=0), launcher=LocalProcessLauncher(args.threads))
+                                     prefix_reuse=False, speculative_tokens=0),
+                        launcher=LocalProcessLauncher(args.threads))
         vocab = engine.args.vocab_size
         comm = engine.model.shard.comm
         try:

@@ -227,7 +227,8 @@ def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_o
     data-parallel engines, which do not draft yet."""
     from workers.engine.engine import AUTO_SPECULATIVE_TOKENS
     name = "swa_csa_hca"
-    path, plain = write_mtp_checkpoint(tmp_path_factory, name), write_tiny_checkpoint(tmp_path_factory.mktemp("p"), name)
+    path = write_mtp_checkpoint(tmp_path_factory, name)
+    plain = write_tiny_checkpoint(tmp_path_factory.mktemp("plain"), name)
     auto = tiny_engine(path, name)
     assert AUTO_SPECULATIVE_TOKENS == auto.config.speculative_tokens == 1 and auto.speculator is not None
     out = auto.generate(prompts()[:2], GREEDY)
