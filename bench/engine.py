@@ -5,7 +5,9 @@
 
 Both run the same checkpoint (the built-in default model unless --model), in fp32, on the
 same prompts (random token ids, distinct for every request of every run so no prefix is
-reused), greedy, with EOS ignored so every request generates exactly max_tokens.
+reused), greedy, with EOS ignored so every request generates exactly max_tokens. kvmesh
+decodes plainly here (speculative_tokens=0; the default drafts with the built-in model's MTP
+layer, which --speculative measures).
 
 At concurrency c, all c requests arrive at t0:
   * kvmesh gets them all at once (continuous batching, chunked prefill), stepped with the
@@ -419,7 +421,8 @@ def quantized_main(args, levels: list[int]) -> int:
     qdir = random_released_checkpoint(root / "fp8-fp4", QUANT_CONFIG)
     ddir = dequantize_checkpoint(qdir, root / "bf16")
     engines = {name: Engine(EngineConfig(model=str(d), dtype="bfloat16", max_num_seqs=max(levels),
-                                         max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES))
+                                         max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
+                                         speculative_tokens=0))
                for name, d in (("fp8/fp4", qdir), ("bf16", ddir))}
     files = {"fp8/fp4": (qdir / "model.safetensors").stat().st_size, "bf16": (ddir / "model.safetensors").stat().st_size}
     resident = {name: resident_bytes(e.model) for name, e in engines.items()}
@@ -475,7 +478,8 @@ def tp_main(args, levels: list[int], sizes: list[int]) -> int:
         engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                      max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
                                      tensor_parallel_size=size, enable_expert_parallel=args.enable_expert_parallel,
-                                     prefix_reuse=False), launcher=LocalProcessLauncher(args.threads))
+                                     prefix_reuse=False, speculative_tokens=0),
+                        launcher=LocalProcessLauncher(args.threads))
         vocab = engine.args.vocab_size
         comm = engine.model.shard.comm
         try:
@@ -562,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     # a KV budget with room to spare: a preemption would make the run measure something else
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                  max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
-                                 prefix_reuse=not args.speculative))   # the k runs repeat their prompts
+                                 prefix_reuse=not args.speculative,    # the k runs repeat their prompts
+                                 speculative_tokens=0))   # plain decoding; --speculative sets each k's drafter
     if args.speculative:
         run_kvmesh(engine, [engine.encode(o) for o in OPENINGS[:max(levels)]], args.max_tokens)   # warm-up
         lines = speculative_main(engine, levels, args)

@@ -206,7 +206,7 @@ def decode_run(batch: int, tokens: int, device: str = "cuda", dtype: str = "bflo
     from workers.engine import Engine
     from workers.engine_config import EngineConfig
     from workers.sampling.params import SamplingParams
-    engine = Engine(EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, **kw))
+    engine = Engine(EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, **{"speculative_tokens": 0, **kw}))
     prompts = [f"The king said to his servants, number {i}:" for i in range(batch)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)                                  # warm-up (captures the graphs)

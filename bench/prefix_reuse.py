@@ -55,7 +55,7 @@ def engine(policy: str, store: str, args, kv: str = "auto") -> Engine:
     """A fresh engine, warmed up on an unrelated short prompt (first-call costs excluded)."""
     e = Engine(EngineConfig(model=args.model, block_tokens=args.block_tokens, swa_policy=policy, store=store,
                             kv_cache_bytes=args.kv_cache_bytes, max_batched_tokens=args.chunk,
-                            kv_cache_dtype=kv))
+                            kv_cache_dtype=kv, speculative_tokens=0))
     e.generate([[2] * 40], FIRST_TOKEN)
     return e
 

@@ -73,7 +73,8 @@ def read_bandwidth(root: Path) -> float:
 def engine(model: Path, policy: str, store: str, args, reuse: bool = True) -> Engine:
     e = Engine(EngineConfig(model=str(model), block_tokens=args.block_tokens, swa_policy=policy, store=store,
                             prefix_reuse=reuse, kv_cache_bytes=args.kv_cache_bytes,
-                            host_cache_bytes=args.host_cache_bytes, max_batched_tokens=args.chunk))
+                            host_cache_bytes=args.host_cache_bytes, max_batched_tokens=args.chunk,
+                            speculative_tokens=0))
     return e
 
 
@@ -93,7 +94,7 @@ def step_cost(model: Path, args) -> float:
     times = {}
     for chunk in (n, args.block_tokens):
         e = Engine(EngineConfig(model=str(model), block_tokens=args.block_tokens, prefix_reuse=False,
-                                max_batched_tokens=chunk, kv_cache_bytes=args.kv_cache_bytes))
+                                max_batched_tokens=chunk, kv_cache_bytes=args.kv_cache_bytes, speculative_tokens=0))
         warm(e)
         runs = []
         for i in range(3):

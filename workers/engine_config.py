@@ -76,7 +76,9 @@ class EngineConfig:
     worker_id: str | None = setting(None, "name in the index's memory tier (default host:pid)", serve=False,
                                     cli=False)
     prefix_reuse: bool = setting(True, "restore and persist prefixes (false: never; baselines)")
-    speculative_tokens: int = setting(0, "drafts per decode step from the checkpoint's MTP layer (0 = off)")
+    speculative_tokens: int | None = setting(None, "drafts per decode step from the checkpoint's MTP layer "
+                                                   "(0 = off; default: 1 when the checkpoint has mtp.* weights and "
+                                                   "the engine is neither tensor- nor data-parallel, else 0)")
     store_key: str | None = setting(None, "MAC key (>= 16 bytes) for store objects; default: $KVMESH_STORE_KEY",
                                     cli=False, repr=False)
     require_store: bool = setting(False, "a store / index unusable at start-up is fatal (default: run "
@@ -138,7 +140,7 @@ class EngineConfig:
             if value is not None and not value > 0:
                 raise ConfigError(f"EngineConfig.{name}: must be > 0, got {value!r}")
         for name in ("host_cache_bytes", "speculative_tokens"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"EngineConfig.{name}: must be >= 0, got {getattr(self, name)!r}")
 
     def _check_places(self) -> None:

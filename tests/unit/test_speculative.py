@@ -147,16 +147,14 @@ def test_drafts_stay_in_one_compressor_window_and_never_end_a_block():
 
 
 # --- the checkpoint's MTP layer as the draft ------------------------------------------------------
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
-def mtp_checkpoint(request, tmp_path_factory):
-    """A tiny checkpoint in the release's tensor names plus one (random) MTP layer, dense:
-    (its block size, its directory), for every tiny config."""
+def write_mtp_checkpoint(tmp_path_factory, name: str):
+    """The tiny checkpoint `name` in the release's tensor names plus one (random) MTP layer,
+    dense: its directory."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     from tests.quant_checkpoint import _mtp_tensors, _upstream_name
-    name = request.param
     dense = write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), name)
     state = {_upstream_name(k): v for k, v in load_file(str(dense / "model.safetensors")).items()}
     cfg = json.loads((dense / "config.json").read_text())
@@ -164,7 +162,13 @@ def mtp_checkpoint(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("mtp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
-    return BLOCK_TOKENS[name], out
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def mtp_checkpoint(request, tmp_path_factory):
+    """(block size, directory) of `write_mtp_checkpoint`, for every tiny config."""
+    return BLOCK_TOKENS[request.param], write_mtp_checkpoint(tmp_path_factory, request.param)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -215,6 +219,32 @@ def test_mtp_drafts_beside_chunked_prefills_leave_greedy_output_unchanged(mtp_ch
     spec, stats = run(2)
     assert spec == plain
     assert stats.draft_tokens > 0
+
+
+def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_otherwise(tmp_path_factory):
+    """speculative_tokens unset: AUTO_SPECULATIVE_TOKENS drafts when the checkpoint has `mtp.*`
+    weights; none without them, none when set to 0, and none (no error) on tensor- or
+    data-parallel engines, which do not draft yet."""
+    from workers.engine.engine import AUTO_SPECULATIVE_TOKENS
+    name = "swa_csa_hca"
+    path = write_mtp_checkpoint(tmp_path_factory, name)
+    plain = write_tiny_checkpoint(tmp_path_factory.mktemp("plain"), name)
+    auto = tiny_engine(path, name)
+    assert AUTO_SPECULATIVE_TOKENS == auto.config.speculative_tokens == 1 and auto.speculator is not None
+    out = auto.generate(prompts()[:2], GREEDY)
+    assert auto.counters.draft_tokens > 0
+    off = tiny_engine(path, name, speculative_tokens=0)
+    assert off.speculator is None and [o.token_ids for o in off.generate(prompts()[:2], GREEDY)] == [
+        o.token_ids for o in out]
+    assert tiny_engine(plain, name).speculator is None
+    for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)):
+        engine = tiny_engine(path, name, **parallel)
+        try:
+            rank0 = getattr(engine, "local", engine)              # a DataParallelEngine's own rank
+            assert rank0.config.speculative_tokens == 0 and rank0.speculator is None, parallel
+            assert len(engine.generate(prompts()[:1], GREEDY)[0].token_ids) == MAX_TOKENS
+        finally:
+            engine.close()
 
 
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):

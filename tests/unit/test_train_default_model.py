@@ -108,10 +108,38 @@ def test_mtp_stage_trains_the_mtp_layer_alone_and_kvmesh_serves_it_as_trained(tr
                                    "attn.attn_sink", "ffn.gate.weight", "hc_attn_fn")} <= names
     tokens = ids[:90].tolist()                    # > the sliding window (64)
     with torch.no_grad():
-        want = head(model, train_script.main_streams(model, torch.tensor([tokens]))[:, :-1],
+        want = head(model, train_script.main_streams(model, torch.tensor([tokens]))[0][:, :-1],
                     torch.tensor([tokens[1:]]))[0]
     _, got = mtp_logits(out, tokens, block_tokens=128)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_self_distillation_resumes_from_the_written_layer_and_lowers_its_kl_to_the_main_model(
+        train_script, trained):
+    """`--mtp-resume`: a written MTP layer loads back exactly (`load_release` inverts
+    `release_tensors`); `--mtp-target main` trains it toward the main model's own distribution
+    over token t + 2 (what drafts are checked against), lowering KL(main || mtp)."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers import DeepseekV4ForCausalLM
+    model = DeepseekV4ForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    written = load_file(str(trained / "mtp.safetensors"))
+    head = train_script.MTPHead(model, seed=1)
+    head.load_release(model, written)
+    assert all(torch.equal(v, written[k]) for k, v in head.release_tensors(model).items())
+    window = torch.tensor([load_tokenizer(trained).encode(train_script.corpus_text(max_chars=3000))[:80]])
+
+    def kl(h) -> float:
+        streams, logits = train_script.main_streams(model, window)
+        with torch.no_grad():
+            mtp = h(model, streams[:, :-1], window[:, 1:])
+        assert torch.equal(logits, model(window).logits)       # the main logits of that one forward
+        return F.kl_div(F.log_softmax(mtp, -1), F.log_softmax(logits[:, 1:], -1), log_target=True,
+                        reduction="batchmean").item()
+    ids = torch.tensor(load_tokenizer(trained).encode(train_script.corpus_text(max_chars=30_000)))
+    tuned, losses = train_script.train_mtp(model, ids, steps=8, seq_len=64, batch=2, lr=3e-3, seed=0,
+                                           target="main", init=written, log_every=0)
+    assert losses[-1] < losses[0] and kl(tuned) < kl(head) - 0.1, (losses, kl(tuned), kl(head))
 
 
 def test_chat_stage_adds_v4s_tokens_as_new_rows_and_leaves_the_old_logits(train_script):

@@ -40,6 +40,9 @@ from .stats import EngineCounters, EngineStats, Histogram
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
+# Drafts per step by default with an MTP layer: on CPU k = 1 is 1.4x at batch 1 and the best k
+# at batch 8; more drafts pay more at batch 1 but lose at batch 8 and 32 (docs/benchmarks.md).
+AUTO_SPECULATIVE_TOKENS = 1
 
 
 class Engine:
@@ -81,12 +84,22 @@ class Engine:
                                        self.counters)
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
             self.enable_decode_graphs()
+        self.config = config = dataclasses.replace(config, speculative_tokens=self._speculative_tokens(config))
         self.speculator: Speculator | None = None
         if config.speculative_tokens > 0:
             if not len(self.model.mtp):
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
                                   f"layer, and {model_dir} has none (no mtp.* weights)")
             self.set_drafter(MTPDrafter(self.model, self.slots.num_slots))
+
+    def _speculative_tokens(self, config: EngineConfig) -> int:
+        """EngineConfig.speculative_tokens as given, or by default (None) AUTO_SPECULATIVE_TOKENS
+        when the checkpoint has an MTP layer (`mtp.*` weights) and this engine is one process:
+        drafts are not built for tensor- or data-parallel engines yet (asked for explicitly there,
+        start-up refuses them)."""
+        if config.speculative_tokens is not None:
+            return config.speculative_tokens
+        return AUTO_SPECULATIVE_TOKENS if len(self.model.mtp) and self.ranks is None and self.dp is None else 0
 
     def enable_decode_graphs(self, capture: bool = True) -> None:
         """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
