@@ -160,7 +160,7 @@ class PoolConfig(_Strict):
     data_parallel_size: int = Field(1, ge=1, description=(
         "data-parallel attention ranks per replica: N whole attention engines (the replica plus N-1 rank "
         "actors, one bundle each, packed on one node), routed experts split across them; needs "
-        "enable_expert_parallel; colocated pools only for now"))
+        "enable_expert_parallel; any pool (prefill and decode hand off rank to rank)"))
     enable_expert_parallel: bool = Field(False, description="split the routed experts whole across the ranks")
 
     @model_validator(mode="before")
@@ -287,12 +287,13 @@ def check_parallel_sizes(config: ServeConfig) -> None:
     from workers.checkpoint.sharding import check_sizes
     from workers.engine.data_parallel import check_dp_sizes
     from workers.model.args import ModelArgs
+    args = ModelArgs.from_file(path)
     for name, pool in sized:
         try:
             if pool.data_parallel_size > 1:
-                check_dp_sizes(ModelArgs.from_file(path), pool.data_parallel_size)
+                check_dp_sizes(args, pool.data_parallel_size)
             else:
-                check_sizes(ModelArgs.from_file(path), pool.tensor_parallel_size, pool.enable_expert_parallel)
+                check_sizes(args, pool.tensor_parallel_size, pool.enable_expert_parallel)
         except ConfigError as e:
             key = "data_parallel_size" if pool.data_parallel_size > 1 else "tensor_parallel_size"
             raise ConfigFileError(f"{name}.{key}: {e}") from None
