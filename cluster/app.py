@@ -5,7 +5,7 @@
 
 disaggregated:  Ingress ─▶ Prefill (own autoscaling)  ─▶ Decode (own autoscaling)
 colocated:      Ingress ─▶ Colocated
-Every pool routes with `cluster.routing.KVAwareRouter`.
+Every pool routes with `cluster.serve.routing.KVAwareRouter`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pydantic import SecretStr
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from .auth import keys_from_env
-from .config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
-from .ingress import Ingress
-from .pools import Colocated, Decode, Prefill
-from .routing import KVAwareRouter
+from cluster.openai.auth import keys_from_env
+from cluster.config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
+from cluster.openai.ingress import Ingress
+from cluster.serve.pools import Colocated, Decode, Prefill
+from cluster.serve.routing import KVAwareRouter
 
 ROUTING_STATS_PERIOD_S = 1.0
 HEALTH_CHECK_PERIOD_S = 2.0

@@ -14,7 +14,7 @@ gave up while its bytes may still arrive raises `TransferInFlight`: its blocks +
 out of use until the transfer is over.
 
 Implementations: `kvstore.nixl_transfer.NixlTransport` (a NIXL READ, no Ray),
-`GatheredTransport` (the tensors in the offer itself) and `cluster.transfer.RayTransport`
+`GatheredTransport` (the tensors in the offer itself) and `cluster.serve.transfer.RayTransport`
 (the same tensors in a Ray object). A data-parallel engine moves a load to the rank it places
 the request on as a `PortableLoad` (engine/dp_rank.py).
 """

@@ -1,6 +1,6 @@
 """Synthetic conversations in DeepSeek-V4's chat format, made from the built-in model's corpus,
 for the chat stage of `scripts/train_default_model.py` (rendered by kvmesh's own encoder,
-`cluster/chat_dsv4.py`, so the model learns exactly the prompts it is served with).
+`cluster/chat/dsv4_encode.py`, so the model learns exactly the prompts it is served with).
 
 Tasks, each a user turn and the assistant's reply (thinking mode: a short reasoning first):
 
@@ -20,7 +20,7 @@ import json
 import random
 import re
 
-from cluster.chat_dsv4 import (ASSISTANT, CHAT, DSML, END_THINK, LATEST_REMINDER, TASK_TOKENS, THINK, THINKING, USER,
+from cluster.chat.dsv4_encode import (ASSISTANT, CHAT, DSML, END_THINK, LATEST_REMINDER, TASK_TOKENS, THINK, THINKING, USER,
                                encode_messages)
 
 # V4's tokens the encoder writes as one id each (besides BOS / EOS), in the order they are added

@@ -25,7 +25,7 @@ the result and equals it (tests/unit/test_default_model.py).
 `<｜Assistant｜>`, `<｜latest_reminder｜>`, `<think>`, `</think>`, `｜DSML｜` and the six task
 tokens: added tokens, not special, as DeepSeek's tokenizers mark them; ids 2048-2059) and the
 model a row for each (embedding and head rows at the trained rows' mean plus seeded noise; old
-rows and every other weight kept), so kvmesh serves it in V4's format (cluster/chat_dsv4.py).
+rows and every other weight kept), so kvmesh serves it in V4's format (cluster/chat/dsv4_encode.py).
 It is fine-tuned on a mix, each step: plain windows of the corpus (next-token loss, so
 completions still write English) and synthetic conversations made from the corpus
 (`scripts/default_chat_data.py`: continue / repeat / quote-a-verse tasks in thinking and chat
@@ -547,7 +547,7 @@ def run(args: argparse.Namespace) -> Path:
     if args.sample_tokens:
         print("greedy:", repr(sample(model, tok, SAMPLE_PROMPT, args.sample_tokens)), flush=True)
         if tok.token_to_id("<｜Assistant｜>") is not None:
-            from cluster.chat_dsv4 import encode_messages
+            from cluster.chat.dsv4_encode import encode_messages
             for mode in ("thinking", "chat"):
                 prompt = encode_messages([{"role": "user", "content": SAMPLE_CHAT}], mode)
                 print(f"greedy chat ({mode}):", repr(sample(model, tok, prompt, args.sample_tokens, markup=True)),

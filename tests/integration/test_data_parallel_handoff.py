@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 
-from cluster.transfer import Loader, RayTransport
+from cluster.serve.transfer import Loader, RayTransport
 from kvstore.kv_transport import HandoffError, Offer
 from tests.helpers import BLOCK_TOKENS, random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.request import Resume

@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from cluster.transfer import RayTransport
+from cluster.serve.transfer import RayTransport
 from kvstore.cache_tensors import CacheTensors
 from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams

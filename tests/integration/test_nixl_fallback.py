@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from cluster.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader, RayTransport
+from cluster.serve.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader, RayTransport
 from kvstore.cache_tensors import CacheTensors
 from kvstore.kv_transport import HandoffError, HeldKV, Offer
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams

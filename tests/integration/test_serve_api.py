@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from cluster.chat_dsv4 import CHAT as CHAT_MODE
-from cluster.chat_dsv4 import END_THINK, THINKING, encode_messages
+from cluster.chat.dsv4_encode import CHAT as CHAT_MODE
+from cluster.chat.dsv4_encode import END_THINK, THINKING, encode_messages
 from scripts.default_chat_data import TOOLS
 from tests.helpers import sse_events
 from tests.local_serve import LocalServe, small_config

@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
-from cluster.locator import PrefixLocator
+from cluster.serve.locator import PrefixLocator
 from tests.helpers import (BLOCK_TOKENS, assert_clean_end, assert_same_run, random_prompt, sse_events, stream_and_kill,
                            tiny_engine, write_tiny_checkpoint)
 from tests.integration.chaos_cluster import scrape

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
-from cluster.dispatch import continuation
+from cluster.errors import APIError
+from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from cluster.serve.dispatch import continuation
 from cluster.messages import GenRequest, RouteHint
-from cluster.routing import location, rank_hint, rank_replicas
-from cluster.text import Detokenizer, plain_chat_prompt, render_chat
+from cluster.serve.routing import location, rank_hint, rank_replicas
+from cluster.chat.detokenizer import Detokenizer
+from cluster.chat.template import plain_chat_prompt, render_chat
 from workers.checkpoint.tokenizer import ByteTokenizer
 from workers.sampling.params import SamplingParams
 

@@ -204,7 +204,7 @@ def test_key_rotation_keeps_old_key_nodes_reusing_until_the_old_namespace_is_rem
     """docs/deploy.md's rotation, step by step: new-key nodes start a namespace of their own
     while old-key nodes go on reusing theirs; once none runs the old key, `kvmesh store gc
     --namespace OLD --all` removes the old objects and nothing of the new key's."""
-    from cluster.store_cli import main as store_cli
+    from cluster.cli.store import main as store_cli
     full = (len(PROMPT) - 1) // BT * BT
     seed_store(model_dir, tmp_path, store_key=KEY_A)                        # before: everyone on key A
     new, _ = run_once(model_dir, tmp_path, store_key=KEY_B)                # 1. the first node on key B

@@ -8,8 +8,8 @@ import json
 
 from ray.exceptions import RayActorError
 
-from cluster.dispatch import WorkerFailed
-from cluster.ingress import _unhandled, to_api_error
+from cluster.errors import WorkerFailed
+from cluster.openai.ingress import _unhandled, to_api_error
 from workers.engine.async_engine import EngineDeadError
 from workers.sampling.params import InvalidRequestError
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.api import APIError
-from cluster.auth import ApiKeys, keys_from_env
+from cluster.errors import APIError
+from cluster.openai.auth import ApiKeys, keys_from_env
 from cluster.config import ServeConfig
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's own chat format (cluster/chat_dsv4.py): prompts equal what the released
+"""DeepSeek-V4's own chat format (cluster/chat/dsv4_encode.py): prompts equal what the released
 encoder gives — its published golden cases (tests/unit/fixtures/dsv4_golden.py says where
 each comes from) and cases of our own — as text and as token ids on a tokenizer with V4's
 special tokens; the request switches (thinking, reasoning_effort, tools, tool_choice) and
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from cluster.api import ChatCompletionRequest, TokenizeRequest
-from cluster.chat_dsv4 import BOS, REASONING_EFFORT_MAX, encode_messages
-from cluster.text import chat_prompt_ids
+from cluster.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from cluster.chat.dsv4_encode import BOS, REASONING_EFFORT_MAX, encode_messages
+from cluster.chat.template import chat_prompt_ids
 from tests.helpers import V4_SPECIAL, write_v4_tokenizer
 from tests.unit.fixtures.dsv4_golden import GOLDEN
 from workers.checkpoint.tokenizer import load_tokenizer
@@ -156,7 +156,7 @@ def test_bad_history_arguments_are_a_bad_request(v4_tokenizer):
 
 
 def test_tokenize_refuses_what_the_chat_request_refuses_with_a_400():
-    from cluster.api import APIError
+    from cluster.errors import APIError
     with pytest.raises(APIError) as e:
         TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                         "tool_choice": "required"}).as_chat()

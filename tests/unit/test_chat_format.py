@@ -9,8 +9,8 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from cluster.api import ChatCompletionRequest
-from cluster.text import render_chat
+from cluster.openai.protocol import ChatCompletionRequest
+from cluster.chat.template import render_chat
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.checkpoint.tokenizer import load_tokenizer
 

@@ -173,7 +173,7 @@ def serve_args(*argv: str):
 
 
 def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_differ():
-    from cluster.serve_cli import serve_config
+    from cluster.cli.serve import serve_config
     config = serve_config(serve_args("--tensor-parallel-size", "2", "--enable-expert-parallel", "--kv-cache-dtype",
                                      "fp8", "--max-model-len", "4096", "--max-num-seqs", "8",
                                      "--decode-max-num-seqs", "32", "--prefill-tensor-parallel-size", "1",
@@ -195,7 +195,7 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
 
 
 def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
-    from cluster.serve_cli import serve_config
+    from cluster.cli.serve import serve_config
     path = tmp_path / "kvmesh.yaml"
     path.write_text("engine: {max_num_seqs: 16, kv_cache_dtype: fp8}\ndecode: {engine: {max_num_seqs: 32}}\n"
                     "prefill:\n")                                   # an empty section takes the flags too

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cluster.chat_dsv4 import CHAT, END_THINK, THINKING, encode_messages
-from cluster.dsv4_output import ReplyParser
+from cluster.chat.dsv4_encode import CHAT, END_THINK, THINKING, encode_messages
+from cluster.chat.dsv4_parse import ReplyParser
 from scripts.default_chat_data import V4_TOKENS
 from tests.helpers import random_prompt, reference_greedy
 from workers.checkpoint.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
@@ -76,7 +76,7 @@ def test_default_tokenizer_vocabulary_equals_config_and_embedding_rows(default_d
 
 def test_default_tokenizer_has_v4s_chat_tokens_so_chat_uses_v4s_format(default_dir):
     """One id each, after the 2,048 trained ones, not special (as DeepSeek's tokenizers mark
-    them): the checkpoint is served in V4's chat format (cluster/chat_dsv4.py)."""
+    them): the checkpoint is served in V4's chat format (cluster/chat/dsv4_encode.py)."""
     tok = load_tokenizer(default_dir)
     assert [tok.encode_rendered(t) for t in V4_TOKENS] == [[2048 + i] for i in range(len(V4_TOKENS))]
     added = {t.content: t.special for t in tok._tok.get_added_tokens_decoder().values()}

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster.config import load_config
-from cluster.node_role import NodeRoleError, node_resources, pools_of
+from cluster.cli.node_role import NodeRoleError, node_resources, pools_of
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 YAMLS = sorted(DEPLOY.glob("*.yaml"))
@@ -97,7 +97,7 @@ def test_onprem_unknown_pool_is_rejected():
 
 
 def test_node_role_finds_the_machine_by_its_interface_addresses():
-    from cluster.node_role import interface_addresses
+    from cluster.cli.node_role import interface_addresses
     config = onprem()
     assert "127.0.0.1" in interface_addresses()
     config["provider"]["worker_ips"].append("127.0.0.1")

@@ -1,4 +1,4 @@
-"""The dispatcher's retry rules (cluster/dispatch.py), over pools whose decode replica dies
+"""The dispatcher's retry rules (cluster/serve/dispatch.py), over pools whose decode replica dies
 (RayActorError, what Ray raises for a killed replica) on the first attempt: an n > 1 request
 is retried like any other until its first tokens are sent, under a fresh request id."""
 from __future__ import annotations
@@ -8,9 +8,10 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError
 
-from cluster.dispatch import Dispatcher, WorkerFailed
+from cluster.errors import WorkerFailed
+from cluster.serve.dispatch import Dispatcher
 from cluster.messages import Chunk, GenRequest, Handoff
-from cluster.metrics import Metrics
+from cluster.serve.metrics import Metrics
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
 

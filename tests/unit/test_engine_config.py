@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from cluster.cli import build_parser, engine_config
+from cluster.cli import build_parser
+from cluster.cli.generate import engine_config
 from cluster.config import ConfigFileError, ServeConfig, load_config
 from workers.engine import EngineConfig as ReExported
 from workers.engine_config import EngineConfig, parse_bytes

@@ -1,5 +1,6 @@
 """The import graph of the product packages: no module imports itself back through others
-(function-level and TYPE_CHECKING imports count), and nothing below workers/engine imports it."""
+(function-level and TYPE_CHECKING imports count), no subpackage of cluster/, kvstore/ or workers/
+imports itself back through another, and nothing below workers/engine imports it."""
 import ast
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     known = modules(root)
     return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto subpackages: `cluster.serve.pools` counts as `cluster.serve`;
+    a module directly in a top package (`cluster.app`) stays itself."""
+    def unit(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or name in subpackages else name
+    subpackages = {n for n in graph if len(n.split(".")) == 2 and n.rsplit(".", 1)[0] in PACKAGES
+                   and any(m.startswith(n + ".") for m in graph)}
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        out.setdefault(unit(name), set()).update(unit(t) for t in targets)
+    return {u: targets - {u} for u, targets in out.items()}
 
 
 def rings(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -95,6 +110,10 @@ def test_no_module_imports_itself_back_through_others(graph):
     assert rings(graph) == []
 
 
+def test_no_subpackage_imports_itself_back_through_another(graph):
+    assert rings(package_graph(graph)) == []
+
+
 def test_nothing_below_the_engine_imports_it(graph):
     bad = sorted((m, t) for m, targets in graph.items() for t in targets
                  if m.startswith(BELOW_ENGINE) and (t == "workers.engine" or t.startswith("workers.engine.")))
@@ -104,6 +123,29 @@ def test_nothing_below_the_engine_imports_it(graph):
 def test_workers_keeps_at_most_twelve_modules_at_its_top():
     top = [p.name for p in (ROOT / "workers").glob("*.py")]
     assert len(top) <= 12, top
+
+
+def test_cluster_is_cut_into_subpackages():
+    top = [p.name for p in (ROOT / "cluster").glob("*.py")]
+    subpackages = [p.parent.name for p in (ROOT / "cluster").glob("*/__init__.py")]
+    assert len(top) <= 8 and len(subpackages) >= 3, (top, subpackages)
+
+
+def test_the_checker_finds_a_ring_between_subpackages(tmp_path):
+    """The checker itself: openai -> chat and chat -> openai through two different modules is no
+    module ring, but it is a subpackage ring."""
+    for top in PACKAGES:
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "__init__.py").write_text("")
+    for sub in ("openai", "chat"):
+        (tmp_path / "cluster" / sub).mkdir()
+        (tmp_path / "cluster" / sub / "__init__.py").write_text("")
+    (tmp_path / "cluster" / "openai" / "ingress.py").write_text("from cluster.chat.template import render\n")
+    (tmp_path / "cluster" / "chat" / "template.py").write_text("def render():\n    from ..openai import protocol\n")
+    (tmp_path / "cluster" / "openai" / "protocol.py").write_text("")
+    g = import_graph(tmp_path)
+    assert rings(g) == []
+    assert rings(package_graph(g)) == [["cluster.chat", "cluster.openai"]]
 
 
 def test_the_checker_finds_a_ring_through_a_function_level_import(tmp_path):

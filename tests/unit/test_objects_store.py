@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.store_cli import add_store_parser, run_store
+from cluster.cli.store import add_parser, run_store
 from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint, store_namespace
 from kvstore.mac import StoreKey
 from kvstore.index import EmbeddedIndex, make_index
@@ -316,7 +316,7 @@ def test_non_local_filesystem_streams_writes_and_verifies_reads() -> None:
 
 def _cli(*argv: str) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
-    add_store_parser(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     out = io.StringIO()
     return run_store(parser.parse_args(list(argv)), out), out.getvalue()
 
@@ -340,7 +340,7 @@ def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
     store, _ = _store(tmp_path)
     store.put("checkpoint", HS[0], None, 4, _tensors())
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.store_cli", "store", "stats", "--store", str(tmp_path / "store")],
+        [sys.executable, "-m", "cluster.cli.store", "store", "stats", "--store", str(tmp_path / "store")],
         cwd=REPO, capture_output=True, text=True, check=True,
     )
     assert "checkpoint" in result.stdout and FP[:16] in result.stdout

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.api import APIError
-from cluster.limits import prefill_budget_s, read_body
-from cluster.text import Detokenizer
+from cluster.errors import APIError
+from cluster.openai.limits import read_body
+from cluster.serve.dispatch import prefill_budget_s
+from cluster.chat.detokenizer import Detokenizer
 from kvstore.mac import StoreKey
 from kvstore.objects import UnauthenticatedObjectError, decode_object, encode_object
 from kvstore.redact import redact_url
@@ -126,7 +127,7 @@ def test_body_limit_refuses_declared_and_streamed_bodies():
 def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):
     import json
 
-    from cluster.batch import run_batch_file
+    from cluster.cli.generate import run_batch_file
     from workers.engine import Engine
     from workers.engine_config import EngineConfig
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi", "max_tokens": 2}\n')

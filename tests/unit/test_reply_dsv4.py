@@ -1,5 +1,5 @@
 """DeepSeek-V4 replies parsed into reasoning_content, content and OpenAI tool_calls
-(cluster/dsv4_output.py, cluster/responses.py): whole and streamed (any cut of the text, any
+(cluster/chat/dsv4_parse.py, cluster/openai/responses.py): whole and streamed (any cut of the text, any
 cut of the tokens) give the same result; no markup reaches reasoning or content; a block cut
 by max_tokens or malformed never fails the request; the token that ends a sequence is never
 text, also when the tokenizer does not mark it special."""
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from cluster.dsv4_output import ReplyParser
+from cluster.chat.dsv4_parse import ReplyParser
 from cluster.messages import Chunk
-from cluster.responses import Reply, ReplyFormat
+from cluster.openai.responses import Reply, ReplyFormat
 from tests.helpers import write_v4_tokenizer
 from workers.checkpoint.tokenizer import load_tokenizer
 

@@ -258,7 +258,7 @@ def test_speculation_figures_are_in_engine_stats_and_metrics(checkpoint, cold):
     """Acceptance rate, drafts per step and tokens per step follow the counters, and /metrics
     exports them as kvmesh_worker_spec_* gauges."""
     from cluster.messages import WorkerStats
-    from cluster.metrics import WorkerSnapshots
+    from cluster.serve.metrics import WorkerSnapshots
     name, path = checkpoint
     ref, _ = cold
     engine = tiny_engine(path, name)

@@ -1,5 +1,5 @@
 """`tool_choice` "required" / a named function: the reply is constrained (xgrammar, the
-EBNF of cluster/dsv4_grammar.py) to a DSML block whose invokes name allowed tools and whose
+EBNF of cluster/chat/dsv4_grammar.py) to a DSML block whose invokes name allowed tools and whose
 parameters follow each tool's schema — so even a random tiny model returns calls that parse
 and validate, in thinking and chat mode."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from cluster.api import ChatCompletionRequest
-from cluster.dsv4_output import ReplyParser
-from cluster.text import chat_prompt_ids
+from cluster.openai.protocol import ChatCompletionRequest
+from cluster.chat.dsv4_parse import ReplyParser
+from cluster.chat.template import chat_prompt_ids
 from tests.helpers import tiny_engine, write_tiny_checkpoint, write_v4_tokenizer
 from workers.sampling.params import InvalidRequestError
 
@@ -101,7 +101,7 @@ def test_an_uncompilable_grammar_is_an_invalid_request_naming_tools(engine):
 def test_json_mode_in_thinking_mode_reasons_first_then_gives_the_object(engine):
     """response_format with V4 thinking: the grammar lets the reasoning and `</think>` come
     first, so the JSON lands in content, not in reasoning_content."""
-    from cluster.dsv4_grammar import after_reasoning
+    from cluster.chat.dsv4_grammar import after_reasoning
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     body = ChatCompletionRequest.model_validate({

@@ -9,7 +9,7 @@ The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_temp
 generation ends on the tokenizer's EOS and generation_config.json's `eos_token_id`s.
 `chat_format` says how chat prompts are made: "template", "dsv4" (a DeepSeek-V4 checkpoint
 without a template whose tokenizer has V4's turn tokens: the format DeepSeek's encoder
-defines, cluster/chat_dsv4.py) or "plain".
+defines, cluster/chat/dsv4_encode.py) or "plain".
 """
 from __future__ import annotations
 

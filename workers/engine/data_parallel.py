@@ -9,7 +9,7 @@ routed experts split (rank r owns experts [r*E/N, (r+1)*E/N)), and each MoE laye
 the ranks' tokens (model/moe.py `MoE.exchanged`: all-gather of hidden states and picks with
 their counts, all-reduce of the partial expert outputs). Rank 0 is this process and the front;
 ranks 1..N-1 are spawned processes (engine/dp_rank.py), or under Serve rank actors in the
-replica's placement group (cluster/ranks.py). `stats()` sums the ranks; `rank_stats` has each.
+replica's placement group (cluster/serve/ranks.py). `stats()` sums the ranks; `rank_stats` has each.
 
 The front routes each new request to one rank: the rank whose device pool holds the longest
 prefix of its prompt (in whole blocks; each rank reports what its pool gained and lost every
@@ -26,7 +26,7 @@ notification reaches that rank, which frees the cache (`release_read`). Ray copi
 rank 0 (ranks need not be Ray workers): the holding rank gathers its blocks and the tensors
 travel to rank 0, where the RayTransport puts them (`KVTransport.relay`). A resume placed on
 rank j loads into rank j's blocks + slot with rank j's transports: its load must be a
-`PortableLoad` (cluster.transfer.Loader), whose NIXL offer rank j READs itself and whose Ray
+`PortableLoad` (cluster.serve.transfer.Loader), whose NIXL offer rank j READs itself and whose Ray
 copy rank 0 fetches and sends. A failed READ falls back to a Ray copy on any rank: on rank j
 the request fails there (its memory freed once the READ is over, never before) and the front
 starts it again on rank j with the copy's tensors (`PortableLoad.fallback`); when there is no
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 def open_engine(config: EngineConfig = EngineConfig(), launcher: RankLauncher | None = None):
     """The engine `config` asks for: a DataParallelEngine at data_parallel_size > 1, else an Engine.
     `launcher`: how ranks 1..N-1 start (any RankLauncher; data-parallel: one that runs the
-    `main` it is given, as LocalProcessLauncher and cluster.ranks.RayRankLauncher do)."""
+    `main` it is given, as LocalProcessLauncher and cluster.serve.ranks.RayRankLauncher do)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, launcher)
     return Engine(config, launcher)
@@ -91,7 +91,7 @@ class DataParallelEngine:
         if not hasattr(self.launcher, "main"):
             raise ConfigError(f"data_parallel_size={self.size}: {type(self.launcher).__name__} cannot start "
                               f"data-parallel ranks (it has no `main` to run; LocalProcessLauncher and "
-                              f"cluster.ranks.RayRankLauncher do)")
+                              f"cluster.serve.ranks.RayRankLauncher do)")
         self.launcher.main = run_dp_rank                     # each rank a whole engine, not a TP follower
         store = Collectives.host_store(self.launcher.host, self.size, config.rank_timeout_s)
         method = init_method(self.launcher.host, store)

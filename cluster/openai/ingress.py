@@ -29,28 +29,25 @@ from workers.checkpoint.tokenizer import load_tokenizer
 from workers.sampling.grammar import check_schema_size
 from workers.sampling.params import InvalidRequestError
 
-from .api import (
-    APIError,
+from cluster.errors import APIError, WorkerFailed, bad_request, model_not_found, overloaded
+from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    bad_request,
-    model_not_found,
-    overloaded,
     package_version,
     parse_body,
 )
-from .auth import ApiKeys
-from .config import ServeConfig
-from .dispatch import RETRYABLE, Dispatcher, WorkerFailed
-from .dsv4_grammar import after_reasoning
-from .limits import read_body
-from .locator import PrefixLocator
-from .messages import GenRequest
-from .metrics import Metrics, RequestTimer, scrape_pools
-from .responses import Reply, ReplyFormat, sse
-from .text import chat_prompt_ids
+from cluster.openai.auth import ApiKeys
+from cluster.config import ServeConfig
+from cluster.serve.dispatch import RETRYABLE, Dispatcher
+from cluster.chat.dsv4_grammar import after_reasoning
+from cluster.openai.limits import read_body
+from cluster.serve.locator import PrefixLocator
+from cluster.messages import GenRequest
+from cluster.serve.metrics import Metrics, RequestTimer, scrape_pools
+from cluster.openai.responses import Reply, ReplyFormat, sse
+from cluster.chat.template import chat_prompt_ids
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand

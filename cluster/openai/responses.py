@@ -8,7 +8,7 @@ token ids, logprobs and top logprobs; `Reply` shapes the choices as
 
 The token that ends a sequence (EOS, a `stop_token_ids` id) is never text, also when the
 tokenizer does not mark it special. In DeepSeek-V4's chat format (`ReplyFormat`) the text is
-decoded with its markup kept and parsed (cluster/dsv4_output.py) into `reasoning_content`,
+decoded with its markup kept and parsed (cluster/chat/dsv4_parse.py) into `reasoning_content`,
 `content` and `tool_calls`.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import json
 import time
 from typing import NamedTuple
 
-from .dsv4_output import ReplyParser, ToolCall
-from .messages import Chunk
-from .text import Detokenizer
+from cluster.chat.dsv4_parse import ReplyParser, ToolCall
+from cluster.messages import Chunk
+from cluster.chat.detokenizer import Detokenizer
 
 
 class Delta(NamedTuple):

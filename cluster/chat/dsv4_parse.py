@@ -21,7 +21,7 @@ import json
 import uuid
 from typing import NamedTuple
 
-from .chat_dsv4 import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, THINK
+from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, THINK
 
 INVOKE_OPEN, INVOKE_CLOSE = f'<{DSML}invoke name="', f"</{DSML}invoke>"
 PARAM_OPEN, PARAM_CLOSE = f'<{DSML}parameter name="', f"</{DSML}parameter>"

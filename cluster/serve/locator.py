@@ -10,7 +10,7 @@ import logging
 from kvstore.hashing import PrefixHasher
 from kvstore.index import PrefixIndex, make_index
 
-from .messages import RouteHint
+from cluster.messages import RouteHint
 
 log = logging.getLogger(__name__)
 SHARED_INDEX_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -1,8 +1,8 @@
 """`kvmesh store stats|ls|gc`: inspect and trim a kvmesh object store.
 
-Wired into the main CLI with `add_store_parser(subparsers)`; the parsed
+Wired into the main CLI with `add_parser(subparsers)`; the parsed
 arguments go to `run_store(args)`, which returns a process exit code. Also
-runnable alone: `python -m cluster.store_cli store stats --store /path`.
+runnable alone: `python -m cluster.cli.store store stats --store /path`.
 
 Every command works per namespace (`{root}/{fingerprint[:16]}`, or
 `{root}/{fingerprint[:16]}-k{key_id}` for objects written under a store key): all
@@ -28,7 +28,7 @@ class StoreCliError(Exception):
     """A store command cannot run as asked; the message says why."""
 
 
-def add_store_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `store` command (with `stats`, `ls`, `gc`) to a CLI."""
     parser = subparsers.add_parser("store", help="inspect and trim the KV object store")
     commands = parser.add_subparsers(dest="store_command", required=True)
@@ -45,7 +45,7 @@ def add_store_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         if name == "gc":
             sub.add_argument("--index", help="also unpublish evicted objects from this index spec")
             sub.add_argument("--all", action="store_true", help="evict every object (e.g. an old key's namespace)")
-    parser.set_defaults(func=run_store)
+    parser.set_defaults(handler=run_store)
     return parser
 
 
@@ -129,7 +129,7 @@ def _gc(stores: list[ObjectStore], args: argparse.Namespace, out: TextIO) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh")
-    add_store_parser(parser.add_subparsers(dest="command", required=True))
+    add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return run_store(args)
 

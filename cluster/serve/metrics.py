@@ -34,7 +34,7 @@ from typing import Awaitable, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .messages import RouteHint, TransferReport, WorkerStats
+from cluster.messages import RouteHint, TransferReport, WorkerStats
 
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="weights per rank, KV bytes per token, tokens that fit, TP/DP/EP sizes that fit")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (weights from its safetensors headers)")

@@ -21,7 +21,7 @@ from typing import Any
 
 from workers.engine_config import EngineConfig
 
-from .config import ConfigFileError, IngressConfig, PoolConfig
+from cluster.config import ConfigFileError, IngressConfig, PoolConfig
 
 POOLS = ("prefill", "decode")
 # PoolConfig's: they size the placement group

@@ -1,13 +1,7 @@
-"""Limits at the HTTP edge: the request body (checked before it is all read) and the
-prefill time budget (a long prompt gets longer than the inter-token timeout)."""
+"""Limits at the HTTP edge: the request body, checked before it is all read."""
 from __future__ import annotations
 
-from .api import APIError, bad_request
-
-
-def body_too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than the limit of {limit} bytes "
-                         "(ingress.max_body_bytes)", type="invalid_request_error", code="request_too_large")
+from cluster.errors import bad_request, body_too_large
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -26,8 +20,3 @@ async def read_body(request, limit: int) -> bytes:
         if len(body) > limit:
             raise body_too_large(limit)
     return bytes(body)
-
-
-def prefill_budget_s(prompt_tokens: int, token_timeout_s: float, s_per_1k_tokens: float) -> float:
-    """How long the first token may take: the inter-token timeout plus a share per prompt token."""
-    return token_timeout_s + prompt_tokens / 1000 * s_per_1k_tokens

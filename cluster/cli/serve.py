@@ -5,7 +5,7 @@ the URL and an example request.
     kvmesh serve --address HEAD_IP:6379        # attach to a running cluster (or $RAY_ADDRESS)
     kvmesh serve --model DIR --tensor-parallel-size 2 --kv-cache-dtype fp8 --decode-max-num-seqs 128
 
-`vllm serve`'s flags for what a config would say (cluster/serve_flags.py): --tensor-parallel-size,
+`vllm serve`'s flags for what a config would say (cluster/cli/serve_flags.py): --tensor-parallel-size,
 --enable-expert-parallel, --kv-cache-dtype, --max-model-len, --max-num-seqs, --served-model-name,
 with --prefill-* / --decode-* forms where the pools differ; one that disagrees with the config
 file is an error naming both.
@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .serve_flags import add_vllm_flags
+from cluster.cli.serve_flags import add_vllm_flags
 
 DEFAULT_PORT = 8000
 LOCAL_MIN_CPUS = 4   # logical CPUs for a local Ray, so the default pools fit a small laptop
@@ -37,7 +37,7 @@ class PortInUseError(OSError):
     """The HTTP port is taken by another process."""
 
 
-def add_serve_parser(subparsers) -> None:
+def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI API on a local Ray (or an existing cluster)")
     p.add_argument("--config", help="kvmesh config YAML (or a Serve config like deploy/serve.yaml)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -97,8 +97,8 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
     """The ServeConfig `kvmesh serve` runs: the config file (or the defaults), then the flags.
     ConfigFileError (ServeFlagError) where they do not validate, disagree, or give a parallel size
     that does not split the model (checked here, before Ray starts)."""
-    from .config import check_parallel_sizes, load_config, read_config_file
-    from .serve_flags import flag_overrides
+    from cluster.config import check_parallel_sizes, load_config, read_config_file
+    from cluster.cli.serve_flags import flag_overrides
     data = read_config_file(args.config)
     overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode,
                                    "ingress.api_keys": keys or None}.items() if v is not None}
@@ -109,8 +109,8 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .auth import keys_from_env
-    from .config import ConfigFileError
+    from cluster.openai.auth import keys_from_env
+    from cluster.config import ConfigFileError
     keys = (args.api_key or []) + keys_from_env()
     try:
         config = serve_config(args, keys)
@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .app import build_app
+    from cluster.app import build_app
     start_ray(args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="kvmesh", route_prefix="/")

@@ -20,7 +20,7 @@ class SimulateError(ValueError):
     """A simulate argument that cannot be used; the message says why."""
 
 
-def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="project SWA policies to a model's shape on a request trace")
     p.add_argument("--trace", required=True, help="trace JSONL (Mooncake format: hash_ids of 512-token blocks)")
     p.add_argument("--config", required=True, help="V4-Pro, V4-Flash, a config.json or a checkpoint directory")

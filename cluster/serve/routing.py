@@ -22,7 +22,7 @@ import random
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from .messages import RouteHint
+from cluster.messages import RouteHint
 
 NO_HINT = RouteHint()
 RANK_MARK = "/dp"          # "{worker_id}/dp{rank}": a data-parallel rank's name in the prefix index

@@ -27,10 +27,10 @@ from kvstore.nixl_transfer import NixlTransport
 from workers.engine.async_engine import AsyncEngine
 from workers.request import Resume
 
-from .config import ServeConfig
-from .messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
-from .routing import NO_HINT, rank_hint
-from .transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
+from cluster.config import ServeConfig
+from cluster.messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
+from cluster.serve.routing import NO_HINT, rank_hint
+from cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
 log = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.005
@@ -45,7 +45,7 @@ class _Worker:
         pool = getattr(config, self.POOL)
         self.launcher = None
         if pool.ranks > 1:     # ranks 1..N-1 (TP or DP): actors in this replica's placement group
-            from .ranks import RayRankLauncher
+            from cluster.serve.ranks import RayRankLauncher
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
         engine_config = config.pool_engine(pool, self.worker_id)
         self.engine = AsyncEngine(engine_config, launcher=self.launcher)

@@ -24,20 +24,12 @@ from ray.exceptions import RayActorError
 from workers.engine.async_engine import EngineDeadError
 from workers.parallel.collectives import RankFailed
 
-from .limits import prefill_budget_s
-from .messages import Chunk, GenRequest, Handoff, RouteHint
-from .metrics import Metrics
-from .transfer import HandoffError
+from cluster.messages import Chunk, GenRequest, Handoff, RouteHint
+from cluster.serve.metrics import Metrics
+from cluster.errors import WorkerFailed, WorkerStalled
+from cluster.serve.transfer import HandoffError
 
 log = logging.getLogger(__name__)
-
-
-class WorkerFailed(RuntimeError):
-    """Workers kept failing for this request; the message says how."""
-
-
-class WorkerStalled(RuntimeError):
-    """No token arrived within token_timeout_s."""
 
 
 # a worker process died, a rank of a tensor-parallel worker died (its engine is dead until
@@ -66,6 +58,11 @@ def first_chunks(handoff: Handoff) -> list[Chunk]:
                             handoff.cached_tokens, index=i, top_logprobs=[list(top)],
                             all_finished=handoff.finished and i == last))
     return chunks
+
+
+def prefill_budget_s(prompt_tokens: int, token_timeout_s: float, s_per_1k_tokens: float) -> float:
+    """How long the first token may take: the inter-token timeout plus a share per prompt token."""
+    return token_timeout_s + prompt_tokens / 1000 * s_per_1k_tokens
 
 
 class Dispatcher:

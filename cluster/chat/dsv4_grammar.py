@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from .chat_dsv4 import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK
+from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

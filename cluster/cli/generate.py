@@ -7,6 +7,7 @@ result has `finish_reason: "error"` and an `error` field).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -111,3 +112,61 @@ def _maybe_id(line: str):
         return obj.get("id") if isinstance(obj, dict) else None
     except json.JSONDecodeError:
         return None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="run a JSONL batch of requests through one engine")
+    _add_engine_args(g)
+    g.add_argument("--input", required=True, help="requests.jsonl")
+    g.add_argument("--output", help="results.jsonl (default: stdout)")
+    g.set_defaults(handler=cmd_generate)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--kv-cache-bytes`, ...): name, default, help and
+    choices come from the field, so a new engine setting is a new flag with no edit here."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from workers.engine_config import EngineConfig
+    hints = get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if not f.metadata.get("cli", True):
+            continue
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        text = meta.get("help", "")
+        help = text if "default" in text else f"{text} (default: {_shown(f.default)})"
+        kind = next(t for t in (bool, int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        elif meta.get("unit") == "bytes":
+            p.add_argument(flag, default=f.default, metavar="BYTES", help=help + "; bytes, or with a suffix: 512MiB")
+        else:
+            p.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"), help=help)
+
+
+def _shown(default) -> str:
+    if isinstance(default, int) and not isinstance(default, bool) and default >= 1 << 20 and not default % (1 << 20):
+        return f"{default >> 20}MiB"
+    return "none" if default is None else str(default)
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine config from the flags; the store key comes from KVMESH_STORE_KEY."""
+    import dataclasses
+    import os
+
+    from workers.engine_config import EngineConfig
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)}
+    return EngineConfig(store_key=os.environ.get("KVMESH_STORE_KEY") or None, **flags)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from workers.model.args import ConfigError
+
+    try:
+        config = engine_config(args)
+    except ConfigError as e:
+        print(f"kvmesh generate: {e}", file=sys.stderr)
+        return 2
+    return run_batch_file(config, Path(args.input), Path(args.output) if args.output else None)

@@ -1,4 +1,5 @@
-"""`kvmesh` command line: generate (offline batch), layout, inspect, plan, simulate, store, serve."""
+"""`kvmesh layout` (cache sizes for a model config) and `kvmesh inspect` (a checkpoint's
+parameters and bytes per dtype, resident bytes, KV bytes)."""
 from __future__ import annotations
 
 import argparse
@@ -7,55 +8,19 @@ import sys
 from pathlib import Path
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (`--kv-cache-bytes`, ...): name, default, help and
-    choices come from the field, so a new engine setting is a new flag with no edit here."""
-    import dataclasses
-    from typing import get_type_hints
-
-    from workers.engine_config import EngineConfig
-    hints = get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        if not f.metadata.get("cli", True):
-            continue
-        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        text = meta.get("help", "")
-        help = text if "default" in text else f"{text} (default: {_shown(f.default)})"
-        kind = next(t for t in (bool, int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
-        if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
-        elif meta.get("unit") == "bytes":
-            p.add_argument(flag, default=f.default, metavar="BYTES", help=help + "; bytes, or with a suffix: 512MiB")
-        else:
-            p.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"), help=help)
-
-
-def _shown(default) -> str:
-    if isinstance(default, int) and not isinstance(default, bool) and default >= 1 << 20 and not default % (1 << 20):
-        return f"{default >> 20}MiB"
-    return "none" if default is None else str(default)
-
-
-def engine_config(args: argparse.Namespace):
-    """The engine config from the flags; the store key comes from KVMESH_STORE_KEY."""
-    import dataclasses
-    import os
-
-    from workers.engine_config import EngineConfig
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)}
-    return EngineConfig(store_key=os.environ.get("KVMESH_STORE_KEY") or None, **flags)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from workers.model.args import ConfigError
-
-    from .batch import run_batch_file
-    try:
-        config = engine_config(args)
-    except ConfigError as e:
-        print(f"kvmesh generate: {e}", file=sys.stderr)
-        return 2
-    return run_batch_file(config, Path(args.input), Path(args.output) if args.output else None)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    lay = sub.add_parser("layout", help="cache sizes for a model config")
+    lay.add_argument("--model")
+    lay.add_argument("--config")
+    lay.add_argument("--context", type=int, default=1 << 20)
+    lay.add_argument("--block-tokens", type=int, default=128)
+    lay.add_argument("--dtype", default=None, help="cache dtype (default bfloat16)")
+    lay.set_defaults(handler=cmd_layout)
+    ins = sub.add_parser("inspect", help="a checkpoint's parameters and bytes per dtype, resident bytes, KV bytes")
+    ins.add_argument("--model", required=True)
+    ins.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: checkpoint's)")
+    ins.add_argument("--block-tokens", type=int, default=128)
+    ins.set_defaults(handler=cmd_inspect)
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
@@ -139,50 +104,3 @@ def format_layout(layout, context: int) -> str:
               f"footprint at {context:,} tokens: classical {classical:,.0f} B ({classical / 2**30:.2f} GiB), "
               f"with one state slot {classical + layout.slot_bytes:,.0f} B"]
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="run a JSONL batch of requests through one engine")
-    _add_engine_args(g)
-    g.add_argument("--input", required=True, help="requests.jsonl")
-    g.add_argument("--output", help="results.jsonl (default: stdout)")
-    lay = sub.add_parser("layout", help="cache sizes for a model config")
-    lay.add_argument("--model")
-    lay.add_argument("--config")
-    lay.add_argument("--context", type=int, default=1 << 20)
-    lay.add_argument("--block-tokens", type=int, default=128)
-    lay.add_argument("--dtype", default=None, help="cache dtype (default bfloat16)")
-    ins = sub.add_parser("inspect", help="a checkpoint's parameters and bytes per dtype, resident bytes, KV bytes")
-    ins.add_argument("--model", required=True)
-    ins.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: checkpoint's)")
-    ins.add_argument("--block-tokens", type=int, default=128)
-    try:
-        from .store_cli import add_store_parser
-        add_store_parser(sub)
-    except ImportError:
-        pass
-    from .simulate_cli import add_simulate_parser
-    add_simulate_parser(sub)
-    from .plan_cli import add_plan_parser
-    add_plan_parser(sub)
-    try:
-        from .serve_cli import add_serve_parser
-        add_serve_parser(sub)
-    except ImportError:
-        pass
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "layout": cmd_layout, "inspect": cmd_inspect}
-    if args.command in handlers:
-        return handlers[args.command](args)
-    handler = getattr(args, "handler", None) or getattr(args, "func")
-    return handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

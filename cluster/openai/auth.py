@@ -12,7 +12,7 @@ from typing import Iterable
 
 from pydantic import SecretStr
 
-from .api import APIError
+from cluster.errors import APIError
 
 ENV_VAR = "KVMESH_API_KEY"
 OPEN_PATHS = frozenset({"/health"})

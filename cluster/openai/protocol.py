@@ -18,36 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from workers.sampling.grammar import check_schema
 from workers.sampling.params import MAX_N, InvalidRequestError, SamplingParams
 
+from cluster.errors import APIError, bad_request
+
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64
-
-
-class APIError(Exception):
-    """An error the API reports with OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
-
-
-def model_not_found(name: str, served: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
-                    param="model", code="model_not_found")
-
-
-def overloaded(retry_after_s: int) -> APIError:
-    return APIError(503, "The server is overloaded; retry shortly.", type="overloaded_error",
-                    code="overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
 class StreamOptions(BaseModel):
@@ -237,7 +212,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def as_dict(self) -> dict:
-        """The message as DeepSeek-V4's encoder reads it (cluster/chat_dsv4.py)."""
+        """The message as DeepSeek-V4's encoder reads it (cluster/chat/dsv4_encode.py)."""
         out = {"role": self.role, "content": self.text, "reasoning": self.reasoning or self.reasoning_content}
         if self.tool_calls:
             for c in self.tool_calls:
@@ -339,13 +314,13 @@ class ChatCompletionRequest(_Request):
     @property
     def guide(self) -> tuple[str, str] | None:
         """`tool_choice` "required" or a named function constrain the reply to a DSML block of
-        valid calls (cluster/dsv4_grammar.py); else response_format's guide."""
+        valid calls (cluster/chat/dsv4_grammar.py); else response_format's guide."""
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
         if not forced:
             return super().guide
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request("cannot be combined with tool_choice required or a named function", "response_format")
-        from .dsv4_grammar import tool_call_grammar
+        from cluster.chat.dsv4_grammar import tool_call_grammar
         name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         try:
             return ("ebnf", tool_call_grammar(self.offered_tools, self.thinking_mode, self.parallel_tool_calls, name))
