@@ -6,7 +6,7 @@
 Each route is a thin call into its serving object (serving_completion.py, serving_chat.py,
 serving_tokenize.py); they tokenize, validate (every 4xx is decided there or by the engine's
 InvalidRequestError, before any byte of a stream is sent), dispatch, and turn the pool's chunks
-into OpenAI bodies or SSE events.
+into OpenAI bodies or SSE events. The API key is one dependency on the whole app (auth.py).
 """
 
 import logging
@@ -25,7 +25,7 @@ from workers.checkpoint.tokenizer import load_tokenizer
 
 from cluster.config import ServeConfig
 from cluster.errors import APIError, bad_request
-from cluster.openai.auth import ApiKeys
+from cluster.openai.auth import ApiKeys, require_api_key
 from cluster.openai.limits import WorkerLimits, read_body
 from cluster.openai.protocol import package_version
 from cluster.openai.serving import ServedModel, ServingContext, error_response, to_api_error
@@ -40,9 +40,14 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand
 
 
+def _replica_keys() -> ApiKeys:
+    """The keys of the Ingress this replica runs (Serve builds one per replica, after the app)."""
+    return serve.get_replica_context().servable_object.keys
+
+
 # FastAPI's own /docs, /redoc and /openapi.json would answer without the API key: served below, behind it.
 api = FastAPI(title="kvmesh", description="OpenAI-compatible completions on a prefill/decode cluster",
-              docs_url=None, redoc_url=None, openapi_url=None)
+              docs_url=None, redoc_url=None, openapi_url=None, dependencies=[require_api_key(_replica_keys)])
 
 
 @api.exception_handler(APIError)
@@ -93,32 +98,24 @@ class Ingress:
         """Every replica's live counters, read now (a scrape of each replica of each pool)."""
         return await scrape_pools(self.pools)
 
-    def _auth(self, request: Request) -> None:
-        self.keys.check(request.url.path.removeprefix(request.scope.get("root_path", "")) or "/",
-                        request.headers.get("authorization"))
-
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.config.ingress.max_body_bytes)
 
     # ---- generation and tokens ------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        self._auth(request)
         return await self.serving_completion.serve(await self._body(request))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        self._auth(request)
         return await self.serving_chat.serve(await self._body(request))
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request):
-        self._auth(request)
         return await self.serving_tokenize.tokenize(await self._body(request))
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request):
-        self._auth(request)
         return await self.serving_tokenize.detokenize(await self._body(request))
 
     # ---- the model, the service ----------------------------------------------------------------
@@ -127,33 +124,28 @@ class Ingress:
         return {"status": "ok", "mode": self.config.mode}
 
     @api.get("/v1/models")
-    async def models(self, request: Request):
-        self._auth(request)
+    async def models(self):
         return {"object": "list", "data": [self.ctx.model.card((await self.ctx.limits.get()).max_model_len)]}
 
     @api.get("/v1/models/{model_id:path}")
-    async def model(self, model_id: str, request: Request):
-        self._auth(request)
+    async def model(self, model_id: str):
         self.ctx.model.check(model_id)
         return self.ctx.model.card((await self.ctx.limits.get()).max_model_len)
 
     @api.get("/version")
-    async def version(self, request: Request):
-        self._auth(request)
+    async def version(self):
         return {"version": package_version()}
 
     @api.get("/metrics")
-    async def metrics(self, request: Request):
-        self._auth(request)
+    async def metrics(self):
         return Response(await self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/openapi.json", include_in_schema=False)
-    async def openapi(self, request: Request):
-        self._auth(request)
+    async def openapi(self):
         return JSONResponse(api.openapi())
 
     @api.get("/docs", include_in_schema=False)
     async def docs(self, request: Request):
-        self._auth(request)     # with API keys, the page's own fetch of /openapi.json needs one too
+        # behind the key like every route: with API keys, the page's own fetch of /openapi.json needs one too
         return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
                                    title="kvmesh API")
