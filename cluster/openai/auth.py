@@ -1,15 +1,19 @@
 """API keys: `Authorization: Bearer <key>` on every route but /health.
 
+`require_api_key(keys_of)` is the FastAPI dependency that checks them; the ingress puts it on
+its whole app, so no route checks a key by hand and a new route is behind the key unless its
+path is in OPEN_PATHS.
+
 Keys come from `ingress.api_keys` (config), `kvmesh serve --api-key` (repeatable) or
 `KVMESH_API_KEY` (comma-separated). They are held as pydantic SecretStr, compared in
 constant time, and never logged, echoed in an error, or exported as a metric label.
 """
-from __future__ import annotations
-
 import hmac
 import os
-from typing import Iterable
+from typing import Callable, Iterable
 
+from fastapi import Depends, Request
+from fastapi.params import Depends as Dependency
 from pydantic import SecretStr
 
 from cluster.errors import APIError
@@ -44,3 +48,19 @@ class ApiKeys:
 
     def __repr__(self) -> str:
         return f"ApiKeys({len(self._keys)} keys)"
+
+
+def app_path(request: Request) -> str:
+    """The request's path inside the app: under a Serve route prefix (`/colocated`), without it."""
+    return request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
+
+
+def require_api_key(keys_of: Callable[[], ApiKeys]) -> Dependency:
+    """A FastAPI dependency (for `FastAPI(dependencies=[...])` or a route's) that raises
+    OpenAI's 401 for a request without a listed key, unless its path is open; `keys_of()` gives
+    the keys in force when the request arrives. It runs before the route reads the body."""
+    # No `from __future__ import annotations` in this module: Serve copies the app by cloudpickle,
+    # and the copy of this closure could not resolve "Request" from a string.
+    async def api_key(request: Request) -> None:
+        keys_of().check(app_path(request), request.headers.get("authorization"))
+    return Depends(api_key)

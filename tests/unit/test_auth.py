@@ -45,3 +45,36 @@ def test_build_app_takes_keys_from_the_environment(monkeypatch):
     app.build_app({"mode": "colocated"})
     ApiKeys(seen["c"].ingress.api_keys).check("/v1/models", "Bearer sk-env-2")
     assert "sk-env-1" not in repr(seen["c"])
+
+
+def api_routes(router):
+    """Every route of a FastAPI app, also those of routers it includes (Serve includes the class's)."""
+    from fastapi.routing import APIRoute
+    for route in router.routes:
+        if isinstance(route, APIRoute):
+            yield route
+        elif hasattr(route, "original_router"):        # FastAPI >= 0.137 keeps included routers nested
+            yield from api_routes(route.original_router)
+
+
+@pytest.mark.parametrize("root_path", ["", "/colocated"])
+def test_the_ingress_asks_every_route_but_health_for_the_key(monkeypatch, root_path):
+    """One dependency on the whole app: a route added later is behind the key too. The app is
+    copied through cloudpickle as @serve.ingress freezes it (names the copy cannot resolve, such as
+    a string annotation, would make FastAPI ask for a query parameter instead)."""
+    from fastapi.testclient import TestClient
+    from ray import cloudpickle, serve
+    from cluster.openai.ingress import api
+    api = cloudpickle.loads(cloudpickle.dumps(api))
+    ingress = type("Ingress", (), {"keys": ApiKeys(["sk-one"]), "config": ServeConfig()})()
+    monkeypatch.setattr(serve, "get_replica_context", lambda: type("Ctx", (), {"servable_object": ingress}))
+    client = TestClient(api, root_path=root_path)
+    routes = [(m, r.path.replace("{model_id:path}", "m")) for r in api_routes(api) for m in r.methods]
+    assert len(routes) >= 11
+    for method, path in routes:
+        r = client.request(method, root_path + path, headers={"Authorization": "Bearer sk-wrong"})
+        if path == "/health":
+            assert r.status_code == 200 and r.json()["mode"] == ingress.config.mode
+        else:
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path)
+    assert client.get(root_path + "/version", headers={"Authorization": "Bearer sk-one"}).status_code == 200
