@@ -160,7 +160,7 @@ class Engine:
                     hold_kv: bool = False, resume: Resume | None = None) -> Sequence:
         """Queue a request. `hold_kv`: stop after the first token and keep its cache for a
         handoff (prefill role). `resume`: the prompt's cache comes from another engine and
-        decoding continues after `resume.first_token` (decode role)."""
+        decoding continues after `resume.first` (decode role)."""
         if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         ids = self.prepare(prompt, params)
@@ -194,18 +194,17 @@ class Engine:
     def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
         """Decode role: the cache continues the first sequence that has not ended yet (n > 1:
         sequence 0 may have ended on its first token); the others fork from it at admission."""
-        firsts = [(resume.first_token, resume.first_logprob, list(resume.first_top), resume.first_finish)]
-        firsts += [tuple(s) + (None,) * (4 - len(s)) for s in resume.siblings]
-        lead = next(i for i, f in enumerate(firsts) if f[3] is None)
-        token, logprob, top, _ = firsts[lead]
-        seq.index, seq.output, seq.logprobs, seq.top_logprobs, seq.emitted = lead, [token], [logprob], [top], 1
-        seq.siblings = [(i, f) for i, f in enumerate(firsts) if i != lead]
+        firsts = [resume.first, *resume.siblings]
+        lead = next(f for f in firsts if f.finish is None)
+        seq.index, seq.output, seq.logprobs, seq.emitted = lead.index, [lead.token], [lead.logprob], 1
+        seq.top_logprobs = [list(lead.top)]
+        seq.siblings = [f for f in firsts if f is not lead]
         seq.cached_tokens = resume.cached_tokens
-        if lead:
-            seq.generator = make_generator(seq.params, lead)
+        if lead.index:
+            seq.generator = make_generator(seq.params, lead.index)
         if seq.guide is not None:
-            seq.guide.accept(token)
-        if resume.rng_state is not None and seq.generator is not None and lead == 0:
+            seq.guide.accept(lead.token)
+        if resume.rng_state is not None and seq.generator is not None and lead.index == 0:
             seq.generator.set_state(resume.rng_state)
 
     def abort(self, request_id: str) -> None:
@@ -234,15 +233,16 @@ class Engine:
         if seq.params.prompt_logprobs is not None:   # every prompt position is computed (again)
             seq.prompt_lps = []
         if seq.resume is not None and seq.siblings:
-            for i, (token, logprob, top, finish) in seq.siblings:
-                child = self.outputs.child(seq, i)
-                child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
-                if finish is not None:      # ended on its first token at prefill: only counted
-                    child.status, child.finish_reason = Status.FINISHED, finish
+            for first in seq.siblings:
+                child = self.outputs.child(seq, first.index)
+                child.output, child.logprobs, child.emitted = [first.token], [first.logprob], 1
+                child.top_logprobs = [list(first.top)]
+                if first.finish is not None:      # ended on its first token at prefill: only counted
+                    child.status, child.finish_reason = Status.FINISHED, first.finish
                     self.groups.setdefault(seq.request_id, [seq]).append(child)
                     continue
                 if child.guide is not None:
-                    child.guide.accept(token)
+                    child.guide.accept(first.token)
                 self.outputs.attach(seq, child)
             seq.siblings = []
 
