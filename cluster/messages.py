@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.kv_transport import Offer, TransferReport
 from workers.request import FirstToken
 from workers.sampling.params import SamplingParams
+
+if TYPE_CHECKING:       # the type only: importing the engine package here would load the whole engine
+    from workers.engine.stats import EngineStats
 
 __all__ = ["GenRequest", "RouteHint", "WorkerStats", "TransferReport", "Chunk", "Handoff"]
 
@@ -32,12 +35,12 @@ class RouteHint:
 class WorkerStats:
     pool: str
     worker_id: str
-    engine: dict[str, Any]          # EngineStats.as_dict(): the names /metrics exports
+    engine: EngineStats             # the engine's (data-parallel: its ranks' summed)
     nixl_bytes: int = 0             # bytes this worker read over NIXL
     ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
     fallbacks: int = 0
     held_timeouts: int = 0          # prefill: held caches released because decode never read them
-    ranks: tuple = ()               # data-parallel: each rank's EngineStats.as_dict(), in rank order
+    ranks: tuple[EngineStats, ...] = ()     # data-parallel: each rank's, in rank order
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,8 @@ class _Worker:
         """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`); a
         data-parallel replica's summed over its ranks, and each rank's in `ranks`."""
         ranks = self.engine.rank_stats()
-        return WorkerStats(self.POOL, self.worker_id, self.engine.stats().as_dict(), **self.counters,
-                           ranks=tuple(r.as_dict() for r in ranks) if len(ranks) > 1 else ())
+        return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters,
+                           ranks=tuple(ranks) if len(ranks) > 1 else ())
 
     def _chunks(self, outs, transfer=None):
         """One Chunk, or a list of them when a step produced several (n > 1): one stream item."""

@@ -76,6 +76,7 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     total = engine.stats()                                    # the replica's: every rank's summed
     assert total.counters.prompt_tokens == sum(prompt_tokens) and total.load == 0
     assert total.total_blocks == sum(s.total_blocks for s in engine.rank_stats)
+    assert total.reuse.query_tokens == sum(s.reuse.query_tokens for s in engine.rank_stats) > 0
     engine.flush()
     reader = tiny_engine(path, name, swa_policy=engine.config.swa_policy, store=store)
     again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as a DP rank stored them

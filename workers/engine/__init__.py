@@ -7,7 +7,8 @@
     kv_manager.py  the only allocator of blocks and state slots (get_computed_blocks / allocate_slots)
     runner.py      a batch -> StepInput -> the model's forward (and the CUDA-graph decode path)
     cuda_graphs.py the fixed-shape decode path and its graphs
-    stats.py       EngineStats / EngineCounters (the metrics surface) and the queue-time histogram
+    stats.py       EngineStats and its typed counters (EngineCounters, ReuseCounters, StoreCounters: the
+                   metrics surface), summed over data-parallel ranks; the queue-time histogram
     async_engine.py the engine on a background thread, with async streams
     data_parallel.py data-parallel attention + expert parallelism: the front over N engines (open_engine)
     dp_rank.py     one DP rank: the tick messages and what each rank does with a tick

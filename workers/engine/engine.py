@@ -36,7 +36,7 @@ from workers.spec.speculative import Drafter, DraftLimits, Speculator
 from .builder import StoreUnavailable, build, start_ranks
 from .output import OutputProcessor, RequestTable
 from .scheduler import Scheduler
-from .stats import EngineCounters, EngineStats, Histogram
+from .stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
@@ -292,15 +292,15 @@ class Engine:
     def stats(self) -> EngineStats:
         """Load, memory and counters now (cheap: read between steps, or racily from another thread)."""
         r, store = self.prefix.stats, self.prefix.store
-        reuse = dict(prefix_query_tokens=r.query_tokens, prefix_hit_tokens=dict(r.tier_hit_tokens),
-                     reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
-                     reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
-                     reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
+        reuse = ReuseCounters(
+            query_tokens=r.query_tokens, hit_tokens_by_tier=dict(r.tier_hit_tokens), hits=r.hits,
+            hit_tokens=r.hit_tokens, bytes_loaded=r.bytes_loaded, blocks_from_store=r.blocks_from_store,
+            blocks_from_memory=r.blocks_from_memory, recomputed_tokens=r.recomputed_tokens, errors=r.errors)
         s = store.stats() if store is not None else None
-        stored = {} if s is None else dict(
-            store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
-            store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
-            store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
+        stored = None if s is None else StoreCounters(
+            bytes_read=s.bytes_read, bytes_written=s.bytes_written, reads=s.reads, writes=s.writes,
+            corrupt=s.corrupt, bytes=s.total_bytes, read_errors=s.read_errors, timeouts=s.timeouts,
+            quarantined=s.quarantined)
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), held=len(self.held),
             free_blocks=self.blocks.num_free, total_blocks=self.blocks.num_blocks, free_slots=self.slots.num_free,
