@@ -63,13 +63,16 @@ class Engine:
         self.model_dir = model_dir = Path(config.model) if config.model else ensure_default_model()
         self.ranks = start_ranks(config, model_dir, launcher)
         try:
-            (self.args, self.model, self.tokenizer, self.layout, self.policy, self.cache, self.raw_cache,
-             self.blocks, self.slots, self.fingerprint, self.prefix, self.kv, self.runner,
-             self.max_model_len) = build(config, model_dir, self.ranks, dp)
+            parts = build(config, model_dir, self.ranks, dp)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close("rank 0 failed to start")
             raise
+        self.args, self.model, self.tokenizer = parts.args, parts.model, parts.tokenizer
+        self.layout, self.policy, self.cache = parts.layout, parts.policy, parts.cache
+        self.blocks, self.slots, self.kv = parts.blocks, parts.slots, parts.kv
+        self.fingerprint, self.prefix, self.runner = parts.fingerprint, parts.prefix, parts.runner
+        self.max_model_len = parts.max_model_len
         a = self.args
         self.table = RequestTable()
         self.seqs, self.groups, self.held = self.table.seqs, self.table.groups, self.table.held
