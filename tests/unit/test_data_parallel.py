@@ -17,6 +17,7 @@ from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_qu
                            random_prompt, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.sharding import check_sizes
+from workers.engine import EngineProtocol
 from workers.model.args import ConfigError, ModelArgs
 from workers.model.quant import QuantExperts
 from workers.sampling.params import InvalidRequestError, SamplingParams
@@ -82,6 +83,11 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as a DP rank stored them
     assert all(o.cached_tokens > 0 for o in again)
     assert_same_outputs(again, refs["B_ext"])
+
+
+def test_the_data_parallel_front_is_an_engine_protocol(dp2):
+    engine = dp2[-1]
+    assert isinstance(engine, EngineProtocol) and len(engine.rank_stats) == 2
 
 
 def test_one_rank_idle_serves_the_other_ranks_experts(dp2):

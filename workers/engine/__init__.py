@@ -1,6 +1,7 @@
 """The engine: one process, one model, many requests.
 
     engine.py      the loop (schedule -> run -> process outputs), intake, the handoff API, stats
+    protocol.py    EngineProtocol: the API Engine and DataParallelEngine both offer (run_to_completion)
     builder.py     wiring the parts from an EngineConfig: model, cache, tiers, manager, runner
     output.py      sampling calls, stop checks, finishing / holding, n > 1 forks, RequestOutput
     scheduler.py   continuous batching under a token budget (decodes first, then prefill chunks)
@@ -22,5 +23,6 @@ from workers.engine_config import EngineConfig
 from .builder import StoreUnavailable
 from .data_parallel import DataParallelEngine, open_engine
 from .engine import Engine
+from .protocol import EngineProtocol
 
-__all__ = ["DataParallelEngine", "Engine", "EngineConfig", "StoreUnavailable", "open_engine"]
+__all__ = ["DataParallelEngine", "Engine", "EngineConfig", "EngineProtocol", "StoreUnavailable", "open_engine"]

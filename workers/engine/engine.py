@@ -35,6 +35,7 @@ from workers.spec.speculative import Drafter, DraftLimits, Speculator
 
 from .builder import StoreUnavailable, build, start_ranks
 from .output import OutputProcessor, RequestTable
+from .protocol import run_to_completion
 from .scheduler import Scheduler
 from .stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters
 
@@ -312,6 +313,11 @@ class Engine:
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
             reuse=reuse, store=stored)
 
+    @property
+    def rank_stats(self) -> list[EngineStats]:
+        """This engine's stats as the only rank's (EngineProtocol: a DataParallelEngine has one per rank)."""
+        return [self.stats()]
+
     def step(self) -> list[RequestOutput]:
         """One scheduling step. Under tensor parallelism a rank that died or stalled raises
         RankFailed (within rank_timeout_s); the engine is unusable after it."""
@@ -367,15 +373,5 @@ class Engine:
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
-        """Run all prompts concurrently to completion; results in input order (a request
-        with n > 1 gives its n outputs one after another, by index)."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
-        final: dict[tuple[str, int], RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id, out.index] = out
-        return [final[r, i] for r, p in zip(ids, params_list) for i in range(p.n)]
+        """Run all prompts concurrently to completion (engine/protocol.py `run_to_completion`)."""
+        return run_to_completion(self, prompts, params)
