@@ -38,6 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.hashing import hash_hex
+from kvstore.log_once import LogOnce
 from kvstore.redact import redact_url
 from kvstore.index_base import LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
 
@@ -106,7 +107,7 @@ class RedisIndex(PrefixIndex):
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
         self._healthy = True
-        self._causes: set[str] = set()
+        self._warned = LogOnce(log)     # each cause is warned about once
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._stats = dict.fromkeys(
@@ -141,9 +142,8 @@ class RedisIndex(PrefixIndex):
             )
             self._retry_at = self._clock() + self._backoff_s
             backoff = self._backoff_s
-            cause = f"{type(error).__name__}:{str(error).split(' ')[0]}"
-            first = first and cause not in self._causes      # each cause is logged once
-            self._causes.add(cause)
+            new_cause = self._warned.first(f"{type(error).__name__}:{str(error).split(' ')[0]}")
+            first = first and new_cause         # the outage's first fault, of a cause not warned about yet
         if first:
             log.warning(
                 "prefix index at %s failed during %s (%s: %s); lookups miss and "

@@ -53,6 +53,7 @@ import torch
 from kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
                              store_namespace)
 from kvstore.index import PrefixIndex
+from kvstore.log_once import LogOnce
 from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
 from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
@@ -173,7 +174,7 @@ class ObjectStore(CacheTier):
         self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
         self._quarantine: set[tuple[str, int]] = set()
         self._undeletable: set[tuple[str, int]] = set()     # the persisted part of the quarantine
-        self._logged: set[str] = set()   # causes already logged
+        self._warn = LogOnce(log)        # each cause once: a store full of bad objects cannot flood the log
         # get_many reads blocks into this reused buffer; touched once now so a restore never
         # page-faults its way through fresh memory.
         self._staging = torch.zeros(staging_bytes, dtype=torch.uint8)
@@ -255,8 +256,8 @@ class ObjectStore(CacheTier):
         try:
             write_atomic(self._fs, f"{self._dir}/{QUARANTINE_FILE}", [text.encode()])
         except OSError as e:
-            self._log_once("quarantine-file", "cannot record the quarantine in %s (%s): other processes "
-                           "will read those objects once each", self._dir, e)
+            self._warn("quarantine-file", "cannot record the quarantine in %s (%s): other processes "
+                       "will read those objects once each", self._dir, e)
 
     def _path(self, kind: str, h: int) -> str:
         return f"{self._dir}/{kind}/{hash_hex(h)}{OBJECT_SUFFIX}"
@@ -416,8 +417,8 @@ class ObjectStore(CacheTier):
         corrupt = isinstance(error, CorruptObjectError) or not isinstance(error, (OSError, TimeoutError))
         timeout = isinstance(error, TimeoutError)
         self._track(kind, h, None, corrupt=int(corrupt), read_errors=int(not corrupt), timeouts=int(timeout))
-        self._log_once(type(error).__name__, "store object %s unusable (%s: %s): served as a miss",
-                       path, type(error).__name__, error)
+        self._warn(type(error).__name__, "store object %s unusable (%s: %s): served as a miss",
+                   path, type(error).__name__, error)
         if timeout:     # removing may hang the same way: only stop reading it
             self._quarantine_add(kind, h)
             self._update_index(kind, h, present=False)
@@ -426,8 +427,8 @@ class ObjectStore(CacheTier):
             self.delete(kind, h)
         except OSError as e:
             self._quarantine_add(kind, h, persist=True)
-            self._log_once("undeletable", "cannot remove unusable store object %s (%s): quarantined "
-                           "(%s), no process will read it again", path, e, QUARANTINE_FILE)
+            self._warn("undeletable", "cannot remove unusable store object %s (%s): quarantined "
+                       "(%s), no process will read it again", path, e, QUARANTINE_FILE)
 
     def _quarantine_add(self, kind: str, h: int, persist: bool = False) -> None:
         with self._lock:
@@ -446,14 +447,6 @@ class ObjectStore(CacheTier):
             self._undeletable.discard((kind, h))
         if persisted:
             self._write_quarantine()
-
-    def _log_once(self, cause: str, msg: str, *args) -> None:
-        """Warn at the first occurrence of each cause (naming its object); debug after that, so
-        a store full of bad objects cannot flood the log (the counters count them all)."""
-        with self._lock:
-            first = cause not in self._logged
-            self._logged.add(cause)
-        (log.warning if first else log.debug)(msg, *args)
 
     def contains(self, kind: str, h: int) -> bool:
         """Whether an object file exists (not verified; ``get`` verifies)."""
@@ -519,8 +512,7 @@ class ObjectStore(CacheTier):
             except FileNotFoundError:
                 pass
             except OSError as e:
-                self._log_once("evict", "cannot evict store object %s: %s",
-                               self._path(kind, h), e)
+                self._warn("evict", "cannot evict store object %s: %s", self._path(kind, h), e)
         if victims:
             log.info("evicted %d objects from %s to fit %d bytes", len(victims), self._dir, target)
         return len(victims)
