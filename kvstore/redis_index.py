@@ -40,7 +40,7 @@ from redis.retry import Retry
 from kvstore.hashing import hash_hex
 from kvstore.log_once import LogOnce
 from kvstore.redact import redact_url
-from kvstore.index_base import LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
+from kvstore.index_base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
 
 __all__ = ["RedisIndex"]
 
@@ -166,10 +166,10 @@ class RedisIndex(PrefixIndex):
         with self._lock:
             self._stats[name] += n
 
-    def stats(self) -> dict[str, int]:
-        """Counters since construction, plus `healthy` (1 while Redis answers)."""
+    def stats(self) -> IndexStats:
+        """Counters since construction; `healthy` while Redis answers."""
         with self._lock:
-            return {**self._stats, "healthy": int(self._healthy)}
+            return IndexStats(**self._stats, healthy=self._healthy)
 
     # -- keys --------------------------------------------------------------------
 

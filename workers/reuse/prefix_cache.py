@@ -114,8 +114,7 @@ class PrefixCache:
     # ---- admission: find a hit, fill it in -------------------------------------------------------------------
     def _reseed_after_outage(self) -> None:
         """A Redis that came back may have lost its entries: republish the store's objects."""
-        stats = getattr(self.index, "stats", None)
-        reconnects = stats().get("reconnects", 0) if callable(stats) else 0
+        reconnects = self.index.stats().reconnects
         if reconnects != self._reconnects and self.store is not None:
             self._reconnects = reconnects
             self.index.rebuild_from(self.store)
