@@ -226,10 +226,10 @@ def pool_state() -> dict:
     out = {}
     for name in ("Prefill", "Decode"):
         e = serve.get_deployment_handle(name, app_name="soak").stats.remote().result(timeout_s=60).engine
-        out[name] = {"held": e["held"], "running": e["running"] + e["waiting"],
-                     "used_slots": e["total_slots"] - e["free_slots"],
-                     "used_blocks": e["total_blocks"] - e["free_blocks"],
-                     "store_corrupt": e.get("store_corrupt", 0)}
+        out[name] = {"held": e.held, "running": e.running + e.waiting,
+                     "used_slots": e.total_slots - e.free_slots,
+                     "used_blocks": e.total_blocks - e.free_blocks,
+                     "store_corrupt": e.store.corrupt if e.store is not None else 0}
     return out
 
 

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.kv_transport import Offer, TransferReport
+from workers.request import FirstToken
 from workers.sampling.params import SamplingParams
+
+if TYPE_CHECKING:       # the type only: importing the engine package here would load the whole engine
+    from workers.engine.stats import EngineStats
 
 __all__ = ["GenRequest", "RouteHint", "WorkerStats", "TransferReport", "Chunk", "Handoff"]
 
@@ -31,12 +35,12 @@ class RouteHint:
 class WorkerStats:
     pool: str
     worker_id: str
-    engine: dict[str, Any]          # EngineStats.as_dict(): the names /metrics exports
+    engine: EngineStats             # the engine's (data-parallel: its ranks' summed)
     nixl_bytes: int = 0             # bytes this worker read over NIXL
     ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
     fallbacks: int = 0
     held_timeouts: int = 0          # prefill: held caches released because decode never read them
-    ranks: tuple = ()               # data-parallel: each rank's EngineStats.as_dict(), in rank order
+    ranks: tuple[EngineStats, ...] = ()     # data-parallel: each rank's, in rank order
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,7 @@ class Handoff:
     carries the prefill engine's fingerprint; None when the first token ended the request."""
     request_id: str
     prompt_len: int
-    first_token: int
-    first_logprob: float
+    first: FirstToken               # sequence 0's first token (n > 1: it may end there, the others go on)
     finished: bool                  # the first token already ended the request
     finish_reason: str | None
     cached_tokens: int
@@ -74,7 +77,5 @@ class Handoff:
     offer: Offer | None = None
     worker: WorkerStats | None = None       # the prefill worker's counters (for the ingress metrics)
     rng_state: Any = None                   # seeded sampler state after the first token (torch ByteTensor)
-    first_top: tuple = ()                   # the first token's top logprobs
-    siblings: tuple = ()                    # n > 1: (token, logprob, top, finish reason) of sequences 1..n-1
-    first_finish: str | None = None         # n > 1: sequence 0 ended on its first token, the others go on
+    siblings: tuple[FirstToken, ...] = ()   # n > 1: the first tokens of sequences 1..n-1
     prompt_logprobs: list | None = None

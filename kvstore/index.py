@@ -22,11 +22,11 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from kvstore.index_base import (BLOCK, CHECKPOINT, LookupResult, ObjectListing, PrefixIndex, check_ttl,
+from kvstore.index_base import (BLOCK, CHECKPOINT, IndexStats, LookupResult, ObjectListing, PrefixIndex, check_ttl,
                                 empty_lookup, walk_memory)
 
-__all__ = ["BLOCK", "CHECKPOINT", "EmbeddedIndex", "LookupResult", "ObjectListing", "PrefixIndex", "check_ttl",
-           "empty_lookup", "make_index", "walk_memory"]
+__all__ = ["BLOCK", "CHECKPOINT", "EmbeddedIndex", "IndexStats", "LookupResult", "ObjectListing", "PrefixIndex",
+           "check_ttl", "empty_lookup", "make_index", "walk_memory"]
 _SWEEP_MIN_LEASES = 1024  # below this many leases an expiry sweep is not worth its cost
 
 
@@ -48,6 +48,7 @@ class EmbeddedIndex(PrefixIndex):
         self._memory: dict[int, dict[str, float]] = {}  # hash -> worker -> lease deadline
         self._leases = 0
         self._leases_after_sweep = 0
+        self._counts = dict.fromkeys(("lookups", "hits", "hit_blocks", "writes"), 0)
 
     def lookup(self, hashes: Sequence[int]) -> LookupResult:
         with self._lock:
@@ -57,7 +58,16 @@ class EmbeddedIndex(PrefixIndex):
                     break
                 stored += 1
             checkpoints = tuple(i for i in range(stored) if hashes[i] in self._checkpoints)
-            return LookupResult(stored, checkpoints, self._memory_walk(hashes))
+            found = LookupResult(stored, checkpoints, self._memory_walk(hashes))
+            if hashes:
+                self._counts["lookups"] += 1
+                self._counts["hits"] += bool(stored or found.memory)
+                self._counts["hit_blocks"] += stored
+            return found
+
+    def stats(self) -> IndexStats:
+        with self._lock:
+            return IndexStats(**self._counts)
 
     def _memory_walk(self, hashes: Sequence[int]) -> dict[str, int]:
         now = self._clock()
@@ -69,22 +79,27 @@ class EmbeddedIndex(PrefixIndex):
     def publish_blocks(self, hashes: Sequence[int]) -> None:
         with self._lock:
             self._blocks.update(hashes)
+            self._counts["writes"] += bool(hashes)
 
     def remove_blocks(self, hashes: Sequence[int]) -> None:
         with self._lock:
             self._blocks.difference_update(hashes)
+            self._counts["writes"] += bool(hashes)
 
     def publish_checkpoint(self, h: int) -> None:
         with self._lock:
             self._checkpoints.add(h)
+            self._counts["writes"] += 1
 
     def remove_checkpoint(self, h: int) -> None:
         with self._lock:
             self._checkpoints.discard(h)
+            self._counts["writes"] += 1
 
     def publish_memory(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
         check_ttl(ttl_s)
         with self._lock:
+            self._counts["writes"] += bool(hashes)
             deadline = self._clock() + ttl_s
             for h in hashes:
                 holders = self._memory.setdefault(h, {})
@@ -95,6 +110,7 @@ class EmbeddedIndex(PrefixIndex):
 
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
         with self._lock:
+            self._counts["writes"] += bool(hashes)
             for h in hashes:
                 holders = self._memory.get(h)
                 if holders is not None and holders.pop(worker_id, None) is not None:
@@ -119,6 +135,7 @@ class EmbeddedIndex(PrefixIndex):
             self._checkpoints.clear()
             self._memory.clear()
             self._leases = self._leases_after_sweep = 0
+            self._counts["writes"] += 1
 
     def close(self) -> None:
         self.clear()

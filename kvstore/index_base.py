@@ -1,6 +1,6 @@
 """The prefix index's contract and the types every implementation shares.
 
-`PrefixIndex` (the interface), `LookupResult`, the entry kinds and small helpers live
+`PrefixIndex` (the interface), `LookupResult`, `IndexStats`, the entry kinds and small helpers live
 here, apart from the implementations (`kvstore.index.EmbeddedIndex`,
 `kvstore.redis_index.RedisIndex`) and the factory (`kvstore.index.make_index`), so
 each implementation imports this module and none imports another.
@@ -9,6 +9,7 @@ each implementation imports this module and none imports another.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Protocol, Sequence
 
 from kvstore.hashing import NAMESPACE_RE, check_fingerprint, store_namespace
@@ -31,6 +32,24 @@ class LookupResult(NamedTuple):
     stored: int
     checkpoints: tuple[int, ...]
     memory: dict[str, int]
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """An index's counters since construction, and whether its backend answers now.
+
+    A caller that sees `reconnects` grow re-seeds the index from the store (a server that
+    came back may have lost its entries). An index with nothing to lose (embedded) never
+    errs, skips or reconnects."""
+
+    lookups: int = 0        # lookups of a non-empty chain
+    hits: int = 0           # ... that found stored blocks or a memory lease
+    hit_blocks: int = 0     # stored blocks those lookups found
+    writes: int = 0         # publishes, removes and clears attempted
+    errors: int = 0         # calls that failed: a miss, or a dropped write
+    skipped: int = 0        # calls not attempted while backing off after a fault
+    reconnects: int = 0     # outages that ended
+    healthy: bool = True
 
 
 def walk_memory(holders: Iterable[set[str]]) -> dict[str, int]:
@@ -79,6 +98,7 @@ class PrefixIndex(abc.ABC):
     * Store-tier entries (blocks, checkpoints) never expire; callers publish
       them only after the object is durable and remove them when it is evicted.
     * Memory-tier entries are leases of `ttl_s` seconds; publishing again renews.
+    * `stats()` is cheap and never raises (the prefix cache reads it before every lookup).
     """
 
     def __init__(self, fingerprint: str, namespace: str | None = None) -> None:
@@ -122,6 +142,10 @@ class PrefixIndex(abc.ABC):
     @abc.abstractmethod
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
         """End `worker_id`'s leases on `hashes` (it evicted them)."""
+
+    @abc.abstractmethod
+    def stats(self) -> IndexStats:
+        """Counters since construction (see IndexStats)."""
 
     @abc.abstractmethod
     def clear(self) -> None:

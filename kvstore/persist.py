@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from .log_once import LogOnce
 from .store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class WriteBehind:
         self.store = store
         self._q: queue.Queue[PutJob | None] = queue.Queue(max_pending)
         self.stats = {"queued": 0, "written": 0, "bytes": 0, "errors": 0, "dropped": 0, "write_s": 0.0}
-        self._causes: set[str] = set()
+        self._warn = LogOnce(log)      # a broken store must not flood the log
         self._thread = threading.Thread(target=self._run, name="kvmesh-persist", daemon=True)
         self._thread.start()
 
@@ -56,10 +57,8 @@ class WriteBehind:
             except Exception as e:
                 self.stats["errors"] += 1
                 cause = type(e).__name__
-                first = cause not in self._causes      # a broken store must not flood the log
-                self._causes.add(cause)
-                (log.warning if first else log.debug)("persisting %s %x failed (%s: %s); it stays uncached",
-                                                      job.kind if job else "?", job.hash if job else 0, cause, e)
+                self._warn(cause, "persisting %s %x failed (%s: %s); it stays uncached", job.kind if job else "?",
+                           job.hash if job else 0, cause, e)
             finally:
                 self._q.task_done()
 

@@ -38,8 +38,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.hashing import hash_hex
+from kvstore.log_once import LogOnce
 from kvstore.redact import redact_url
-from kvstore.index_base import LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
+from kvstore.index_base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
 
 __all__ = ["RedisIndex"]
 
@@ -106,7 +107,7 @@ class RedisIndex(PrefixIndex):
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
         self._healthy = True
-        self._causes: set[str] = set()
+        self._warned = LogOnce(log)     # each cause is warned about once
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._stats = dict.fromkeys(
@@ -141,9 +142,8 @@ class RedisIndex(PrefixIndex):
             )
             self._retry_at = self._clock() + self._backoff_s
             backoff = self._backoff_s
-            cause = f"{type(error).__name__}:{str(error).split(' ')[0]}"
-            first = first and cause not in self._causes      # each cause is logged once
-            self._causes.add(cause)
+            new_cause = self._warned.first(f"{type(error).__name__}:{str(error).split(' ')[0]}")
+            first = first and new_cause         # the outage's first fault, of a cause not warned about yet
         if first:
             log.warning(
                 "prefix index at %s failed during %s (%s: %s); lookups miss and "
@@ -166,10 +166,10 @@ class RedisIndex(PrefixIndex):
         with self._lock:
             self._stats[name] += n
 
-    def stats(self) -> dict[str, int]:
-        """Counters since construction, plus `healthy` (1 while Redis answers)."""
+    def stats(self) -> IndexStats:
+        """Counters since construction; `healthy` while Redis answers."""
         with self._lock:
-            return {**self._stats, "healthy": int(self._healthy)}
+            return IndexStats(**self._stats, healthy=self._healthy)
 
     # -- keys --------------------------------------------------------------------
 

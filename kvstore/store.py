@@ -24,9 +24,9 @@ the index a hint (DESIGN §4):
   past ``read_timeout_s`` are misses too, logged once per cause with the
   object's name. Each is removed once (a directory at an object's path too), so
   the prefix can be stored again. An object that cannot be removed is
-  quarantined: listed in the namespace's QUARANTINE file, so no process reads
-  it again, this one after a restart included (a hung read is quarantined by
-  this process only: the mount may recover).
+  quarantined (:mod:`kvstore.quarantine`): listed in the namespace's QUARANTINE
+  file, so no process reads it again, this one after a restart included (a hung
+  read is quarantined by this process only: the mount may recover).
 * With a ``key`` (kvstore.mac) objects carry a MAC and only those it verifies
   are used; without one the store trusts whoever can write to it (said once).
   Each key has its own namespace, so a node with a wrong key never reads, removes
@@ -53,8 +53,10 @@ import torch
 from kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
                              store_namespace)
 from kvstore.index import PrefixIndex
+from kvstore.log_once import LogOnce
 from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
+from kvstore.quarantine import QUARANTINE_FILE, Quarantine
 from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
                               read_whole, resolve_uri, write_atomic)
 from kvstore.tiers import CacheTier, RowTensors, Shapes, shapes_of
@@ -64,7 +66,6 @@ log = logging.getLogger(__name__)
 
 OBJECT_SUFFIX = ".kv"
 FINGERPRINT_FILE = "FINGERPRINT"
-QUARANTINE_FILE = "QUARANTINE"     # "kind hash_hex" per line: unusable objects that could not be removed
 _OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{%d,}$" % FINGERPRINT_MIN_CHARS)
 DEFAULT_READ_TIMEOUT_S = 10.0
@@ -171,9 +172,7 @@ class ObjectStore(CacheTier):
         )
         self._key = key
         self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
-        self._quarantine: set[tuple[str, int]] = set()
-        self._undeletable: set[tuple[str, int]] = set()     # the persisted part of the quarantine
-        self._logged: set[str] = set()   # causes already logged
+        self._warn = LogOnce(log)        # each cause once: a store full of bad objects cannot flood the log
         # get_many reads blocks into this reused buffer; touched once now so a restore never
         # page-faults its way through fresh memory.
         self._staging = torch.zeros(staging_bytes, dtype=torch.uint8)
@@ -181,8 +180,7 @@ class ObjectStore(CacheTier):
             for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
                 self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
             self._claim_namespace()
-            self._undeletable = self._read_quarantine()
-            self._quarantine |= self._undeletable
+            self._quarantine = Quarantine(self._fs, self._dir, self._warn)
         except OSError as e:
             raise StoreUnavailableError(f"store {uri}: cannot use {self._dir}: {e}") from e
         self._say_trust(uri)
@@ -232,32 +230,6 @@ class ObjectStore(CacheTier):
                 f"store namespace {self._dir} belongs to fingerprint {owner}, not {self._fingerprint}"
             )
 
-    def _read_quarantine(self) -> set[tuple[str, int]]:
-        try:
-            text = read_text(self._fs, f"{self._dir}/{QUARANTINE_FILE}") or ""
-        except OSError as e:     # unreadable: each object is read (and quarantined) once again
-            log.warning("store quarantine list %s/%s is unreadable (%s): ignored", self._dir, QUARANTINE_FILE, e)
-            return set()
-        found = set()
-        for line in text.splitlines():
-            kind, _, hex_ = line.strip().partition(" ")
-            try:
-                found.add((kind, parse_hash_hex(hex_))) if kind in KINDS else None
-            except ValueError:
-                pass        # a damaged line only loses that entry (it is read, and quarantined, again)
-        return found
-
-    def _write_quarantine(self) -> None:
-        """Persist the quarantined objects that still exist (hung reads are this process's only)."""
-        with self._lock:
-            listed = sorted(self._undeletable)
-        text = "".join(f"{kind} {hash_hex(h)}\n" for kind, h in listed)
-        try:
-            write_atomic(self._fs, f"{self._dir}/{QUARANTINE_FILE}", [text.encode()])
-        except OSError as e:
-            self._log_once("quarantine-file", "cannot record the quarantine in %s (%s): other processes "
-                           "will read those objects once each", self._dir, e)
-
     def _path(self, kind: str, h: int) -> str:
         return f"{self._dir}/{kind}/{hash_hex(h)}{OBJECT_SUFFIX}"
 
@@ -283,7 +255,7 @@ class ObjectStore(CacheTier):
             return 0
         write_atomic(self._fs, self._path(kind, h), parts)
         if (kind, h) in self._quarantine:       # replaced after all: usable again
-            self._lift_quarantine(kind, h)
+            self._quarantine.lift(kind, h)
         self._track(kind, h, size, writes=1, bytes_written=size)
         self._update_index(kind, h, present=True)
         if self._capacity is not None:
@@ -416,44 +388,23 @@ class ObjectStore(CacheTier):
         corrupt = isinstance(error, CorruptObjectError) or not isinstance(error, (OSError, TimeoutError))
         timeout = isinstance(error, TimeoutError)
         self._track(kind, h, None, corrupt=int(corrupt), read_errors=int(not corrupt), timeouts=int(timeout))
-        self._log_once(type(error).__name__, "store object %s unusable (%s: %s): served as a miss",
-                       path, type(error).__name__, error)
+        self._warn(type(error).__name__, "store object %s unusable (%s: %s): served as a miss",
+                   path, type(error).__name__, error)
         if timeout:     # removing may hang the same way: only stop reading it
-            self._quarantine_add(kind, h)
+            self._quarantined(kind, h)
             self._update_index(kind, h, present=False)
             return
         try:
             self.delete(kind, h)
         except OSError as e:
-            self._quarantine_add(kind, h, persist=True)
-            self._log_once("undeletable", "cannot remove unusable store object %s (%s): quarantined "
-                           "(%s), no process will read it again", path, e, QUARANTINE_FILE)
+            self._quarantined(kind, h, persist=True)
+            self._warn("undeletable", "cannot remove unusable store object %s (%s): quarantined "
+                       "(%s), no process will read it again", path, e, QUARANTINE_FILE)
 
-    def _quarantine_add(self, kind: str, h: int, persist: bool = False) -> None:
-        with self._lock:
-            if (kind, h) not in self._quarantine:
-                self._quarantine.add((kind, h))
+    def _quarantined(self, kind: str, h: int, persist: bool = False) -> None:
+        if self._quarantine.add(kind, h, persist):
+            with self._lock:
                 self._counters["quarantined"] += 1
-            if persist:
-                self._undeletable.add((kind, h))
-        if persist:
-            self._write_quarantine()
-
-    def _lift_quarantine(self, kind: str, h: int) -> None:
-        with self._lock:
-            self._quarantine.discard((kind, h))
-            persisted = (kind, h) in self._undeletable
-            self._undeletable.discard((kind, h))
-        if persisted:
-            self._write_quarantine()
-
-    def _log_once(self, cause: str, msg: str, *args) -> None:
-        """Warn at the first occurrence of each cause (naming its object); debug after that, so
-        a store full of bad objects cannot flood the log (the counters count them all)."""
-        with self._lock:
-            first = cause not in self._logged
-            self._logged.add(cause)
-        (log.warning if first else log.debug)(msg, *args)
 
     def contains(self, kind: str, h: int) -> bool:
         """Whether an object file exists (not verified; ``get`` verifies)."""
@@ -488,7 +439,7 @@ class ObjectStore(CacheTier):
         else:
             removed = True
         if (kind, h) in self._quarantine:
-            self._lift_quarantine(kind, h)
+            self._quarantine.lift(kind, h)
         return removed
 
     def gc(self, target_bytes: int | None = None) -> int:
@@ -519,8 +470,7 @@ class ObjectStore(CacheTier):
             except FileNotFoundError:
                 pass
             except OSError as e:
-                self._log_once("evict", "cannot evict store object %s: %s",
-                               self._path(kind, h), e)
+                self._warn("evict", "cannot evict store object %s: %s", self._path(kind, h), e)
         if victims:
             log.info("evicted %d objects from %s to fit %d bytes", len(victims), self._dir, target)
         return len(victims)

@@ -18,7 +18,7 @@ import torch
 from kvstore.kv_transport import HeldKV
 from workers.sampling.params import SamplingParams
 
-__all__ = ["HeldKV", "RequestOutput", "Resume", "Sequence", "Status"]
+__all__ = ["FirstToken", "HeldKV", "RequestOutput", "Resume", "Sequence", "Status"]
 
 
 class Status(enum.Enum):
@@ -26,6 +26,17 @@ class Status(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     HELD = "held"           # prefilled, out of the batch; its blocks + slot wait for a handoff
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The first token of one of a request's n sequences, as the prefill engine sampled it:
+    what a handoff carries so that decode continues (or forks) each sequence after it."""
+    token: int
+    logprob: float
+    top: tuple = ()                 # its top logprobs: ((id, logprob), ...) best first
+    finish: str | None = None       # the sequence ended on this token ("stop" | "length"); None: it goes on
+    index: int = 0                  # which of the request's n sequences
 
 
 @dataclass
@@ -44,9 +55,10 @@ class RequestOutput:
     index: int = 0                  # which of the request's n sequences
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # per new token
     all_finished: bool = True       # every sequence of the request has finished (n > 1)
-    siblings: list[tuple[int, float, list]] = field(default_factory=list)   # held: the other n-1 first tokens
     prompt_logprobs: list | None = None    # on the first output, when asked: [None, (logprob, top), ...]
-    first_finish: str | None = None        # held with n > 1: sequence 0 ended on its first token
+    first: FirstToken | None = None        # prefill role (hold_kv): sequence 0's first token, and whether
+                                           # it ended there (with n > 1 the others may go on)
+    siblings: list[FirstToken] = field(default_factory=list)   # prefill role, n > 1: sequences 1..n-1's
     held: bool = False                     # prefill role: the request stopped after its first token and
                                            # its cache is held for a handoff (finish_reason "held")
 
@@ -78,9 +90,10 @@ class Sequence:
     index: int = 0                  # which of the request's n sequences (children fork from 0)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     guide: object | None = None     # workers.sampling.grammar.Guide when the output is grammar-constrained
-    siblings: list[tuple[int, float, list]] = field(default_factory=list)   # first tokens of forks to come
+    siblings: list[FirstToken] = field(default_factory=list)   # the request's other first tokens: prefill
+                                    # role, sampled with this one; decode role, the forks still to come
     prompt_lps: list = field(default_factory=list)   # prompt logprobs computed so far (echo)
-    first_finish: str | None = None # held with n > 1: sequence 0 ended on its first token
+    first_finish: str | None = None # held with n > 1: why sequence 0 ended on its first token
     scheduled: bool = False         # ran in a step at least once (queue time is measured to then)
 
     @property
@@ -109,11 +122,8 @@ class Resume(NamedTuple):
     `load(cache, block_ids, slot)` runs on the engine thread and fills the freshly
     allocated blocks and slot (a KVTransport.load, or CacheTensors.scatter of a payload);
     whatever it raises fails this request only."""
-    first_token: int
-    first_logprob: float
+    first: FirstToken                       # sequence 0's (n > 1: it may have ended there, the others go on)
     load: Callable
     cached_tokens: int = 0
     rng_state: torch.Tensor | None = None   # continue the seeded sampler where prefill left it
-    siblings: tuple = ()                    # n > 1: (token, logprob, top, finish reason | None) of forks 1..n-1
-    first_top: tuple = ()                   # the first token's top logprobs
-    first_finish: str | None = None         # n > 1: sequence 0 ended on its first token; others go on
+    siblings: tuple[FirstToken, ...] = ()   # n > 1: sequences 1..n-1's

@@ -48,15 +48,14 @@ def continuation(req: GenRequest, sent: list[int]) -> GenRequest:
 
 def first_chunks(handoff: Handoff) -> list[Chunk]:
     """The first token of each of the request's sequences, as prefill sampled them."""
-    last = len(handoff.siblings)
-    ended = handoff.finish_reason if handoff.finished else handoff.first_finish
-    chunks = [Chunk([handoff.first_token], [handoff.first_logprob], ended is not None, ended,
-                    handoff.prompt_len, handoff.cached_tokens, top_logprobs=[list(handoff.first_top)],
+    first, last = handoff.first, len(handoff.siblings)
+    chunks = [Chunk([first.token], [first.logprob], first.finish is not None, first.finish,
+                    handoff.prompt_len, handoff.cached_tokens, top_logprobs=[list(first.top)],
                     all_finished=handoff.finished and not last, prompt_logprobs=handoff.prompt_logprobs)]
-    for i, (token, logprob, top, finish) in enumerate(handoff.siblings, start=1):   # the forks' first tokens
-        chunks.append(Chunk([token], [logprob], finish is not None, finish, handoff.prompt_len,
-                            handoff.cached_tokens, index=i, top_logprobs=[list(top)],
-                            all_finished=handoff.finished and i == last))
+    for fork in handoff.siblings:   # the forks' first tokens
+        chunks.append(Chunk([fork.token], [fork.logprob], fork.finish is not None, fork.finish, handoff.prompt_len,
+                            handoff.cached_tokens, index=fork.index, top_logprobs=[list(fork.top)],
+                            all_finished=handoff.finished and fork.index == last))
     return chunks
 
 

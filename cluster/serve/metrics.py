@@ -34,6 +34,8 @@ from typing import Awaitable, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from workers.engine.stats import StoreCounters
+
 from cluster.messages import RouteHint, TransferReport, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -70,30 +72,31 @@ class WorkerSnapshots:
         workers = list(self.latest.values())
         yield from self._vllm_named(workers)
         yield from _numeric_gauges("kvmesh_worker_", "worker counter", ["pool", "worker"], [
-            ([w.pool, w.worker_id], {**w.engine, "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes,
+            ([w.pool, w.worker_id], {**w.engine.as_dict(), "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes,
                                      "fallbacks": w.fallbacks, "held_timeouts": w.held_timeouts}) for w in workers])
         ranks = [([w.pool, w.worker_id, str(r)], engine) for w in workers for r, engine in enumerate(w.ranks)]
         if not ranks:
             return
-        yield from _numeric_gauges("kvmesh_rank_", "data-parallel rank counter", ["pool", "worker", "rank"], ranks)
+        yield from _numeric_gauges("kvmesh_rank_", "data-parallel rank counter", ["pool", "worker", "rank"],
+                                   [(ids, engine.as_dict()) for ids, engine in ranks])
         hits = GaugeMetricFamily("kvmesh_rank_prefix_hit_tokens", "prompt tokens a data-parallel rank restored, "
                                  "by tier", labels=["pool", "worker", "rank", "tier"])
         for ids, engine in ranks:
-            for tier, n in (engine.get("prefix_hit_tokens") or {}).items():
+            for tier, n in engine.reuse.hit_tokens_by_tier.items():
                 hits.add_metric(ids + [tier], float(n))
         yield hits
 
     @staticmethod
     def _vllm_named(workers: list[WorkerStats]):
         labels = ["pool", "worker"]
-        gauges = {"kvmesh:num_requests_running": ("running", "requests in the engine's running batch"),
-                  "kvmesh:num_requests_waiting": ("waiting", "requests waiting for admission"),
-                  "kvmesh:kv_cache_usage_perc": ("kv_cache_usage", "fraction of KV blocks in use (0..1)"),
-                  "kvmesh:kv_cache_free_blocks": ("free_blocks", "free (or evictable) KV blocks")}
-        for name, (key, doc) in gauges.items():
+        gauges = {"kvmesh:num_requests_running": (lambda e: e.running, "requests in the engine's running batch"),
+                  "kvmesh:num_requests_waiting": (lambda e: e.waiting, "requests waiting for admission"),
+                  "kvmesh:kv_cache_usage_perc": (lambda e: e.kv_cache_usage, "fraction of KV blocks in use (0..1)"),
+                  "kvmesh:kv_cache_free_blocks": (lambda e: e.free_blocks, "free (or evictable) KV blocks")}
+        for name, (value, doc) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=labels)
             for w in workers:
-                g.add_metric([w.pool, w.worker_id], float(w.engine.get(key, 0)))
+                g.add_metric([w.pool, w.worker_id], float(value(w.engine)))
             yield g
         queries = CounterMetricFamily("kvmesh:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                       labels=labels)
@@ -106,15 +109,15 @@ class WorkerSnapshots:
                                       labels=labels)
         for w in workers:
             e, ids = w.engine, [w.pool, w.worker_id]
-            queries.add_metric(ids, float(e.get("prefix_query_tokens", 0)))
-            for tier, n in (e.get("prefix_hit_tokens") or {}).items():
+            queries.add_metric(ids, float(e.reuse.query_tokens))
+            for tier, n in e.reuse.hit_tokens_by_tier.items():
                 hits.add_metric(ids + [tier], float(n))
-            store.add_metric(ids + ["read"], float(e.get("store_bytes_read", 0)))
-            store.add_metric(ids + ["write"], float(e.get("store_bytes_written", 0)))
+            io = e.store or StoreCounters()       # no shared store: nothing read or written
+            store.add_metric(ids + ["read"], float(io.bytes_read))
+            store.add_metric(ids + ["write"], float(io.bytes_written))
             nixl.add_metric(ids, float(w.nixl_bytes))
-            q = e.get("queue_time")
-            if q:
-                queue.add_metric(ids, [(_le(b), float(c)) for b, c in q["buckets"]], q["sum"])
+            q = e.queue_time
+            queue.add_metric(ids, [(_le(b), float(c)) for b, c in q["buckets"]], q["sum"])
         yield from (queries, hits, store, nixl, queue)
 
 

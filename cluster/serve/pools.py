@@ -80,8 +80,8 @@ class _Worker:
         """Live counters (the ingress scrapes every replica for /metrics, pinned by `hint`); a
         data-parallel replica's summed over its ranks, and each rank's in `ranks`."""
         ranks = self.engine.rank_stats()
-        return WorkerStats(self.POOL, self.worker_id, self.engine.stats().as_dict(), **self.counters,
-                           ranks=tuple(r.as_dict() for r in ranks) if len(ranks) > 1 else ())
+        return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters,
+                           ranks=tuple(ranks) if len(ranks) > 1 else ())
 
     def _chunks(self, outs, transfer=None):
         """One Chunk, or a list of them when a step produced several (n > 1): one stream item."""
@@ -128,13 +128,10 @@ class Prefill(_Worker):
             rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
             async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True, rank=rank):
                 last = out
-            base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first_token=last.token_ids[0],
-                        first_logprob=last.logprobs[0], finished=not last.held,
-                        finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
-                        worker_id=self.worker_id, worker=self.stats(),
-                        first_top=tuple(last.top_logprobs[0]) if last.top_logprobs else (),
-                        siblings=tuple(last.siblings), prompt_logprobs=last.prompt_logprobs,
-                        first_finish=last.first_finish)
+            base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first=last.first,
+                        finished=not last.held, finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
+                        worker_id=self.worker_id, worker=self.stats(), siblings=tuple(last.siblings),
+                        prompt_logprobs=last.prompt_logprobs)
             if not last.held:
                 return Handoff(**base)
             held = await self.engine.held_handle(req.request_id)
@@ -221,8 +218,7 @@ class Decode(_Worker):
         loader = Loader(offer, self.transports, lambda _: self._fetch_export(handoff), self.counters)
         if offer.transport not in self.transports:
             await loader.prefetch(self._fetch_export_async(handoff))
-        resume = Resume(handoff.first_token, handoff.first_logprob, loader, handoff.cached_tokens,
-                        handoff.rng_state, handoff.siblings, handoff.first_top, handoff.first_finish)
+        resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings)
         first = True
         try:
             async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,

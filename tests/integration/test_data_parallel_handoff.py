@@ -17,7 +17,7 @@ import ray
 from cluster.serve.transfer import Loader, RayTransport
 from kvstore.kv_transport import HandoffError, Offer
 from tests.helpers import BLOCK_TOKENS, random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.request import Resume
+from workers.request import FirstToken, Resume
 from workers.sampling.params import SamplingParams
 
 NAME = "swa_csa_hca"
@@ -70,7 +70,7 @@ def decode(dst, rid, prompt, first, offer, rng_state, rank, kinds):
     engine, nixl, ray_t = dst
     transports = {t.name: t for t in (nixl if "nixl" in kinds else None, ray_t) if t is not None}
     loader = Loader(offer, transports, None, counters())
-    resume = Resume(first.token_ids[0], first.logprobs[0], loader, first.cached_tokens, rng_state)
+    resume = Resume(first.first, loader, first.cached_tokens, rng_state)
     engine.add_request(rid, prompt, GREEDY, resume=resume, **on(engine, rank))
     done = [o for o in run(engine) if o.request_id == rid and o.finished][-1]
     return done, loader
@@ -133,7 +133,7 @@ def test_an_offer_from_another_engine_is_refused_before_a_rank_allocates(engines
     engine, nixl, ray_t = engines["dp_decode"]
     prompt = random_prompt(3 * BLOCK_TOKENS[NAME], seed=9)
     alien = Offer("alien", "0" * 64, 3, 1024, "ray", [None])
-    resume = Resume(1, -0.5, Loader(alien, {"ray": ray_t}, None, counters()))
+    resume = Resume(FirstToken(1, -0.5), Loader(alien, {"ray": ray_t}, None, counters()))
     before = holder_stats(engine, 1).free_blocks
     with pytest.raises(HandoffError, match="fingerprint"):
         engine.add_request("alien", prompt, GREEDY, resume=resume, rank=1)
@@ -162,8 +162,8 @@ def test_a_failed_read_on_a_rank_falls_back_to_a_ray_copy_or_fails_only_that_req
         return src[0].offer_held(rid, src[2])
     c = counters()
     loader = Loader(bad, {"nixl": nixl, "ray": ray_t}, fetch_ray if copy else None, c)
-    engine.add_request(rid, prompt, GREEDY, resume=Resume(first.token_ids[0], first.logprobs[0], loader,
-                                                           first.cached_tokens, held.rng_state), rank=1)
+    engine.add_request(rid, prompt, GREEDY, resume=Resume(first.first, loader, first.cached_tokens, held.rng_state),
+                       rank=1)
     engine.add_request(f"fine{copy}", prompt, GREEDY, rank=1)
     outs = {o.request_id: o for o in run(engine) if o.finished}
     src[0].release_held(rid)

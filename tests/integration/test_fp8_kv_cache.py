@@ -102,8 +102,8 @@ def test_fp8_handoff_equals_a_single_engine_fp8_run(model_dir, cold, transport):
         assert payload["1.comp"].dtype == torch.uint8
         load = lambda cache, blocks, slot: cache.scatter(blocks, slot, payload)  # noqa: E731
     try:
-        decode.add_request("r", prompt, GREEDY, resume=Resume(first.token_ids[0], first.logprobs[0], load,
-                                                              first.cached_tokens, held.rng_state))
+        decode.add_request("r", prompt, GREEDY, resume=Resume(first.first, load, first.cached_tokens,
+                                                              held.rng_state))
         moved = [o for o in _run(decode) if o.finished][-1]
     finally:
         prefill.release_held("r")

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.hashing import PrefixHasher, store_namespace
 from kvstore.mac import StoreKey
-from kvstore.index import EmbeddedIndex, LookupResult, PrefixIndex, make_index
+from kvstore.index import EmbeddedIndex, IndexStats, LookupResult, PrefixIndex, make_index
 from kvstore.redis_index import RedisIndex
 
 
@@ -187,6 +187,20 @@ def test_nonpositive_lease_is_rejected(harness: Harness) -> None:
         index.publish_memory("w1", _chain(index.fingerprint, 1), 0)
 
 
+def test_stats_count_lookups_hits_and_writes_the_same_way(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint)
+    assert index.stats() == IndexStats()
+    index.lookup(hs)
+    index.lookup([])                                   # an empty chain is no lookup
+    index.publish_blocks(hs[:3])
+    index.publish_blocks([])                           # nothing to write
+    index.publish_checkpoint(hs[1])
+    index.publish_memory("w1", hs[:1], harness.ttl_s)
+    index.lookup(hs)
+    assert index.stats() == IndexStats(lookups=2, hits=1, hit_blocks=3, writes=3)
+
+
 # -- Redis faults ------------------------------------------------------------------
 
 
@@ -207,7 +221,7 @@ def test_redis_outage_is_a_miss_then_reuse_resumes(redis_process, caplog: pytest
                 index.clear()
                 time.sleep(0.02)
         assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
-        assert index.stats()["healthy"] == 0 and index.stats()["errors"] >= 1
+        assert not index.stats().healthy and index.stats().errors >= 1
     finally:
         redis_process.restart()
     deadline = time.monotonic() + 5.0
@@ -218,7 +232,7 @@ def test_redis_outage_is_a_miss_then_reuse_resumes(redis_process, caplog: pytest
         assert time.monotonic() < deadline, "reuse did not resume after Redis came back"
         time.sleep(0.05)
     stats = index.stats()
-    assert stats["healthy"] == 1 and stats["reconnects"] == 1
+    assert stats.healthy and stats.reconnects == 1
     index.clear()
     index.close()
 
@@ -234,12 +248,12 @@ def test_redis_backoff_skips_calls_until_the_deadline() -> None:
     for _ in range(5):
         index.lookup(hs)
         index.publish_blocks(hs)
-    assert (index.stats()["errors"], index.stats()["skipped"]) == (1, 10)
+    assert (index.stats().errors, index.stats().skipped) == (1, 10)
     clock.now += 1.0  # backoff passed: one probe, which fails and doubles the backoff
     index.lookup(hs)
     clock.now += 1.0
     index.lookup(hs)
-    assert (index.stats()["errors"], index.stats()["skipped"]) == (2, 11)
+    assert (index.stats().errors, index.stats().skipped) == (2, 11)
     index.close()
 
 

@@ -90,7 +90,7 @@ def test_a_redis_error_reply_or_stall_is_a_miss_and_outputs_stay_the_cold_runs(s
         reader.flush()
         reader.close()
     assert all(o.token_ids == cold for o in outs)
-    assert reader.prefix.index.stats()["errors"] >= 1
+    assert reader.prefix.index.stats().errors >= 1
     assert PASSWORD not in caplog.text and ":***@" in caplog.text
     after = engine(model_dir, tmp_path, url).generate([PROMPT], GREEDY)[0]   # the fault is gone: reuse again
     assert after.token_ids == cold and after.cached_tokens > 0

@@ -118,7 +118,7 @@ def test_engines_hand_off_over_nixl_through_the_interface_and_a_foreign_engine_r
     for i, (engine, name) in enumerate(((foreign, "foreign"), (decode, "decode"))):
         sink = NixlTransport(KVTransferAgent(f"test-engine-{name}", engine.kv_tensors()), engine.fingerprint)
         engine.add_request("r", prompt, params, resume=Resume(
-            first.token_ids[0], first.logprobs[0], lambda cache, blocks, slot, sink=sink: sink.load(
+            first.first, lambda cache, blocks, slot, sink=sink: sink.load(
                 offer, cache, blocks, slot), first.cached_tokens))
         done = [o for o in run(engine) if o.finished][-1]
         if engine is foreign:

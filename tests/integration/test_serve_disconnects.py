@@ -17,6 +17,7 @@ from ray import serve
 from tests.integration.test_index_faults import out_of_memory, read_only
 from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
+from workers.engine.stats import EngineStats
 from workers.sampling.params import SamplingParams
 
 RELEASE_TIMEOUT_S = 5.0
@@ -43,14 +44,9 @@ def cold(app):
         [PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
 
 
-def pool_state(name: str) -> dict:
+def pool_state(name: str) -> EngineStats:
     stats = serve.get_deployment_handle(name, app_name="app").stats.remote().result(timeout_s=30)
     return stats.engine
-
-
-def idle(state: dict) -> bool:
-    return (state["held"] == 0 and state["running"] == 0 and state["waiting"] == 0
-            and state["free_slots"] == state["total_slots"] and state["free_blocks"] == state["total_blocks"])
 
 
 async def vanishing_client(port: int, rng: random.Random) -> str:
@@ -98,11 +94,11 @@ def test_clients_that_disconnect_anywhere_leave_no_held_kv_and_the_service_serve
     deadline = time.monotonic() + RELEASE_TIMEOUT_S + 60
     while True:
         states = {name: pool_state(name) for name in ("Prefill", "Decode")}
-        if all(idle(s) for s in states.values()) or time.monotonic() > deadline:
+        if all(s.idle for s in states.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     print(states)
-    assert all(idle(s) for s in states.values()), states
+    assert all(s.idle for s in states.values()), states
     r = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == cold
 

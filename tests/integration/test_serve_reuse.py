@@ -110,7 +110,7 @@ def test_prefix_computed_on_one_node_is_reused_on_the_other(two_nodes):
     req = GenRequest("cross-node-1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     handoff = prefill.prefill.remote(req, hint=RouteHint(require_worker=other)).result()
     assert handoff.worker_id == other and handoff.cached_tokens > 0
-    tokens = [handoff.first_token]
+    tokens = [handoff.first.token]
     for item in decode.options(stream=True).decode.remote(req, handoff):
         tokens += [t for chunk in (item if isinstance(item, list) else [item]) for t in chunk.token_ids]
     assert tokens == cold

@@ -17,6 +17,7 @@ from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_qu
                            random_prompt, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.sharding import check_sizes
+from workers.engine import EngineProtocol
 from workers.model.args import ConfigError, ModelArgs
 from workers.model.quant import QuantExperts
 from workers.sampling.params import InvalidRequestError, SamplingParams
@@ -76,11 +77,17 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     total = engine.stats()                                    # the replica's: every rank's summed
     assert total.counters.prompt_tokens == sum(prompt_tokens) and total.load == 0
     assert total.total_blocks == sum(s.total_blocks for s in engine.rank_stats)
+    assert total.reuse.query_tokens == sum(s.reuse.query_tokens for s in engine.rank_stats) > 0
     engine.flush()
     reader = tiny_engine(path, name, swa_policy=engine.config.swa_policy, store=store)
     again = reader.generate(ps["B_ext"], GREEDY)              # B's blocks and state as a DP rank stored them
     assert all(o.cached_tokens > 0 for o in again)
     assert_same_outputs(again, refs["B_ext"])
+
+
+def test_the_data_parallel_front_is_an_engine_protocol(dp2):
+    engine = dp2[-1]
+    assert isinstance(engine, EngineProtocol) and len(engine.rank_stats) == 2
 
 
 def test_one_rank_idle_serves_the_other_ranks_experts(dp2):

@@ -12,6 +12,7 @@ from cluster.errors import WorkerFailed
 from cluster.serve.dispatch import Dispatcher
 from cluster.messages import Chunk, GenRequest, Handoff
 from cluster.serve.metrics import Metrics
+from workers.request import FirstToken
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
 
@@ -59,8 +60,9 @@ class Pools:
     async def _handoff(self, req: GenRequest) -> Handoff:
         """Token k of sequence i is 10 * k + i (a continuation's prompt holds the tokens sent)."""
         first, done = 10 * (len(req.prompt) - 2), req.params.max_tokens == 1
-        siblings = tuple((first + i, 0.0, (), "length" if done else None) for i in range(1, self.n))
-        return Handoff(req.request_id, len(req.prompt), first, 0.0, done, "length" if done else None, 0, "p0",
+        ended = "length" if done else None
+        siblings = tuple(FirstToken(first + i, 0.0, (), ended, i) for i in range(1, self.n))
+        return Handoff(req.request_id, len(req.prompt), FirstToken(first, 0.0, (), ended), done, ended, 0, "p0",
                        offer=None if done else object(), siblings=siblings)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.engine import Engine
-from workers.request import Resume
+from workers.request import FirstToken, Resume
 from workers.sampling.params import SamplingParams
 
 
@@ -34,9 +34,8 @@ def handoff(prefill: Engine, decode: Engine, prompt, params):
     held = prefill.held_handle("r")
     payload = prefill.export_held("r")
     prefill.release_held("r")
-    resume = Resume(first.token_ids[0], first.logprobs[0],
-                    lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens,
-                    held.rng_state)
+    resume = Resume(first.first, lambda cache, blocks, slot: cache.scatter(blocks, slot, payload),
+                    first.cached_tokens, held.rng_state)
     decode.add_request("r", prompt, params, resume=resume)
     return [o for o in run(decode) if o.finished][-1]
 
@@ -60,7 +59,7 @@ def test_a_cache_that_fails_to_load_fails_only_its_request(model_dir):
     def broken(cache, blocks, slot):
         raise OSError("transfer failed")
 
-    e.add_request("bad", random_prompt(20), params, resume=Resume(5, -1.0, broken))
+    e.add_request("bad", random_prompt(20), params, resume=Resume(FirstToken(5, -1.0), broken))
     e.add_request("good", random_prompt(30), params)
     outs = {o.request_id: o for o in run(e) if o.finished}
     assert outs["bad"].finish_reason == "error" and "transfer failed" in outs["bad"].error
@@ -82,9 +81,8 @@ def held_forks(prefill: Engine, prompt, params):
     payload = prefill.export_held("f") if first.finish_reason == "held" else None
     rng = prefill.held_handle("f").rng_state if payload is not None else None
     prefill.release_held("f")
-    return first, Resume(first.token_ids[0], first.logprobs[0],
-                         lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens,
-                         rng, tuple(first.siblings), tuple(first.top_logprobs[0]), first.first_finish)
+    return first, Resume(first.first, lambda cache, blocks, slot: cache.scatter(blocks, slot, payload),
+                         first.cached_tokens, rng, tuple(first.siblings))
 
 
 def test_n_forks_happen_on_the_decode_engine_after_one_prefill(model_dir):
@@ -93,7 +91,7 @@ def test_n_forks_happen_on_the_decode_engine_after_one_prefill(model_dir):
     single = engine(model_dir).generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     prefill, decode = engine(model_dir), engine(model_dir)
     first, resume = held_forks(prefill, prompt, params)
-    assert first.finish_reason == "held" and [s[0] for s in first.siblings] == [single.token_ids[0]] * 2
+    assert first.finish_reason == "held" and [s.token for s in first.siblings] == [single.token_ids[0]] * 2
     decode.add_request("f", prompt, params, resume=resume)
     done = {o.index: o.token_ids for o in run(decode) if o.finished}
     assert done == {0: single.token_ids, 1: single.token_ids, 2: single.token_ids}
@@ -105,15 +103,15 @@ def test_when_sequence_0_ends_on_its_first_token_the_other_forks_still_decode(mo
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, n=3)
     probe, _ = held_forks(engine(model_dir), prompt, sampled)
     stop = probe.token_ids[0]
-    assert any(s[0] != stop for s in probe.siblings)
+    assert any(s.token != stop for s in probe.siblings)
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, n=3, stop_token_ids=(stop,))
     first, resume = held_forks(engine(model_dir), prompt, params)
-    assert first.first_finish == "stop" and first.finish_reason == "held"
+    assert first.first.finish == "stop" and first.finish_reason == "held"
     decode = engine(model_dir)
     decode.add_request("f", prompt, params, resume=resume)
     done = {o.index: o for o in run(decode) if o.finished}
-    going = {i for i, s in enumerate(first.siblings, start=1) if s[3] is None}
-    assert set(done) == going and all(o.token_ids[0] == first.siblings[i - 1][0] for i, o in done.items())
+    going = {s.index for s in first.siblings if s.finish is None}
+    assert set(done) == going and all(o.token_ids[0] == first.siblings[i - 1].token for i, o in done.items())
     assert not decode.has_unfinished() and not decode.groups
 
 

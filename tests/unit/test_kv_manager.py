@@ -9,7 +9,7 @@ import torch
 from tests.kv_parts import BT, block_data, compute, make_parts, prompt_of, request
 from kvstore.kv_transport import TransferInFlight
 from workers.engine.kv_manager import NO_HIT, KVLoadError
-from workers.request import Resume
+from workers.request import FirstToken, Resume
 
 
 def test_admission_takes_a_slot_and_the_blocks_of_the_first_chunk():
@@ -139,7 +139,7 @@ def test_a_handed_off_cache_is_loaded_into_exactly_its_blocks_and_the_slot():
     p = make_parts(num_blocks=8)
     got = []
     seq = request(prompt_of(2, extra=0))     # block-aligned: the first decode token needs one more block
-    seq.resume = Resume(7, -0.5, lambda cache, blocks, slot: got.append((list(blocks), slot)))
+    seq.resume = Resume(FirstToken(7, -0.5), lambda cache, blocks, slot: got.append((list(blocks), slot)))
     hit = p.kv.get_computed_blocks(seq)
     assert hit.num_tokens == 2 * BT and hit.handoff is seq.resume
     assert p.kv.allocate_slots(seq, 1, hit)
@@ -154,7 +154,7 @@ def test_a_handoff_that_fails_to_load_raises_and_holds_nothing():
     def broken(cache, blocks, slot):
         raise OSError("transfer failed")
 
-    seq.resume = Resume(7, -0.5, broken)
+    seq.resume = Resume(FirstToken(7, -0.5), broken)
     with pytest.raises(KVLoadError, match="transfer failed") as e:
         p.kv.allocate_slots(seq, 1, p.kv.get_computed_blocks(seq))
     assert isinstance(e.value.__cause__, OSError)
@@ -171,7 +171,7 @@ def test_a_handoff_given_up_in_flight_keeps_its_blocks_and_slot_until_the_transf
     def timed_out(cache, blocks, slot):
         raise TransferInFlight("READ timed out", lambda: bool(over))
 
-    seq.resume = Resume(7, -0.5, timed_out)
+    seq.resume = Resume(FirstToken(7, -0.5), timed_out)
     with pytest.raises(KVLoadError, match="timed out"):
         p.kv.allocate_slots(seq, 1, p.kv.get_computed_blocks(seq))
     assert seq.slot is None and seq.blocks == []

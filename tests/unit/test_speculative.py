@@ -265,14 +265,15 @@ def test_speculation_figures_are_in_engine_stats_and_metrics(checkpoint, cold):
     assert engine.stats().as_dict()["spec_acceptance_rate"] == 0.0
     engine.set_drafter(OracleDrafter({tuple(p): corrupt(r, 0.3, seed=2) for p, r in zip(prompts(), ref)}), 2)
     engine.generate(prompts(), GREEDY)
-    c, stats = engine.counters, engine.stats().as_dict()
+    c, snapshot = engine.counters, engine.stats()
+    stats = snapshot.as_dict()
     assert 0 < c.drafted_steps <= c.draft_tokens <= 2 * c.drafted_steps
     assert stats["spec_acceptance_rate"] == pytest.approx(c.accepted_draft_tokens / c.draft_tokens)
     assert stats["spec_draft_tokens_per_step"] == pytest.approx(c.draft_tokens / c.drafted_steps)
     assert stats["spec_tokens_per_step"] == pytest.approx(1 + c.accepted_draft_tokens / c.drafted_steps)
     assert 0 < stats["spec_acceptance_rate"] < 1
     snapshots = WorkerSnapshots()
-    snapshots.update(WorkerStats("decode", "w0", stats))
+    snapshots.update(WorkerStats("decode", "w0", snapshot))
     exported = {m.name: m.samples[0].value for m in snapshots.collect() if m.samples}
     for key in ("spec_acceptance_rate", "spec_draft_tokens_per_step", "spec_tokens_per_step", "drafted_steps"):
         assert exported[f"kvmesh_worker_{key}"] == pytest.approx(stats[key])

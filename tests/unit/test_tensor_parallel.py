@@ -103,7 +103,7 @@ def _handoff(prefill, decode, prompt, rid):
     assert first.finish_reason == "held"
     payload = prefill.export_held(rid)
     prefill.release_held(rid)
-    resume = Resume(first.token_ids[0], first.logprobs[0],
+    resume = Resume(first.first,
                     lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens)
     decode.add_request(rid, prompt, GREEDY, resume=resume)
     return [o for o in _run(decode) if o.finished][-1]

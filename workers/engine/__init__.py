@@ -1,13 +1,15 @@
 """The engine: one process, one model, many requests.
 
     engine.py      the loop (schedule -> run -> process outputs), intake, the handoff API, stats
+    protocol.py    EngineProtocol: the API Engine and DataParallelEngine both offer (run_to_completion)
     builder.py     wiring the parts from an EngineConfig: model, cache, tiers, manager, runner
     output.py      sampling calls, stop checks, finishing / holding, n > 1 forks, RequestOutput
     scheduler.py   continuous batching under a token budget (decodes first, then prefill chunks)
     kv_manager.py  the only allocator of blocks and state slots (get_computed_blocks / allocate_slots)
     runner.py      a batch -> StepInput -> the model's forward (and the CUDA-graph decode path)
     cuda_graphs.py the fixed-shape decode path and its graphs
-    stats.py       EngineStats / EngineCounters (the metrics surface) and the queue-time histogram
+    stats.py       EngineStats and its typed counters (EngineCounters, ReuseCounters, StoreCounters: the
+                   metrics surface), summed over data-parallel ranks; the queue-time histogram
     async_engine.py the engine on a background thread, with async streams
     data_parallel.py data-parallel attention + expert parallelism: the front over N engines (open_engine)
     dp_rank.py     one DP rank: the tick messages and what each rank does with a tick
@@ -21,5 +23,6 @@ from workers.engine_config import EngineConfig
 from .builder import StoreUnavailable
 from .data_parallel import DataParallelEngine, open_engine
 from .engine import Engine
+from .protocol import EngineProtocol
 
-__all__ = ["DataParallelEngine", "Engine", "EngineConfig", "StoreUnavailable", "open_engine"]
+__all__ = ["DataParallelEngine", "Engine", "EngineConfig", "EngineProtocol", "StoreUnavailable", "open_engine"]

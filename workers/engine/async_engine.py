@@ -22,7 +22,7 @@ from workers.request import HeldKV, RequestOutput, Resume
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
 from .data_parallel import DataParallelEngine, open_engine
-from .engine import Engine
+from .protocol import EngineProtocol
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), engine: Engine | DataParallelEngine | None = None,
+    def __init__(self, config: EngineConfig = EngineConfig(), engine: EngineProtocol | None = None,
                  launcher: RankLauncher | None = None):
         self.engine = engine or open_engine(config, launcher)    # launcher: ranks 1..N-1 (TP or DP)
         self._lock = threading.Lock()
@@ -113,14 +113,8 @@ class AsyncEngine:
     async def held_handle(self, request_id: str) -> HeldKV:
         return await asyncio.wrap_future(self.call(self.engine.held_handle, request_id))
 
-    async def export_held(self, request_id: str) -> dict:
-        return await asyncio.wrap_future(self.call(self.engine.export_held, request_id))
-
     async def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
         return await asyncio.wrap_future(self.call(self.engine.offer_held, request_id, transport))
-
-    def kv_tensors(self) -> list:
-        return self.engine.kv_tensors()
 
     def is_held(self, request_id: str) -> bool:
         return self.engine.is_held(request_id)
@@ -203,7 +197,7 @@ class AsyncEngine:
 
     def rank_stats(self) -> list[EngineStats]:
         """Each rank's stats, in rank order (one entry unless data-parallel)."""
-        return list(getattr(self.engine, "rank_stats", [self.engine.stats()]))
+        return list(self.engine.rank_stats)
 
     def shutdown(self) -> None:
         """Stop the loop, then flush the engine's write-behind persistence and close its index."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors, size_pools
@@ -52,14 +52,16 @@ class StoreUnavailable(RuntimeError):
     """`require_store` is set and the store or index could not be opened."""
 
 
-class EngineParts(NamedTuple):
+@dataclass(frozen=True)
+class EngineParts:
+    """What `build` wires, read by name. Under tensor parallelism `cache` is rank 0's recording
+    mirror (kvstore/mirror.py) of the cache the forward writes, which only the runner holds."""
     args: ModelArgs
     model: Transformer
     tokenizer: object
     layout: CacheLayout
     policy: SwaPolicy
     cache: CacheTensors | MirroredCache    # what the engine writes through (records calls under TP)
-    raw_cache: CacheTensors                # what the forward writes
     blocks: BlockPool
     slots: SlotPool
     fingerprint: str
@@ -111,8 +113,9 @@ def build(config: EngineConfig, model_dir: Path, ranks: Leader | None, dp: Colle
     manager = KVCacheManager(cache, blocks, slots, prefix)
     runner = ModelRunner(model, raw_cache, config.device, ranks)
     max_model_len = min(config.max_model_len or args.max_position_embeddings, num_blocks * config.block_tokens)
-    return EngineParts(args, model, load_tokenizer(model_dir), layout, policy, cache, raw_cache, blocks, slots,
-                       fingerprint, prefix, manager, runner, max_model_len)
+    return EngineParts(args=args, model=model, tokenizer=load_tokenizer(model_dir), layout=layout, policy=policy,
+                       cache=cache, blocks=blocks, slots=slots, fingerprint=fingerprint, prefix=prefix, kv=manager,
+                       runner=runner, max_model_len=max_model_len)
 
 
 def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cache: CacheTensors,

@@ -56,6 +56,7 @@ from workers.sampling.params import InvalidRequestError, SamplingParams
 from .dp_rank import (Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
                       ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
 from .engine import Engine
+from .protocol import run_to_completion
 from .stats import EngineStats, summed
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ def check_dp_sizes(args: ModelArgs, size: int) -> None:
 
 
 class DataParallelEngine:
-    """Rank 0 of a data-parallel replica and its front (see the module docstring)."""
+    """Rank 0 of a data-parallel replica and its front (see the module docstring). Not an Engine
+    subclass: both satisfy engine/protocol.py's EngineProtocol."""
 
     def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None):
         """`launcher` starts ranks 1..N-1, each running `run_dp_rank` (local processes by
@@ -357,5 +359,5 @@ class DataParallelEngine:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
-        """Engine.generate's contract: all prompts to completion, outputs in input order."""
-        return Engine.generate(self, prompts, params)
+        """All prompts to completion, outputs in input order (engine/protocol.py `run_to_completion`)."""
+        return run_to_completion(self, prompts, params)

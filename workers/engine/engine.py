@@ -35,8 +35,9 @@ from workers.spec.speculative import Drafter, DraftLimits, Speculator
 
 from .builder import StoreUnavailable, build, start_ranks
 from .output import OutputProcessor, RequestTable
+from .protocol import run_to_completion
 from .scheduler import Scheduler
-from .stats import EngineCounters, EngineStats, Histogram
+from .stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
@@ -63,13 +64,16 @@ class Engine:
         self.model_dir = model_dir = Path(config.model) if config.model else ensure_default_model()
         self.ranks = start_ranks(config, model_dir, launcher)
         try:
-            (self.args, self.model, self.tokenizer, self.layout, self.policy, self.cache, self.raw_cache,
-             self.blocks, self.slots, self.fingerprint, self.prefix, self.kv, self.runner,
-             self.max_model_len) = build(config, model_dir, self.ranks, dp)
+            parts = build(config, model_dir, self.ranks, dp)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close("rank 0 failed to start")
             raise
+        self.args, self.model, self.tokenizer = parts.args, parts.model, parts.tokenizer
+        self.layout, self.policy, self.cache = parts.layout, parts.policy, parts.cache
+        self.blocks, self.slots, self.kv = parts.blocks, parts.slots, parts.kv
+        self.fingerprint, self.prefix, self.runner = parts.fingerprint, parts.prefix, parts.runner
+        self.max_model_len = parts.max_model_len
         a = self.args
         self.table = RequestTable()
         self.seqs, self.groups, self.held = self.table.seqs, self.table.groups, self.table.held
@@ -160,7 +164,7 @@ class Engine:
                     hold_kv: bool = False, resume: Resume | None = None) -> Sequence:
         """Queue a request. `hold_kv`: stop after the first token and keep its cache for a
         handoff (prefill role). `resume`: the prompt's cache comes from another engine and
-        decoding continues after `resume.first_token` (decode role)."""
+        decoding continues after `resume.first` (decode role)."""
         if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         ids = self.prepare(prompt, params)
@@ -194,18 +198,17 @@ class Engine:
     def _resume_lead(self, seq: Sequence, resume: Resume) -> None:
         """Decode role: the cache continues the first sequence that has not ended yet (n > 1:
         sequence 0 may have ended on its first token); the others fork from it at admission."""
-        firsts = [(resume.first_token, resume.first_logprob, list(resume.first_top), resume.first_finish)]
-        firsts += [tuple(s) + (None,) * (4 - len(s)) for s in resume.siblings]
-        lead = next(i for i, f in enumerate(firsts) if f[3] is None)
-        token, logprob, top, _ = firsts[lead]
-        seq.index, seq.output, seq.logprobs, seq.top_logprobs, seq.emitted = lead, [token], [logprob], [top], 1
-        seq.siblings = [(i, f) for i, f in enumerate(firsts) if i != lead]
+        firsts = [resume.first, *resume.siblings]
+        lead = next(f for f in firsts if f.finish is None)
+        seq.index, seq.output, seq.logprobs, seq.emitted = lead.index, [lead.token], [lead.logprob], 1
+        seq.top_logprobs = [list(lead.top)]
+        seq.siblings = [f for f in firsts if f is not lead]
         seq.cached_tokens = resume.cached_tokens
-        if lead:
-            seq.generator = make_generator(seq.params, lead)
+        if lead.index:
+            seq.generator = make_generator(seq.params, lead.index)
         if seq.guide is not None:
-            seq.guide.accept(token)
-        if resume.rng_state is not None and seq.generator is not None and lead == 0:
+            seq.guide.accept(lead.token)
+        if resume.rng_state is not None and seq.generator is not None and lead.index == 0:
             seq.generator.set_state(resume.rng_state)
 
     def abort(self, request_id: str) -> None:
@@ -234,15 +237,16 @@ class Engine:
         if seq.params.prompt_logprobs is not None:   # every prompt position is computed (again)
             seq.prompt_lps = []
         if seq.resume is not None and seq.siblings:
-            for i, (token, logprob, top, finish) in seq.siblings:
-                child = self.outputs.child(seq, i)
-                child.output, child.logprobs, child.top_logprobs, child.emitted = [token], [logprob], [top], 1
-                if finish is not None:      # ended on its first token at prefill: only counted
-                    child.status, child.finish_reason = Status.FINISHED, finish
+            for first in seq.siblings:
+                child = self.outputs.child(seq, first.index)
+                child.output, child.logprobs, child.emitted = [first.token], [first.logprob], 1
+                child.top_logprobs = [list(first.top)]
+                if first.finish is not None:      # ended on its first token at prefill: only counted
+                    child.status, child.finish_reason = Status.FINISHED, first.finish
                     self.groups.setdefault(seq.request_id, [seq]).append(child)
                     continue
                 if child.guide is not None:
-                    child.guide.accept(token)
+                    child.guide.accept(first.token)
                 self.outputs.attach(seq, child)
             seq.siblings = []
 
@@ -292,15 +296,15 @@ class Engine:
     def stats(self) -> EngineStats:
         """Load, memory and counters now (cheap: read between steps, or racily from another thread)."""
         r, store = self.prefix.stats, self.prefix.store
-        reuse = dict(prefix_query_tokens=r.query_tokens, prefix_hit_tokens=dict(r.tier_hit_tokens),
-                     reuse_hits=r.hits, reuse_hit_tokens=r.hit_tokens, reuse_bytes_loaded=r.bytes_loaded,
-                     reuse_blocks_from_store=r.blocks_from_store, reuse_blocks_from_memory=r.blocks_from_memory,
-                     reuse_recomputed_tokens=r.recomputed_tokens, reuse_errors=r.errors)
+        reuse = ReuseCounters(
+            query_tokens=r.query_tokens, hit_tokens_by_tier=dict(r.tier_hit_tokens), hits=r.hits,
+            hit_tokens=r.hit_tokens, bytes_loaded=r.bytes_loaded, blocks_from_store=r.blocks_from_store,
+            blocks_from_memory=r.blocks_from_memory, recomputed_tokens=r.recomputed_tokens, errors=r.errors)
         s = store.stats() if store is not None else None
-        stored = {} if s is None else dict(
-            store_bytes_read=s.bytes_read, store_bytes_written=s.bytes_written, store_reads=s.reads,
-            store_writes=s.writes, store_corrupt=s.corrupt, store_bytes=s.total_bytes,
-            store_read_errors=s.read_errors, store_timeouts=s.timeouts, store_quarantined=s.quarantined)
+        stored = None if s is None else StoreCounters(
+            bytes_read=s.bytes_read, bytes_written=s.bytes_written, reads=s.reads, writes=s.writes,
+            corrupt=s.corrupt, bytes=s.total_bytes, read_errors=s.read_errors, timeouts=s.timeouts,
+            quarantined=s.quarantined)
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), held=len(self.held),
             free_blocks=self.blocks.num_free, total_blocks=self.blocks.num_blocks, free_slots=self.slots.num_free,
@@ -308,6 +312,11 @@ class Engine:
             kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
             reuse=reuse, store=stored)
+
+    @property
+    def rank_stats(self) -> list[EngineStats]:
+        """This engine's stats as the only rank's (EngineProtocol: a DataParallelEngine has one per rank)."""
+        return [self.stats()]
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step. Under tensor parallelism a rank that died or stalled raises
@@ -364,15 +373,5 @@ class Engine:
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
-        """Run all prompts concurrently to completion; results in input order (a request
-        with n > 1 gives its n outputs one after another, by index)."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
-        final: dict[tuple[str, int], RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id, out.index] = out
-        return [final[r, i] for r, p in zip(ids, params_list) for i in range(p.n)]
+        """Run all prompts concurrently to completion (engine/protocol.py `run_to_completion`)."""
+        return run_to_completion(self, prompts, params)

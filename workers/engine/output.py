@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.request import RequestOutput, Sequence, Status
+from workers.request import FirstToken, RequestOutput, Sequence, Status
 from workers.reuse.prefix_cache import PrefixCache
 from workers.sampling.grammar import GuideCompiler
 from workers.sampling.params import SamplingParams, make_generator
@@ -85,7 +85,8 @@ class OutputProcessor:
             if id(s) in born:
                 parent = self.table.seqs[s.request_id]
                 if parent.hold_kv:      # prefill role: the forks happen on the decode worker
-                    parent.siblings.append((token, logprob, top, self.first_finish(s, token)))
+                    parent.siblings.append(FirstToken(token, logprob, tuple(top), self.first_finish(s, token),
+                                                      s.index))
                     held_forks.add(id(s))
                 else:
                     self.attach(parent, s)
@@ -188,7 +189,7 @@ class OutputProcessor:
         if seq.guide is not None:
             seq.guide.accept(token)
         seq.finish_reason = check_stop(seq, token, self.stops(seq.params))
-        if seq.hold_kv and (not seq.finish_reason or any(sib[3] is None for sib in seq.siblings)):
+        if seq.hold_kv and (not seq.finish_reason or any(sib.finish is None for sib in seq.siblings)):
             self._hold(seq)
         elif seq.finish_reason:
             self.prefix.on_finish(seq)
@@ -240,5 +241,13 @@ class OutputProcessor:
             all_finished=finished and self.table.group_finished(seq.request_id),
             prompt_logprobs=[None] + seq.prompt_lps if seq.params.prompt_logprobs is not None and
             seq.resume is None and seq.index == 0 and (finished or len(seq.output) == len(new)) else None,
-            siblings=list(seq.siblings) if seq.hold_kv else [], first_finish=seq.first_finish,
+            first=self.first_token(seq), siblings=list(seq.siblings) if seq.hold_kv else [],
             held=seq.status == Status.HELD)
+
+    @staticmethod
+    def first_token(seq: Sequence) -> FirstToken | None:
+        """Prefill role: sequence 0's first token, ended there or not (held: the reason it had)."""
+        if not seq.hold_kv or not seq.output:
+            return None
+        finish = seq.first_finish if seq.status == Status.HELD else seq.finish_reason
+        return FirstToken(seq.output[0], seq.logprobs[0], tuple(seq.top_logprobs[0]), finish)

@@ -1,8 +1,12 @@
 """EngineStats: one engine's load, memory and counters at one moment (`Engine.stats()`).
 
-The cluster routes on it (running + waiting, free blocks and slots), the soak and
-disconnect tests check it is idle, and `/metrics` exports `as_dict()`: every number in it
-becomes `kvmesh_worker_<name>`, so the names below are part of the metrics surface.
+Typed records all the way to the exporter (vLLM v1 `metrics/stats.py`): `EngineCounters`,
+`ReuseCounters` (prefix reuse) and `StoreCounters` (the shared store) travel inside
+`EngineStats`, pickled across Ray, and data-parallel ranks add up with `summed`. The cluster
+routes on it (running + waiting, free blocks and slots), the soak and disconnect tests check
+it is idle, and `/metrics` exports `as_dict()`: every number in it becomes
+`kvmesh_worker_<name>`, so the names below (a field's `metric` metadata, else the record's
+prefix + its name) are part of the metrics surface.
 
 `Histogram` is a cumulative latency histogram kept inside the engine (plain Python: no
 Prometheus or Ray below cluster/); the ingress exports each worker's as a Prometheus histogram.
@@ -12,7 +16,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -38,6 +44,65 @@ class EngineCounters:
                     spec_tokens_per_step=1 + self.accepted_draft_tokens / steps if self.drafted_steps else 0.0)
 
 
+def _metric(name: str, shared: bool = False) -> dict:
+    """A field's metadata: its /metrics name; `shared`: one value every rank sees (not summed)."""
+    return {"metric": name, "shared": shared}
+
+
+@dataclass(frozen=True)
+class ReuseCounters:
+    """Prefix reuse since start-up (the exported part of workers.reuse's ReuseStats; vLLM's
+    PrefixCacheStats): exported as `prefix_query_tokens`, `prefix_hit_tokens` and `reuse_<name>`."""
+    PREFIX = "reuse_"
+    query_tokens: int = field(default=0, metadata=_metric("prefix_query_tokens"))   # prompt tokens looked up
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict,               # "device" | "host" | "store"
+                                               metadata=_metric("prefix_hit_tokens"))
+    hits: int = 0
+    hit_tokens: int = 0
+    bytes_loaded: int = 0
+    blocks_from_store: int = 0
+    blocks_from_memory: int = 0
+    recomputed_tokens: int = 0
+    errors: int = 0                 # restores / index calls that failed: served cold
+
+
+@dataclass(frozen=True)
+class StoreCounters:
+    """The shared store as this engine sees it (kvstore.store.StoreStats' exported part):
+    exported as `store_<name>`; `bytes` (the namespace's size) is shared by every rank."""
+    PREFIX = "store_"
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    corrupt: int = 0
+    bytes: int = field(default=0, metadata=_metric("store_bytes", shared=True))
+    read_errors: int = 0
+    timeouts: int = 0
+    quarantined: int = 0
+
+
+def exported(record: ReuseCounters | StoreCounters) -> dict[str, Any]:
+    """A record's fields under their /metrics names (maps copied)."""
+    out = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        out[f.metadata.get("metric", record.PREFIX + f.name)] = dict(value) if isinstance(value, dict) else value
+    return out
+
+
+def added(records: list[R]) -> R:
+    """Records of one type field by field: numbers summed (a `shared` one: the max), maps key by key."""
+    values = {}
+    for f in dataclasses.fields(records[0]):
+        got = [getattr(r, f.name) for r in records]
+        if isinstance(got[0], dict):
+            values[f.name] = {k: sum(m.get(k, 0) for m in got) for k in dict.fromkeys(k for m in got for k in m)}
+        else:
+            values[f.name] = max(got) if f.metadata.get("shared") else sum(got)
+    return type(records[0])(**values)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int                    # sequences in the running batch
@@ -51,8 +116,8 @@ class EngineStats:
     kv_cache_usage: float           # fraction of blocks in use
     counters: EngineCounters
     queue_time: dict                # Histogram.snapshot() of arrival -> first scheduled
-    reuse: dict[str, Any] = field(default_factory=dict)   # prefix reuse counters, by exported name
-    store: dict[str, Any] = field(default_factory=dict)   # shared store counters (empty without a store)
+    reuse: ReuseCounters = field(default_factory=ReuseCounters)
+    store: StoreCounters | None = None      # None without a shared store
 
     @property
     def load(self) -> int:
@@ -73,10 +138,9 @@ class EngineStats:
         """One flat map (the WorkerStats message and the /metrics names)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("counters", "reuse", "store")}
-        return {**dataclasses.asdict(self.counters), **self.counters.speculation(), **out, **self.reuse, **self.store}
-
-
-SHARED_GAUGES = ("store_bytes",)     # one shared store seen by every rank: its size is not summed
+        store = exported(self.store) if self.store is not None else {}
+        return {**dataclasses.asdict(self.counters), **self.counters.speculation(), **out, **exported(self.reuse),
+                **store}
 
 
 def summed(stats: list[EngineStats]) -> EngineStats:
@@ -86,27 +150,14 @@ def summed(stats: list[EngineStats]) -> EngineStats:
         return stats[0]
     counts = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
               if f.type in ("int", int)}
-    counters = EngineCounters(**{f.name: sum(getattr(s.counters, f.name) for s in stats)
-                                 for f in dataclasses.fields(EngineCounters)})
     q = [s.queue_time for s in stats]
     queue = {"buckets": [(b, sum(h["buckets"][i][1] for h in q)) for i, (b, _) in enumerate(q[0]["buckets"])],
              "sum": sum(h["sum"] for h in q), "count": sum(h["count"] for h in q)}
     usage = sum(s.kv_cache_usage * s.total_blocks for s in stats) / max(1, counts["total_blocks"])
-    return EngineStats(**counts, kv_cache_usage=usage,
-                       counters=counters, queue_time=queue, reuse=_added([s.reuse for s in stats]),
-                       store=_added([s.store for s in stats]))
-
-
-def _added(maps: list[dict]) -> dict:
-    """Key by key (the union of keys); nested maps (hits by tier) the same way."""
-    out: dict = {}
-    for key in dict.fromkeys(k for m in maps for k in m):
-        values = [m[key] for m in maps if key in m]
-        if isinstance(values[0], dict):
-            out[key] = _added(values)
-        else:
-            out[key] = max(values) if key in SHARED_GAUGES else sum(values)
-    return out
+    stores = [s.store for s in stats if s.store is not None]
+    return EngineStats(**counts, kv_cache_usage=usage, counters=added([s.counters for s in stats]),
+                       queue_time=queue, reuse=added([s.reuse for s in stats]),
+                       store=added(stores) if stores else None)
 
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

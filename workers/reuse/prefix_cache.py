@@ -20,6 +20,7 @@ from kvstore.cache_tensors import CacheTensors
 from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
+from kvstore.log_once import LogOnce
 from kvstore.persist import PutJob, WriteBehind
 from kvstore.planner import Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due, plan_restore
 from kvstore.store import ObjectStore
@@ -85,16 +86,13 @@ class PrefixCache:
         self._block_shapes = cache.block_shapes()
         self._slot_shapes = cache.slot_shapes()
         self.tiers: list[tuple[str, CacheTier]] = [("host", host)] + ([("store", store)] if store else [])
-        self._logged: set[str] = set()
+        self._warn = LogOnce(log)
 
     def _failed(self, what: str, error: BaseException) -> None:
         """A tier failed: count it, log each cause once (a broken store must not flood the log)."""
         self.stats.errors += 1
-        cause = f"{what}:{type(error).__name__}"
-        first = cause not in self._logged
-        self._logged.add(cause)
-        (log.warning if first else log.debug)("prefix reuse: %s failed (%s: %s); served as a miss", what,
-                                             type(error).__name__, error)
+        self._warn(f"{what}:{type(error).__name__}", "prefix reuse: %s failed (%s: %s); served as a miss", what,
+                   type(error).__name__, error)
 
     def _index_call(self, what: str, fn, *args):
         try:
@@ -116,8 +114,7 @@ class PrefixCache:
     # ---- admission: find a hit, fill it in -------------------------------------------------------------------
     def _reseed_after_outage(self) -> None:
         """A Redis that came back may have lost its entries: republish the store's objects."""
-        stats = getattr(self.index, "stats", None)
-        reconnects = stats().get("reconnects", 0) if callable(stats) else 0
+        reconnects = self.index.stats().reconnects
         if reconnects != self._reconnects and self.store is not None:
             self._reconnects = reconnects
             self.index.rebuild_from(self.store)

@@ -1,0 +1,60 @@
+"""EngineStats as typed records up to the exporter: the /metrics names they export, the sum
+over data-parallel ranks, the trip through pickle (Ray), and what the ingress's collector reads."""
+import pickle
+
+from cluster.messages import WorkerStats
+from cluster.serve.metrics import WorkerSnapshots
+from workers.engine.stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters, summed
+
+REUSE_NAMES = ["prefix_query_tokens", "prefix_hit_tokens", "reuse_hits", "reuse_hit_tokens", "reuse_bytes_loaded",
+               "reuse_blocks_from_store", "reuse_blocks_from_memory", "reuse_recomputed_tokens", "reuse_errors"]
+STORE_NAMES = ["store_bytes_read", "store_bytes_written", "store_reads", "store_writes", "store_corrupt",
+               "store_bytes", "store_read_errors", "store_timeouts", "store_quarantined"]
+
+
+def stats(query: int, tiers: dict, store: StoreCounters | None, running: int = 0) -> EngineStats:
+    return EngineStats(running=running, waiting=0, held=0, free_blocks=8, total_blocks=10, free_slots=2,
+                       total_slots=4, preemptions=0, kv_cache_usage=0.2, counters=EngineCounters(prompt_tokens=query),
+                       queue_time=Histogram().snapshot(),
+                       reuse=ReuseCounters(query_tokens=query, hit_tokens_by_tier=tiers, hits=1),
+                       store=store)
+
+
+def test_reuse_and_store_counters_export_under_their_metric_names():
+    flat = stats(5, {"device": 3}, StoreCounters(bytes_read=7, bytes=100)).as_dict()
+    assert [k for k in flat if k in REUSE_NAMES + STORE_NAMES] == REUSE_NAMES + STORE_NAMES
+    assert flat["prefix_query_tokens"] == 5 and flat["prefix_hit_tokens"] == {"device": 3}
+    assert flat["store_bytes_read"] == 7 and flat["store_bytes"] == 100
+    without = stats(5, {}, None).as_dict()
+    assert not any(k.startswith("store_") for k in without) and "reuse_hits" in without
+
+
+def test_ranks_sum_field_by_field_and_the_shared_store_size_is_not_summed():
+    a = stats(5, {"device": 3, "store": 1}, StoreCounters(bytes_read=7, bytes=100), running=1)
+    b = stats(2, {"device": 1, "host": 4}, StoreCounters(bytes_read=1, bytes=120), running=2)
+    total = summed([a, b])
+    assert total.running == 3 and total.counters.prompt_tokens == 7
+    assert total.reuse.query_tokens == 7 and total.reuse.hits == 2
+    assert total.reuse.hit_tokens_by_tier == {"device": 4, "store": 1, "host": 4}
+    assert total.store.bytes_read == 8 and total.store.bytes == 120      # one store every rank sees
+    assert summed([stats(1, {}, None), stats(1, {}, None)]).store is None
+
+
+def test_stats_cross_a_process_boundary_unchanged():
+    s = stats(5, {"device": 3}, StoreCounters(reads=2))
+    assert pickle.loads(pickle.dumps(s)) == s
+
+
+def test_the_ingress_collector_reads_the_typed_records():
+    snapshots = WorkerSnapshots()
+    snapshots.update(WorkerStats("prefill", "w0", stats(5, {"device": 3}, StoreCounters(bytes_written=9), 1)))
+    snapshots.update(WorkerStats("decode", "w1", stats(2, {}, None)))
+    got = {(s.name, s.labels["worker"], s.labels.get("tier") or s.labels.get("direction")): s.value
+           for m in snapshots.collect() for s in m.samples}
+    assert got["kvmesh:prefix_cache_queries_total", "w0", None] == 5
+    assert got["kvmesh:prefix_cache_hits_total", "w0", "device"] == 3
+    assert got["kvmesh:store_bytes_total", "w0", "write"] == 9
+    assert got["kvmesh:store_bytes_total", "w1", "read"] == 0        # no store: exported as 0, as before
+    assert got["kvmesh:num_requests_running", "w0", None] == 1
+    assert got["kvmesh_worker_reuse_hits", "w1", None] == 1
+    assert ("kvmesh_worker_store_bytes_written", "w1", None) not in got
