@@ -12,7 +12,7 @@ import torch
 from kvstore.cache_tensors import CacheTensors
 from kvstore.fp8_kv import Fp8EntryFormat
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
-from tests.unit.test_pools import V4_PRO
+from tests.unit.test_block_pool import V4_PRO
 from workers.model.step import StepInput
 
 TYPES = (SWA, CSA, HCA, CSA)
