@@ -1,19 +1,12 @@
-"""Block pool, slot pool, cache layout sizes and the memory split (DESIGN §1)."""
+"""The block pool (kvstore/block_pool.py, DESIGN §1): refcounted blocks, a hash -> block map
+that outlives a release (revival), LRU eviction of cached blocks that reports the hashes it drops."""
 from __future__ import annotations
 
 import pytest
 
 from kvstore.block_pool import BlockPool, OutOfBlocks
-from kvstore.cache_tensors import size_pools
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
-from kvstore.state_slots import OutOfSlots, SlotPool
-
-V4_PRO_TYPES = (HCA, HCA) + (CSA, HCA) * 29 + (CSA,)
-V4_PRO = LayoutParams(layer_types=V4_PRO_TYPES, head_dim=512, index_head_dim=128, csa_ratio=4, hca_ratio=128,
-                      window=128, dtype="bfloat16")
 
 
-# ---- BlockPool ------------------------------------------------------------------------------------
 def test_allocate_release_and_refcount():
     pool = BlockPool(3)
     a, b = pool.allocate(), pool.allocate()
@@ -86,97 +79,6 @@ def test_never_hashed_free_blocks_are_used_before_evicting_cached_ones():
     assert b != a and pool.lookup(1) == a and pool.evicted_hashes == []
 
 
-def test_pools_reject_empty_sizes():
+def test_block_pool_rejects_an_empty_size():
     with pytest.raises(ValueError):
         BlockPool(0)
-    with pytest.raises(ValueError):
-        SlotPool(0)
-
-
-# ---- SlotPool ------------------------------------------------------------------------------------
-def test_slot_pool_allocates_each_slot_once():
-    pool = SlotPool(3)
-    slots = [pool.allocate() for _ in range(3)]
-    assert sorted(slots) == [0, 1, 2] and pool.num_free == 0
-    with pytest.raises(OutOfSlots):
-        pool.allocate()
-    pool.release(slots[1])
-    assert pool.num_free == 1 and pool.allocate() == slots[1]
-    pool.release(slots[0])
-    with pytest.raises(AssertionError, match="double free"):
-        pool.release(slots[0])
-
-
-# ---- layout -----------------------------------------------------------------------------------------
-def test_v4_pro_classical_cache_is_9848_bytes_per_token():
-    layout = CacheLayout.build(V4_PRO, 128)
-    assert layout.layer_count_by_type() == {CSA: 30, HCA: 31}
-    assert layout.bytes_per_token() == 9848
-    per_type = layout.bytes_per_token_by_type()
-    assert per_type[CSA] == 30 * (512 + 128) * 2 / 4 and per_type[HCA] == 31 * 512 * 2 / 128
-    classical = layout.bytes_per_token() * 2 ** 20
-    assert round(classical / 2 ** 30, 2) == 9.62
-    assert layout.footprint(2 ** 20) == classical + layout.slot_bytes
-
-
-def test_block_and_slot_bytes_per_layer_type():
-    params = LayoutParams((SWA, CSA, HCA), head_dim=64, index_head_dim=32, csa_ratio=4, hca_ratio=16,
-                          window=8, dtype="float32")
-    layout = CacheLayout.build(params, 32)
-    csa_block = (32 // 4) * (64 + 32) * 4
-    hca_block = (32 // 16) * 64 * 4
-    assert layout.block_bytes == csa_block + hca_block
-    ring = 8 * 64 * 4
-    csa_state = ring + (2 * 4 * 2 * 64 + 2 * 4 * 2 * 32 + 2 * 4 * 64 + 2 * 4 * 32) * 4
-    hca_state = ring + 2 * 16 * 64 * 4
-    assert layout.slot_bytes == ring + csa_state + hca_state
-    assert layout.footprint(33) == 2 * layout.block_bytes + layout.slot_bytes
-    assert layout.swa_bytes_per_token() == 3 * 64 * 4
-
-
-@pytest.mark.parametrize("block_tokens", [64, 96, 0, -128])
-def test_block_tokens_not_a_multiple_of_the_ratio_lcm_is_refused(block_tokens):
-    with pytest.raises(LayoutError, match="multiple of 128"):
-        CacheLayout.build(V4_PRO, block_tokens)
-
-
-def test_unknown_cache_dtype_is_refused():
-    with pytest.raises(LayoutError, match="unsupported cache dtype"):
-        CacheLayout.build(LayoutParams((CSA,), 64, 32, 4, 128, 8, dtype="float64"), 128)
-
-
-def test_swa_only_model_accepts_any_block_size():
-    layout = CacheLayout.build(LayoutParams((SWA, SWA), 64, 32, 4, 128, 8, "bfloat16"), 5)
-    assert layout.block_bytes == 0 and layout.slot_bytes == 2 * 8 * 64 * 2
-
-
-# ---- memory split ---------------------------------------------------------------------------------
-def test_size_pools_splits_the_budget_into_slots_and_blocks():
-    layout = CacheLayout.build(V4_PRO, 128)
-    budget = 1 << 30
-    blocks, slots = size_pools(layout, budget, max_slots=16)
-    assert slots == 16
-    assert slots * layout.slot_bytes + blocks * layout.block_bytes <= budget
-    assert budget - (slots * layout.slot_bytes + blocks * layout.block_bytes) < layout.block_bytes
-
-
-def test_size_pools_leaves_each_slot_room_for_a_block_when_memory_is_short():
-    layout = CacheLayout.build(V4_PRO, 128)
-    budget = 3 * (layout.slot_bytes + layout.block_bytes) + 10
-    blocks, slots = size_pools(layout, budget, max_slots=64)
-    assert slots == 3 and blocks >= slots
-    assert slots * layout.slot_bytes + blocks * layout.block_bytes <= budget
-
-
-@pytest.mark.parametrize("swa_blocks", [False, True])
-def test_layout_sizes_equal_what_the_cache_tensors_allocate(swa_blocks):
-    import torch
-
-    from kvstore.cache_tensors import CacheTensors
-    from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-    layout = CacheLayout.build(LayoutParams((SWA, CSA, HCA, CSA), 64, 32, 4, 128, 64, "float32"), 128)
-    cache = CacheTensors(layout, num_blocks=3, num_slots=2, dtype=torch.float32, swa_blocks=swa_blocks)
-    per_block = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in lc.blocks.values())
-    per_slot = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in [lc.ring, *lc.tails.values()])
-    assert per_block == layout.resident_block_bytes(swa_blocks)
-    assert per_slot == layout.slot_bytes
