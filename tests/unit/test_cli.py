@@ -247,3 +247,17 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 def test_serve_flags_that_cannot_apply_exit_2_before_starting_anything(capsys, argv, message):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):
+    from cluster.cli.generate import run_batch_file
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi", "max_tokens": 2}\n')
+
+    def broken_step(self):
+        raise RuntimeError("simulated engine failure")
+    monkeypatch.setattr(Engine, "step", broken_step)
+    code = run_batch_file(EngineConfig(kv_cache_bytes=16 << 20), tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    line = json.loads((tmp_path / "out.jsonl").read_text())
+    assert code == 1 and line["finish_reason"] == "error" and "simulated engine failure" in line["error"]
