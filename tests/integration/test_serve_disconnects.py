@@ -19,6 +19,8 @@ from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
+
 RELEASE_TIMEOUT_S = 5.0
 CLIENTS = 200
 BODY_LIMIT = 64 << 10
