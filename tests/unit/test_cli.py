@@ -53,6 +53,7 @@ GOOD = [request("tokens", prompt_token_ids=random_prompt(30), max_tokens=5, temp
                 stop_token_ids=[], min_tokens=1)]
 
 
+@pytest.mark.slow     # gloo ranks
 def test_generate_with_data_parallel_attention_equals_one_process(checkpoint, tmp_path):
     src = tmp_path / "requests.jsonl"
     src.write_text("".join(line + "\n" for line in GOOD))
@@ -84,6 +85,7 @@ def test_generate_completes_every_line_with_all_output_fields(checkpoint, tmp_pa
         assert all(lp <= 0 for lp in r["logprobs"])
 
 
+@pytest.mark.slow     # the console script as a subprocess
 def test_bad_lines_get_error_results_and_the_rest_complete(checkpoint, tmp_path):
     lines = [GOOD[0],
              '{"id": "broken", "prompt": ',                                          # malformed JSON
@@ -123,6 +125,7 @@ def test_generate_with_a_bad_checkpoint_exits_2_with_a_message(tmp_path, capsys)
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow     # the console script as a subprocess
 def test_layout_of_a_v4_pro_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(V4_PRO))

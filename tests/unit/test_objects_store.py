@@ -338,6 +338,7 @@ def test_store_cli_stats_ls_and_gc(tmp_path: Path) -> None:
     assert len(ObjectStore(root, FP).list("block")) == 1
 
 
+@pytest.mark.slow     # a CLI subprocess
 def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
     store, _ = _store(tmp_path)
     store.put("checkpoint", HS[0], None, 4, _tensors())
