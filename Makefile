@@ -9,8 +9,9 @@ serve: setup
 
 # One intra-op thread per process: the suite runs many small ops in several processes
 # (Ray workers, Redis, subprocess CLIs) on 2 cores, where OpenMP spinning costs 10-100x.
+# --durations=25: the 25 slowest tests after the summary, so a slow newcomer shows in every run.
 test: setup
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=25 tests
 
 test-fast: setup
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m "not slow" tests

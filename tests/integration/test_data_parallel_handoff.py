@@ -20,6 +20,8 @@ from tests.helpers import BLOCK_TOKENS, random_prompt, tiny_engine, write_tiny_c
 from workers.request import FirstToken, Resume
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a private Ray and gloo ranks
+
 NAME = "swa_csa_hca"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)

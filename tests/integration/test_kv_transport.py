@@ -20,6 +20,8 @@ from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.request import Resume
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a local Ray (the Ray-object transport)
+
 pytest.importorskip("nixl._api")
 
 LAYOUT = CacheLayout.build(LayoutParams((SWA, CSA, HCA), head_dim=16, index_head_dim=8, csa_ratio=4,

@@ -15,6 +15,8 @@ from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
 from kvstore.nixl_transfer import KVTransferAgent, NixlTransport, RemoteKV
 from tests import helpers
 
+pytestmark = pytest.mark.slow     # a local Ray (the Ray-object fallback)
+
 LAYOUT = CacheLayout.build(LayoutParams((SWA, CSA, HCA), head_dim=16, index_head_dim=8, csa_ratio=4,
                                         hca_ratio=128, window=32, dtype="float32"), block_tokens=128)
 SRC_BLOCKS, SRC_SLOT, DST_BLOCKS, DST_SLOT = [3, 4], 1, [0, 5], 2

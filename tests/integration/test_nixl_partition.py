@@ -18,6 +18,8 @@ import pytest
 from tests.integration.onprem_hosts import free_subnet
 from tests.integration.test_onprem_cluster import require_namespaces
 
+pytestmark = pytest.mark.slow     # network namespaces
+
 pytest.importorskip("nixl._api")
 ROOT = Path(__file__).resolve().parents[2]
 HEAL_WITHIN_S = 30.0

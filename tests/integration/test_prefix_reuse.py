@@ -174,6 +174,7 @@ def test_redis_index_survives_redis_stopping_and_resumes_reuse_after_restart(mod
     assert out.cached_tokens == 10 * BT
 
 
+@pytest.mark.slow     # two CLI subprocesses: ~7 s
 @pytest.mark.parametrize("index", ["local", "redis"])
 def test_a_second_kvmesh_generate_process_reuses_what_the_first_wrote(model_dir, tmp_path, index, redis_server):
     import json

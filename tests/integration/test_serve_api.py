@@ -22,6 +22,8 @@ from workers.checkpoint.tokenizer import load_tokenizer
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a Ray cluster and three Serve apps
+
 MODES = ["disaggregated", "colocated"]
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 7, [5, 17, 300, 42, 99, 7]]
 MAX_TOKENS = 12

@@ -26,6 +26,8 @@ from cluster.cli import main
 from tests.local_serve import free_port, small_config
 from tests.integration.test_serve_fake_cluster import stop_cluster
 
+pytestmark = pytest.mark.slow     # `ray start` and `kvmesh serve` subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_WITHIN_S = 300.0
 RAY_BIN = str(Path(sys.executable).parent / "ray")

@@ -26,6 +26,8 @@ from tests.integration.chaos_cluster import scrape
 from tests.local_serve import LocalServe, small_config
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a Ray cluster, a Serve app with a gloo rank actor
+
 NAME = "swa_csa_hca"
 BT = BLOCK_TOKENS[NAME]
 DP2 = {"data_parallel_size": 2, "enable_expert_parallel": True, "num_cpus": 0.25}

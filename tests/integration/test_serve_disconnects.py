@@ -20,6 +20,8 @@ from workers.engine import Engine
 from workers.engine.stats import EngineStats
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
+
 RELEASE_TIMEOUT_S = 5.0
 CLIENTS = 200
 BODY_LIMIT = 64 << 10

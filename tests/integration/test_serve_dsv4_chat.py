@@ -14,6 +14,8 @@ import pytest
 from tests.helpers import BLOCK_TOKENS, write_tiny_checkpoint, write_v4_tokenizer
 from tests.local_serve import LocalServe, small_config
 
+pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -14,6 +14,8 @@ from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a Ray cluster and Serve apps
+
 KILL_BOUND_S = 120.0      # the client hears the end of its stream within this (2 attempts x token timeout)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 

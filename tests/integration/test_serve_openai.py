@@ -19,6 +19,8 @@ import pytest
 
 from tests.local_serve import LocalServe, small_config
 
+pytestmark = pytest.mark.slow     # a Ray cluster and two Serve apps
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 

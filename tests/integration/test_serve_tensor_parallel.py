@@ -22,6 +22,8 @@ from tests.local_serve import LocalServe, small_config
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow     # a Ray cluster, Serve apps with gloo rank actors
+
 NAME = "swa_csa_hca"
 TP2 = {"tensor_parallel_size": 2, "num_cpus": 0.25}
 TP2_EP = {**TP2, "enable_expert_parallel": True}

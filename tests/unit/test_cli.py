@@ -53,6 +53,7 @@ GOOD = [request("tokens", prompt_token_ids=random_prompt(30), max_tokens=5, temp
                 stop_token_ids=[], min_tokens=1)]
 
 
+@pytest.mark.slow     # gloo ranks
 def test_generate_with_data_parallel_attention_equals_one_process(checkpoint, tmp_path):
     src = tmp_path / "requests.jsonl"
     src.write_text("".join(line + "\n" for line in GOOD))
@@ -84,6 +85,7 @@ def test_generate_completes_every_line_with_all_output_fields(checkpoint, tmp_pa
         assert all(lp <= 0 for lp in r["logprobs"])
 
 
+@pytest.mark.slow     # the console script as a subprocess
 def test_bad_lines_get_error_results_and_the_rest_complete(checkpoint, tmp_path):
     lines = [GOOD[0],
              '{"id": "broken", "prompt": ',                                          # malformed JSON
@@ -123,6 +125,7 @@ def test_generate_with_a_bad_checkpoint_exits_2_with_a_message(tmp_path, capsys)
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow     # the console script as a subprocess
 def test_layout_of_a_v4_pro_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(V4_PRO))
@@ -247,3 +250,17 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 def test_serve_flags_that_cannot_apply_exit_2_before_starting_anything(capsys, argv, message):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):
+    from cluster.cli.generate import run_batch_file
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi", "max_tokens": 2}\n')
+
+    def broken_step(self):
+        raise RuntimeError("simulated engine failure")
+    monkeypatch.setattr(Engine, "step", broken_step)
+    code = run_batch_file(EngineConfig(kv_cache_bytes=16 << 20), tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    line = json.loads((tmp_path / "out.jsonl").read_text())
+    assert code == 1 and line["finish_reason"] == "error" and "simulated engine failure" in line["error"]

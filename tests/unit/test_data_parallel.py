@@ -22,6 +22,8 @@ from workers.model.args import ConfigError, ModelArgs
 from workers.model.quant import QuantExperts
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)

@@ -22,6 +22,7 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow     # a subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real")
 def test_gpu_check_without_cuda_prints_its_no_cuda_line_and_exits_0():
     from bench.gpu_check import NO_CUDA
@@ -30,6 +31,7 @@ def test_gpu_check_without_cuda_prints_its_no_cuda_line_and_exits_0():
     assert done.stdout.strip() == NO_CUDA
 
 
+@pytest.mark.slow     # make and a subprocess
 def test_gpu_check_make_target_runs_the_script(tmp_path):
     make = subprocess.run(["make", "gpu-check", f"PY={sys.executable}", f"OUT={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -39,6 +41,7 @@ def test_gpu_check_make_target_runs_the_script(tmp_path):
         assert NO_CUDA in make.stdout
 
 
+@pytest.mark.slow     # every comparison under the Triton interpreter: ~5 s
 def test_gpu_check_comparisons_pass_under_the_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     done = run("--interpret", "--out", str(tmp_path))

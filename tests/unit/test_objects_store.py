@@ -1,5 +1,6 @@
 """Store objects and the object store (DESIGN §4, invariant 5): what is read back is
-exactly what was written, or it is a counted, unpublished miss."""
+exactly what was written, or it is a counted, unpublished miss; an object MAC'd under one key
+(kvstore/mac.py) is refused under another and without a MAC."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvstore.objects import (
     MAGIC,
     PREFIX_SIZE,
     CorruptObjectError,
+    UnauthenticatedObjectError,
     decode_object,
     encode_object,
 )
@@ -336,6 +338,7 @@ def test_store_cli_stats_ls_and_gc(tmp_path: Path) -> None:
     assert len(ObjectStore(root, FP).list("block")) == 1
 
 
+@pytest.mark.slow     # a CLI subprocess
 def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
     store, _ = _store(tmp_path)
     store.put("checkpoint", HS[0], None, 4, _tensors())
@@ -344,3 +347,18 @@ def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True, check=True,
     )
     assert "checkpoint" in result.stdout and FP[:16] in result.stdout
+
+
+def test_an_object_macd_with_one_key_is_rejected_under_another_and_without_a_mac():
+    t = {"x": torch.arange(8, dtype=torch.float32)}
+    a, b = StoreKey("k" * 16), StoreKey("j" * 16)
+    good = encode_object(FP, "block", 7, None, 16, t, a)
+    assert torch.equal(decode_object(bytearray(good), FP, 7, "block", key=a).tensors["x"], t["x"])
+    assert torch.equal(decode_object(bytearray(good), FP, 7, "block").tensors["x"], t["x"])  # keyless: trusts
+    with pytest.raises(UnauthenticatedObjectError):
+        decode_object(bytearray(good), FP, 7, "block", key=b)
+    with pytest.raises(UnauthenticatedObjectError):
+        decode_object(bytearray(encode_object(FP, "block", 7, None, 16, t)), FP, 7, "block", key=a)
+    assert "k" * 16 not in repr(a) and len(pytest.importorskip("kvstore.mac").StoreKey("z" * 16).mac([b""])) == 32
+    with pytest.raises(ValueError):
+        StoreKey("short")

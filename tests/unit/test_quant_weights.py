@@ -62,6 +62,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.slow     # writes and loads a ~100M-parameter checkpoint
 def test_a_100m_parameter_checkpoint_stays_within_10_percent_of_its_file_bytes(tmp_path):
     from workers.checkpoint.inspect import weight_stats
     from workers.checkpoint.loader import load_model

@@ -223,8 +223,8 @@ def test_mtp_drafts_beside_chunked_prefills_leave_greedy_output_unchanged(mtp_ch
 
 def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_otherwise(tmp_path_factory):
     """speculative_tokens unset: AUTO_SPECULATIVE_TOKENS drafts when the checkpoint has `mtp.*`
-    weights; none without them, none when set to 0, and none (no error) on tensor- or
-    data-parallel engines, which do not draft yet."""
+    weights; none without them, none when set to 0 (tensor- and data-parallel engines: the next
+    test)."""
     from workers.engine.engine import AUTO_SPECULATIVE_TOKENS
     name = "swa_csa_hca"
     path = write_mtp_checkpoint(tmp_path_factory, name)
@@ -237,6 +237,14 @@ def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_o
     assert off.speculator is None and [o.token_ids for o in off.generate(prompts()[:2], GREEDY)] == [
         o.token_ids for o in out]
     assert tiny_engine(plain, name).speculator is None
+
+
+@pytest.mark.slow     # gloo ranks: rank 1 is a spawned process
+def test_speculation_is_off_by_default_on_tensor_and_data_parallel_engines(tmp_path_factory):
+    """With an MTP layer and speculative_tokens unset, tensor- and data-parallel engines do not
+    draft (they do not draft yet) and raise no error."""
+    name = "swa_csa_hca"
+    path = write_mtp_checkpoint(tmp_path_factory, name)
     for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)):
         engine = tiny_engine(path, name, **parallel)
         try:

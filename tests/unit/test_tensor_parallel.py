@@ -22,6 +22,8 @@ from workers.request import Resume
 from workers.sampling.params import SamplingParams
 from workers.spec.speculative import OracleDrafter
 
+pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=True)
 VARIANTS = {"tp2": False, "tp2_ep": True}                         # -> enable_expert_parallel

@@ -230,6 +230,7 @@ def test_registry_serves_the_triton_ops():
 
 
 # --- the compiler, not just the interpreter, accepts the kernels ----------------------------
+@pytest.mark.slow     # a subprocess compiling every kernel for sm90: ~20 s
 def test_kernels_compile_for_sm90_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "from tests.kernel_cases import compile_kernels_for_cuda; print(len(compile_kernels_for_cuda(90)))"

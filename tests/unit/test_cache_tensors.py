@@ -1,18 +1,17 @@
-"""The layout spec owns the cache's shapes and dtypes: for every layer type, compute dtype,
-KV dtype and SWA policy, what the specs name is what `CacheTensors` allocates, and the byte
-sizes the layout reports are the allocated bytes. The `full` policy's copies happen in the
-cache layer (`append_kv`, `save_overlap`), for every token of a step."""
+"""The cache tensors (kvstore/cache_tensors.py) are what the layout spec names: for every layer
+type, compute dtype, KV dtype and SWA policy, the allocated tensors, their typed views and their
+bytes are the specs' (and the layout's sizes); `size_pools` splits a memory budget into state
+slots and blocks. The `full` policy's copies happen in the cache layer (`append_kv`,
+`save_overlap`), for every token of a step."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from kvstore.cache_tensors import CacheTensors
+from kvstore.cache_tensors import CacheTensors, size_pools
 from kvstore.fp8_kv import Fp8EntryFormat
 from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
-from tests.unit.test_pools import V4_PRO
+from tests.unit.test_layout import V4_PRO
 from workers.model.step import StepInput
 
 TYPES = (SWA, CSA, HCA, CSA)
@@ -94,13 +93,6 @@ def test_typed_views_are_the_allocated_tensors(dtype, kv, swa_blocks):
                 assert c.entries.shape[1] == c.entries_per_block * fmt.entry_bytes
 
 
-def test_fp8_v4_pro_sizes_follow_from_the_record_dtype():
-    layout = CacheLayout.build(dataclasses.replace(V4_PRO, kv_dtype="fp8", rope_dim=64), 128)
-    csa = next(s for s in layout.specs if s.ratio == 4)
-    assert csa.compressor().entries.nbytes == 32 * 584 and csa.indexer().entries.nbytes == 32 * 132
-    assert round(layout.bytes_per_token(), 1) == 5511.4
-
-
 def test_cache_in_another_dtype_than_the_layout_is_refused():
     layout, _ = build("float32", "auto", False)
     with pytest.raises(LayoutError, match="build the layout with the model's dtype"):
@@ -158,3 +150,31 @@ def test_save_overlap_keeps_the_last_window_and_snapshots_block_ends_with_swa_bl
         assert torch.equal(c.ovl_kv[0], kv[3]) and torch.equal(c.ovl_gate[0], gate[3])
         cache.rebuild_slot(0, 0, [2, 0])
         assert bool(torch.isneginf(c.ovl_gate[0]).all()) and c.ovl_kv[0].count_nonzero() == 0
+
+
+# ---- the memory split and the allocated bytes ------------------------------------------------------
+def test_size_pools_splits_the_budget_into_slots_and_blocks():
+    layout = CacheLayout.build(V4_PRO, 128)
+    budget = 1 << 30
+    blocks, slots = size_pools(layout, budget, max_slots=16)
+    assert slots == 16
+    assert slots * layout.slot_bytes + blocks * layout.block_bytes <= budget
+    assert budget - (slots * layout.slot_bytes + blocks * layout.block_bytes) < layout.block_bytes
+
+
+def test_size_pools_leaves_each_slot_room_for_a_block_when_memory_is_short():
+    layout = CacheLayout.build(V4_PRO, 128)
+    budget = 3 * (layout.slot_bytes + layout.block_bytes) + 10
+    blocks, slots = size_pools(layout, budget, max_slots=64)
+    assert slots == 3 and blocks >= slots
+    assert slots * layout.slot_bytes + blocks * layout.block_bytes <= budget
+
+
+@pytest.mark.parametrize("swa_blocks", [False, True])
+def test_layout_sizes_equal_what_the_cache_tensors_allocate(swa_blocks):
+    layout = CacheLayout.build(LayoutParams((SWA, CSA, HCA, CSA), 64, 32, 4, 128, 64, "float32"), 128)
+    cache = CacheTensors(layout, num_blocks=3, num_slots=2, dtype=torch.float32, swa_blocks=swa_blocks)
+    per_block = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in lc.blocks.values())
+    per_slot = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in [lc.ring, *lc.tails.values()])
+    assert per_block == layout.resident_block_bytes(swa_blocks)
+    assert per_slot == layout.slot_bytes

@@ -1,6 +1,7 @@
-"""The dispatcher's retry rules (cluster/serve/dispatch.py), over pools whose decode replica dies
-(RayActorError, what Ray raises for a killed replica) on the first attempt: an n > 1 request
-is retried like any other until its first tokens are sent, under a fresh request id."""
+"""The dispatcher (cluster/serve/dispatch.py): its retry rules, over pools whose decode replica
+dies (RayActorError, what Ray raises for a killed replica) on the first attempt: an n > 1 request
+is retried like any other until its first tokens are sent, under a fresh request id, continuing
+after the tokens already sent; and the time budget a prefill gets."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from cluster.errors import WorkerFailed
-from cluster.serve.dispatch import Dispatcher
+from cluster.serve.dispatch import Dispatcher, continuation, prefill_budget_s
 from cluster.messages import Chunk, GenRequest, Handoff
 from cluster.serve.metrics import Metrics
 from workers.request import FirstToken
@@ -114,3 +115,15 @@ def test_a_request_refused_for_its_own_content_is_never_retried():
     with pytest.raises(InvalidRequestError, match="response_format"):
         run(pools, n=1)
     assert pools.prefilled == ["r"]
+
+
+def test_retry_continues_after_the_tokens_already_sent():
+    req = GenRequest("r", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=4))
+    assert continuation(req, []) is req
+    cont = continuation(req, [7, 8, 9])
+    assert cont.prompt == [1, 2, 3, 7, 8, 9] and cont.params.max_tokens == 7 and cont.params.min_tokens == 1
+    assert cont.request_id != req.request_id
+
+
+def test_prefill_budget_grows_with_the_prompt():
+    assert prefill_budget_s(60_000, 60, 10) == 660

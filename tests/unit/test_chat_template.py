@@ -1,4 +1,5 @@
-"""The V4 chat format: prompts render to the same token ids as transformers'
+"""Chat templates (cluster/chat/template.py): the plain template's documented format, a
+checkpoint's Jinja template; the V4 chat format: prompts render to the same token ids as transformers'
 `apply_chat_template` on the same tokenizer files (BOS as the files say, system/user/assistant
 turns, list content, the `thinking` switch via chat_template_kwargs), completions get BOS as
 transformers' tokenizer adds it, and generation stops on the tokenizer's end-of-turn token."""
@@ -10,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from cluster.openai.protocol import ChatCompletionRequest
-from cluster.chat.template import render_chat
+from cluster.chat.template import plain_chat_prompt, render_chat
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.checkpoint.tokenizer import load_tokenizer
 
@@ -145,3 +146,15 @@ def test_end_of_turn_ids_are_the_tokenizers_eos_and_generation_configs(tmp_path)
     assert tok.stop_token_ids == (tok.eos_id,) and tok.eos_id == 1
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
     assert load_tokenizer(path).stop_token_ids == (1, 5)
+
+
+def test_plain_chat_template_is_documented_format():
+    assert plain_chat_prompt([("system", "be brief"), ("user", "hi")]) == \
+        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_checkpoint_chat_template_is_rendered_with_jinja():
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+    assert render_chat(template, [("user", "hi")]) == "[user]hi[bot]"
+    with pytest.raises(ValueError):
+        render_chat("{{ raise_exception('no system role') }}", [("system", "x")])
