@@ -1,6 +1,6 @@
 """The OpenAI API over HTTP against a local Ray Serve app, disaggregated and colocated.
 
-One Ray cluster for the module with three apps: disaggregated at `/`, colocated at
+The session's Ray + Serve (tests/integration/conftest.py), three apps for the module: disaggregated at `/`, colocated at
 `/colocated`, and disaggregated with NIXL unavailable (every handoff falls back to a Ray
 object) at `/fallback`. Greedy output must equal the offline engine's, token for token.
 """
@@ -16,7 +16,7 @@ from cluster.chat.dsv4_encode import CHAT as CHAT_MODE
 from cluster.chat.dsv4_encode import END_THINK, THINKING, encode_messages
 from scripts.default_chat_data import TOOLS
 from tests.helpers import sse_events
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.checkpoint.default_model import default_model_dir
 from workers.checkpoint.tokenizer import load_tokenizer
 from workers.engine import Engine
@@ -28,12 +28,12 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def urls():
-    with LocalServe(num_cpus=4) as ls:
-        no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
-        yield {"disaggregated": ls.deploy("disagg", small_config("disaggregated"), "/"),
-               "colocated": ls.deploy("colo", small_config("colocated"), "/colocated"),
-               "fallback": ls.deploy("fallback", no_nixl, "/fallback")}
+def urls(local_serve):
+    no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
+    urls = local_serve.deploy_many({"disagg": (small_config("disaggregated"), "/"),
+                                    "colo": (small_config("colocated"), "/colocated"),
+                                    "fallback": (no_nixl, "/fallback")})
+    return {"disaggregated": urls["disagg"], "colocated": urls["colo"], "fallback": urls["fallback"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,89 @@
+"""Fixtures of the integration tests: one local Ray + Serve for the session.
+
+Starting Ray and Serve and shutting them down costs ~10 s of two busy cores a module, so the
+modules that need a plain local Ray (no custom resources, no killed nodes, no Ray settings of
+their own) share one: `local_serve` gives it to a module, which deploys its apps on it under
+their own names and route prefixes (`LocalServe.deploy`), and every app is deleted when the
+module ends, also after a failure. Those modules run one after another (see
+`pytest_collection_modifyitems`), and the Ray is shut down after the last of them, so the
+modules that start clusters of their own (namespace hosts, `ray start`, `kvmesh serve`) run
+beside no idle Ray. A module whose apps cannot be deleted leaves a fresh Ray to the next one.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from tests.local_serve import LocalServe
+
+SHARED = "local_serve"
+SESSION_CPUS = 4           # logical CPUs: every module's replicas (0.1-0.25 each) and autoscaling fit
+
+
+class SessionServe:
+    """The session's Ray + Serve, started on first use; stop() shuts it down (a later use starts another)."""
+
+    def __init__(self) -> None:
+        self.serve: LocalServe | None = None
+
+    def get(self) -> LocalServe:
+        if self.serve is None:
+            serve = LocalServe(num_cpus=SESSION_CPUS)
+            serve.__enter__()
+            self.serve = serve
+        return self.serve
+
+    def stop(self) -> None:
+        serve, self.serve = self.serve, None
+        if serve is not None:
+            serve.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def _session_serve() -> Iterator[SessionServe]:
+    session = SessionServe()
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+def _later_users(request: pytest.FixtureRequest) -> bool:
+    """Whether a test after this module's last one uses the session's Ray."""
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if item.path == request.path]
+    return any(SHARED in item.fixturenames for item in items[mine[-1] + 1:]) if mine else True
+
+
+@pytest.fixture(scope="module")
+def local_serve(request: pytest.FixtureRequest, _session_serve: SessionServe) -> Iterator[LocalServe]:
+    """The session's local Ray + Serve for this module; the module's apps are deleted at its end."""
+    serve = _session_serve.get()
+    try:
+        yield serve
+    finally:
+        try:
+            serve.delete_all()
+        except BaseException:
+            _session_serve.stop()           # nothing of this module may reach the next one
+            raise
+        if not _later_users(request):
+            _session_serve.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules on the session's Ray run one after another, where the first of them would
+    run, each module's tests in their order; every other module keeps its place."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    users = [path for path, its in modules.items() if any(SHARED in i.fixturenames for i in its)]
+    if not users:
+        return
+    order = list(modules)
+    first = order.index(users[0])
+    rest = [path for path in order if path not in users]
+    before = [path for path in order[:first] if path not in users]
+    ordered = before + users + rest[len(before):]
+    items[:] = [item for path in ordered for item in modules[path]]
