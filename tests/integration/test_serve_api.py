@@ -25,12 +25,14 @@ from workers.sampling.params import SamplingParams
 MODES = ["disaggregated", "colocated"]
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 7, [5, 17, 300, 42, 99, 7]]
 MAX_TOKENS = 12
+RELEASE_TIMEOUT_S = 4.0      # the disaggregated app's: an unread handoff is freed after this
 
 
 @pytest.fixture(scope="module")
 def urls(local_serve):
     no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
-    urls = local_serve.deploy_many({"disagg": (small_config("disaggregated"), "/"),
+    disagg = small_config("disaggregated", handoff={"release_timeout_s": RELEASE_TIMEOUT_S})
+    urls = local_serve.deploy_many({"disagg": (disagg, "/"),
                                     "colo": (small_config("colocated"), "/colocated"),
                                     "fallback": (no_nixl, "/fallback")})
     return {"disaggregated": urls["disagg"], "colocated": urls["colo"], "fallback": urls["fallback"]}
@@ -234,8 +236,7 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
     prefill = serve.get_deployment_handle("Prefill", "disagg")
     orphan = prefill.prefill.remote(GenRequest("orphan-1", [5] * 300, SamplingParams(max_tokens=8))).result()
     assert orphan.offer.transport == "nixl" and held("disagg") == 1
-    timeout = small_config().handoff.release_timeout_s
-    deadline = time.monotonic() + timeout + 10
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S + 10
     while held("disagg") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert held("disagg") == 0
