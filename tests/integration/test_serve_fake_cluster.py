@@ -48,12 +48,23 @@ def stop_cluster(markers: list[str]) -> None:
         grew = bool(children)
         ours |= children
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        ours = {pid for pid in ours if _running(pid)}
         for pid in ours:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        time.sleep(2)
+        deadline = time.monotonic() + 2
+        while any(_running(pid) for pid in ours) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.fixture(scope="module")
