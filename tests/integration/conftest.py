@@ -18,26 +18,40 @@ import pytest
 from tests.local_serve import LocalServe
 
 SHARED = "local_serve"
-SESSION_CPUS = 4           # logical CPUs: every module's replicas (0.1-0.25 each) and autoscaling fit
+HEAD = {"num_cpus": 4,                       # logical: every module's replicas (0.1-0.25 each) fit
+        "resources": {"kvmesh_prefill": 1},  # test_serve_reuse pins one prefill replica per node
+        "object_store_memory": 1 << 30, "include_dashboard": False}
 
 
 class SessionServe:
-    """The session's Ray + Serve, started on first use; stop() shuts it down (a later use starts another)."""
+    """The session's Ray (a ray.cluster_utils.Cluster: a module may add a node) + Serve, started
+    on first use; stop() shuts both down (a later use starts another)."""
 
     def __init__(self) -> None:
+        self.cluster = None
         self.serve: LocalServe | None = None
 
     def get(self) -> LocalServe:
         if self.serve is None:
-            serve = LocalServe(num_cpus=SESSION_CPUS)
-            serve.__enter__()
-            self.serve = serve
+            from ray.cluster_utils import Cluster
+            cluster = Cluster(initialize_head=True, head_node_args=HEAD)
+            try:
+                serve = LocalServe(address=cluster.address)
+                serve.__enter__()
+            except BaseException:
+                cluster.shutdown()
+                raise
+            self.cluster, self.serve = cluster, serve
         return self.serve
 
     def stop(self) -> None:
-        serve, self.serve = self.serve, None
-        if serve is not None:
-            serve.__exit__(None, None, None)
+        serve, cluster, self.serve, self.cluster = self.serve, self.cluster, None, None
+        try:
+            if serve is not None:
+                serve.__exit__(None, None, None)
+        finally:
+            if cluster is not None:
+                cluster.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +84,13 @@ def local_serve(request: pytest.FixtureRequest, _session_serve: SessionServe) ->
             raise
         if not _later_users(request):
             _session_serve.stop()
+
+
+@pytest.fixture(scope="module")
+def session_cluster(local_serve: LocalServe, _session_serve: SessionServe):
+    """The ray.cluster_utils.Cluster under `local_serve`, for a module that adds a node (and
+    removes it at its end)."""
+    return _session_serve.cluster
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
