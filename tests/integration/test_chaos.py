@@ -233,7 +233,7 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(c
         keys = client.dbsize()
         cluster.redis.restart()         # nothing persisted: it comes back empty
         return keys
-    outcomes, t0, t1, keys_before, before = run_load(cluster, 4, restart, 12)
+    outcomes, t0, t1, keys_before, before = run_load(cluster, 4, restart, 8)
     info, refilled = client.info("stats"), client.dbsize()
     client.close()
     held = cluster.settle()
@@ -251,7 +251,7 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(c
 def test_lossy_slow_link_between_prefill_and_decode_keeps_every_answer_correct(cluster):
     wait_ready(cluster, 2, 2)
     rate = loopback_bits_per_s() / 100
-    fault_s = 12
+    fault_s, before_s = 12, 6          # before: the throughput and TTFT the row compares with
 
     def lossy_slow():
         try:
@@ -262,7 +262,7 @@ def test_lossy_slow_link_between_prefill_and_decode_keeps_every_answer_correct(c
             time.sleep(fault_s)
         finally:
             cluster.restore_network()
-    outcomes, t0, t1, _, before = run_load(cluster, fault_s, lossy_slow, 1)
+    outcomes, t0, t1, _, before = run_load(cluster, before_s, lossy_slow, 1)
     base = [o for o in outcomes if o.end < t0]
     lossy = [o for o in outcomes if o.start >= t0 and o.end <= t1]
     held = cluster.settle()
@@ -289,7 +289,7 @@ def test_partition_between_prefill_and_decode_fails_handoffs_in_time_and_heals_w
             time.sleep(partition_s)
         finally:
             cluster.restore_network()
-    outcomes, t0, t1, _, before = run_load(cluster, 3, partition, 15)
+    outcomes, t0, t1, _, before = run_load(cluster, 3, partition, 12)
     held = cluster.settle()
     after = scrape(cluster.url)
     timeouts = total(after, "kvmesh_worker_held_timeouts") - total(before, "kvmesh_worker_held_timeouts")
