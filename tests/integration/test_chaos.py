@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -183,6 +184,10 @@ def cluster():
     if not Path(REDIS_SERVER_BINARY).exists():
         pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
     hosts, redis, workdir = Hosts(5, "kvc", "10.214"), None, Path(tempfile.mkdtemp(prefix="kvc-redis-"))
+    shared = shared_prefix_prompts(groups=3, per_group=3, prefix=256, suffix=12)
+    fresh = shared_prefix_prompts(groups=1, per_group=12, prefix=256, suffix=1024, seed=24)
+    pool = ThreadPoolExecutor(1)    # the cold answers (~20 s of a core) come while the cluster comes up
+    cold = pool.submit(lambda: (cold_tokens(shared, LONG_TOKENS), cold_tokens(fresh, MAX_TOKENS)))
     try:
         hosts.start()
         hosts.check_isolated()
@@ -193,11 +198,9 @@ def cluster():
         head, p1, p2, d1, d2 = hosts.ips
         ray.join_all({p1: "prefill", p2: "prefill", d1: "decode", d2: "decode"})
         ray.serve_deploy(serve_config(redis.url, RELEASE_TIMEOUT_S))
-        shared = shared_prefix_prompts(groups=3, per_group=3, prefix=256, suffix=12)
-        fresh = shared_prefix_prompts(groups=1, per_group=12, prefix=256, suffix=1024, seed=24)
-        long = cold_tokens(shared, LONG_TOKENS)
+        long, fresh_want = cold.result()
         prompts = {"short": shared, "long": shared, "fresh": fresh}
-        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": cold_tokens(fresh, MAX_TOKENS)}
+        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": fresh_want}
         c = Cluster(hosts, ray, redis, prompts, want)
         wait_ready(c, 2, 2)
         yield c
@@ -207,6 +210,7 @@ def cluster():
         if redis is not None:
             redis.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        pool.shutdown()
 
 
 def run_load(cluster: Cluster, before_s: float, fault, after_s: float, clients: int = 3, kind: str = "short"):
