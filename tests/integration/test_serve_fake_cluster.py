@@ -75,7 +75,8 @@ def fake_cluster():
     config["provider"]["gcs_address"] = f"127.0.0.1:{gcs_port}"
     config_path = Path(temp_dir) / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1"}
+    # the autoscaler looks every second (Ray's default: 5 s), so the min_workers nodes come sooner
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     ray_bin = str(Path(sys.executable).parent / "ray")
     markers = [temp_dir, f":{gcs_port}"]
     try:
