@@ -1,11 +1,12 @@
 """Fixtures of the integration tests: one local Ray + Serve for the session.
 
 Starting Ray and Serve and shutting them down costs ~10 s of two busy cores a module, so the
-modules that need a plain local Ray (no custom resources, no killed nodes, no Ray settings of
-their own) share one: `local_serve` gives it to a module, which deploys its apps on it under
-their own names and route prefixes (`LocalServe.deploy`), and every app is deleted when the
-module ends, also after a failure. Those modules run one after another (see
-`pytest_collection_modifyitems`), and the Ray is shut down after the last of them, so the
+modules that need a local Ray with no settings of their own share one: `local_serve` gives it to
+a module, which deploys its apps on it under their own names and route prefixes
+(`LocalServe.deploy`) and may kill their replicas and rank actors, never Ray's own processes;
+every app is deleted when the module ends, also after a failure. A module that needs a second
+node adds it (`session_cluster`) and removes it at its end. Those modules run one after another
+(see `pytest_collection_modifyitems`), and the Ray is shut down after the last of them, so the
 modules that start clusters of their own (namespace hosts, `ray start`, `kvmesh serve`) run
 beside no idle Ray. A module whose apps cannot be deleted leaves a fresh Ray to the next one.
 """
