@@ -79,11 +79,41 @@ class LocalServe:
 
     def deploy(self, name: str, config: ServeConfig, route_prefix: str = "/") -> str:
         """Deploy (or redeploy) an app; returns its base URL (append /v1/...)."""
+        return self.deploy_many({name: (config, route_prefix)})[name]
+
+    def deploy_many(self, apps: dict[str, tuple[ServeConfig, str]]) -> dict[str, str]:
+        """Deploy apps side by side, {name: (config, route prefix)}, and wait until all of
+        them run (their replicas start together); {name: base URL}."""
         from ray import serve
 
         from cluster.app import build_app
-        serve.run(build_app(config), name=name, route_prefix=route_prefix)
-        return self.base + route_prefix.rstrip("/")
+        serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=prefix)
+                        for name, (config, prefix) in apps.items()])
+        return {name: self.base + prefix.rstrip("/") for name, (_, prefix) in apps.items()}
+
+    def delete_all(self, within_s: float = 60.0) -> None:
+        """Delete every app on this Serve, all at once, and wait until they, their replicas,
+        rank actors and placement groups are gone: a test module sharing the session's Serve
+        leaves nothing behind."""
+        import time
+
+        import ray
+        from ray import serve
+        from ray.util.placement_group import placement_group_table
+        for name in serve.status().applications:
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + within_s
+        while True:
+            left = list(serve.status().applications)
+            left += [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith(("SERVE_REPLICA::", "kvmesh-rank:"))]
+            left += [f"placement group {g['placement_group_id']}" for g in placement_group_table().values()
+                     if g["state"] != "REMOVED"]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"still there {within_s:.0f} s after the apps were deleted: {left}")
+            time.sleep(0.2)
 
     def __exit__(self, *exc) -> None:
         import ray

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -183,6 +184,10 @@ def cluster():
     if not Path(REDIS_SERVER_BINARY).exists():
         pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
     hosts, redis, workdir = Hosts(5, "kvc", "10.214"), None, Path(tempfile.mkdtemp(prefix="kvc-redis-"))
+    shared = shared_prefix_prompts(groups=3, per_group=3, prefix=256, suffix=12)
+    fresh = shared_prefix_prompts(groups=1, per_group=12, prefix=256, suffix=1024, seed=24)
+    pool = ThreadPoolExecutor(1)    # the cold answers (~20 s of a core) come while the cluster comes up
+    cold = pool.submit(lambda: (cold_tokens(shared, LONG_TOKENS), cold_tokens(fresh, MAX_TOKENS)))
     try:
         hosts.start()
         hosts.check_isolated()
@@ -193,11 +198,9 @@ def cluster():
         head, p1, p2, d1, d2 = hosts.ips
         ray.join_all({p1: "prefill", p2: "prefill", d1: "decode", d2: "decode"})
         ray.serve_deploy(serve_config(redis.url, RELEASE_TIMEOUT_S))
-        shared = shared_prefix_prompts(groups=3, per_group=3, prefix=256, suffix=12)
-        fresh = shared_prefix_prompts(groups=1, per_group=12, prefix=256, suffix=1024, seed=24)
-        long = cold_tokens(shared, LONG_TOKENS)
+        long, fresh_want = cold.result()
         prompts = {"short": shared, "long": shared, "fresh": fresh}
-        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": cold_tokens(fresh, MAX_TOKENS)}
+        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": fresh_want}
         c = Cluster(hosts, ray, redis, prompts, want)
         wait_ready(c, 2, 2)
         yield c
@@ -207,6 +210,7 @@ def cluster():
         if redis is not None:
             redis.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        pool.shutdown()
 
 
 def run_load(cluster: Cluster, before_s: float, fault, after_s: float, clients: int = 3, kind: str = "short"):
@@ -233,7 +237,7 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(c
         keys = client.dbsize()
         cluster.redis.restart()         # nothing persisted: it comes back empty
         return keys
-    outcomes, t0, t1, keys_before, before = run_load(cluster, 4, restart, 12)
+    outcomes, t0, t1, keys_before, before = run_load(cluster, 4, restart, 8)
     info, refilled = client.info("stats"), client.dbsize()
     client.close()
     held = cluster.settle()
@@ -251,7 +255,7 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(c
 def test_lossy_slow_link_between_prefill_and_decode_keeps_every_answer_correct(cluster):
     wait_ready(cluster, 2, 2)
     rate = loopback_bits_per_s() / 100
-    fault_s = 12
+    fault_s, before_s = 12, 6          # before: the throughput and TTFT the row compares with
 
     def lossy_slow():
         try:
@@ -262,7 +266,7 @@ def test_lossy_slow_link_between_prefill_and_decode_keeps_every_answer_correct(c
             time.sleep(fault_s)
         finally:
             cluster.restore_network()
-    outcomes, t0, t1, _, before = run_load(cluster, fault_s, lossy_slow, 1)
+    outcomes, t0, t1, _, before = run_load(cluster, before_s, lossy_slow, 1)
     base = [o for o in outcomes if o.end < t0]
     lossy = [o for o in outcomes if o.start >= t0 and o.end <= t1]
     held = cluster.settle()
@@ -289,7 +293,7 @@ def test_partition_between_prefill_and_decode_fails_handoffs_in_time_and_heals_w
             time.sleep(partition_s)
         finally:
             cluster.restore_network()
-    outcomes, t0, t1, _, before = run_load(cluster, 3, partition, 15)
+    outcomes, t0, t1, _, before = run_load(cluster, 3, partition, 12)
     held = cluster.settle()
     after = scrape(cluster.url)
     timeouts = total(after, "kvmesh_worker_held_timeouts") - total(before, "kvmesh_worker_held_timeouts")

@@ -5,14 +5,13 @@ relayed through rank 0): greedy tokens equal a cold TP=1 run on prompts crossing
 of all three layer types. A completed READ frees the holding rank's blocks (its agent gets the
 notification); an offer from another engine is refused before anything is allocated.
 
-One engine of each shape for the module (DP=2 prefill, DP=2 decode, TP=1 both ways) and one
-private local Ray."""
+One engine of each shape for the module (DP=2 prefill, DP=2 decode, TP=1 both ways) and the
+session's local Ray (for the Ray copies)."""
 from __future__ import annotations
 
 import time
 
 import pytest
-import ray
 
 from cluster.serve.transfer import Loader, RayTransport
 from kvstore.kv_transport import HandoffError, Offer
@@ -28,9 +27,8 @@ DP = dict(data_parallel_size=2, enable_expert_parallel=True)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, local_serve):
     """{"dp_prefill", "dp_decode", "tp1"}: (engine, its NIXL transport, its RayTransport)."""
-    ray.init(address="local", num_cpus=1, include_dashboard=False)
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("m"), NAME)
     made = {"dp_prefill": tiny_engine(path, NAME, **DP), "dp_decode": tiny_engine(path, NAME, **DP),
             "tp1": tiny_engine(path, NAME)}
@@ -42,7 +40,6 @@ def engines(tmp_path_factory):
     yield out
     for e, nixl, _ in out.values():
         e.close()
-    ray.shutdown()
 
 
 def run(engine) -> list:

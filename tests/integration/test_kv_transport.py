@@ -33,10 +33,8 @@ _names = itertools.count()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=1, include_dashboard=False)
-    yield
-    ray.shutdown()
+def session_ray(local_serve):
+    """RayTransport needs a Ray: the session's."""
 
 
 def transport(kind: str, cache: CacheTensors, fingerprint: str = FP) -> KVTransport:

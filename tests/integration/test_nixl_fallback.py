@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import ray
 import torch
 
 from cluster.serve.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader, RayTransport
@@ -24,10 +23,8 @@ FP = "f" * 32
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=1, include_dashboard=False)
-    yield
-    ray.shutdown()
+def session_ray(local_serve):
+    """RayTransport needs a Ray: the session's."""
 
 
 def random_cache(seed: int) -> CacheTensors:

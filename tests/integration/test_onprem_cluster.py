@@ -35,6 +35,7 @@ SERVING_WITHIN_S = 600.0
 STOPPED_WITHIN_S = 180.0
 PROMPT = random_prompt(300, seed=7)          # two full 128-token blocks and a tail
 MAX_TOKENS = 8
+GCS_GONE_S = 10             # a worker's raylet outlives the head's GCS by this (Ray's default: 60 s)
 RAY_MARKERS = ("raylet", "gcs_server", "redis-server", "ray::", "default_worker.py", "dashboard", "monitor.py")
 
 # run on the head by `ray exec`: the node of every live Serve replica of the app
@@ -100,6 +101,9 @@ class Launcher:
         for home in hosts.root.glob("host*/home"):
             (home / "kvmesh").mkdir()
             (home / "kvmesh" / ".venv").symlink_to(venv)
+            # `ray down` stops the head; a worker's raylet exits once the GCS is gone this long,
+            # then the config's watch loop stops the rest of the worker (Ray's default: 60 s)
+            (home / ".bashrc").write_text(f"export RAY_gcs_rpc_server_reconnect_timeout_s={GCS_GONE_S}\n")
 
     def run(self, *args: str, timeout: float = 900) -> str:
         with open(self.log, "a") as log:

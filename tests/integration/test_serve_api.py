@@ -1,6 +1,6 @@
 """The OpenAI API over HTTP against a local Ray Serve app, disaggregated and colocated.
 
-One Ray cluster for the module with three apps: disaggregated at `/`, colocated at
+The session's Ray + Serve (tests/integration/conftest.py), three apps for the module: disaggregated at `/`, colocated at
 `/colocated`, and disaggregated with NIXL unavailable (every handoff falls back to a Ray
 object) at `/fallback`. Greedy output must equal the offline engine's, token for token.
 """
@@ -16,7 +16,7 @@ from cluster.chat.dsv4_encode import CHAT as CHAT_MODE
 from cluster.chat.dsv4_encode import END_THINK, THINKING, encode_messages
 from scripts.default_chat_data import TOOLS
 from tests.helpers import sse_events
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.checkpoint.default_model import default_model_dir
 from workers.checkpoint.tokenizer import load_tokenizer
 from workers.engine import Engine
@@ -27,15 +27,17 @@ pytestmark = pytest.mark.slow     # a Ray cluster and three Serve apps
 MODES = ["disaggregated", "colocated"]
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 7, [5, 17, 300, 42, 99, 7]]
 MAX_TOKENS = 12
+RELEASE_TIMEOUT_S = 4.0      # the disaggregated app's: an unread handoff is freed after this
 
 
 @pytest.fixture(scope="module")
-def urls():
-    with LocalServe(num_cpus=4) as ls:
-        no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
-        yield {"disaggregated": ls.deploy("disagg", small_config("disaggregated"), "/"),
-               "colocated": ls.deploy("colo", small_config("colocated"), "/colocated"),
-               "fallback": ls.deploy("fallback", no_nixl, "/fallback")}
+def urls(local_serve):
+    no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
+    disagg = small_config("disaggregated", handoff={"release_timeout_s": RELEASE_TIMEOUT_S})
+    urls = local_serve.deploy_many({"disagg": (disagg, "/"),
+                                    "colo": (small_config("colocated"), "/colocated"),
+                                    "fallback": (no_nixl, "/fallback")})
+    return {"disaggregated": urls["disagg"], "colocated": urls["colo"], "fallback": urls["fallback"]}
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +238,7 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
     prefill = serve.get_deployment_handle("Prefill", "disagg")
     orphan = prefill.prefill.remote(GenRequest("orphan-1", [5] * 300, SamplingParams(max_tokens=8))).result()
     assert orphan.offer.transport == "nixl" and held("disagg") == 1
-    timeout = small_config().handoff.release_timeout_s
-    deadline = time.monotonic() + timeout + 10
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S + 10
     while held("disagg") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert held("disagg") == 0

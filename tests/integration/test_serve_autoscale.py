@@ -9,7 +9,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 
 FAST_SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1.0, "downscale_delay_s": 4.0,
                 "metrics_interval_s": 0.5, "look_back_period_s": 2.0}
@@ -22,14 +22,13 @@ def replicas(app: str, deployment: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def url():
+def url(local_serve):
     config = small_config(
         "disaggregated",
         # prefill requests are short: a high target keeps this load from scaling it
         prefill={"autoscaling": {**FAST_SCALING, "target_ongoing_requests": 8}},
         decode={"autoscaling": {**FAST_SCALING, "target_ongoing_requests": 1}})
-    with LocalServe(num_cpus=4) as ls:
-        yield ls.deploy("scale", config, "/")
+    return local_serve.deploy("scale", config, "/")
 
 
 def decode_load(url: str, stop: threading.Event) -> None:

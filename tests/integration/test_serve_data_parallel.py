@@ -2,7 +2,7 @@
 Serve replica (rank 0, the front) plus one rank actor (a whole attention engine with half the
 routed experts) in the replica's own placement group.
 
-One Ray cluster and one Serve app for the module, a tiny SWA + CSA + HCA checkpoint (4 routed
+One Serve app for the module on the session's Ray, a tiny SWA + CSA + HCA checkpoint (4 routed
 experts), the session's private Redis as the prefix index (each rank a cache location of its
 own, `{replica}/dp{rank}`), no store: a prompt's blocks are reused only from the memory of the
 rank that computed them, so `cached_tokens` says which rank a request went to. Which rank ran
@@ -23,7 +23,7 @@ from cluster.serve.locator import PrefixLocator
 from tests.helpers import (BLOCK_TOKENS, assert_clean_end, assert_same_run, random_prompt, sse_events, stream_and_kill,
                            tiny_engine, write_tiny_checkpoint)
 from tests.integration.chaos_cluster import scrape
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster, a Serve app with a gloo rank actor
@@ -50,11 +50,10 @@ def offline(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def url(checkpoint, redis_server):
+def url(checkpoint, redis_server, local_serve):
     engine = {"model": str(checkpoint), "block_tokens": BT, "kv_cache_bytes": "8MiB", "index": redis_server}
-    with LocalServe(num_cpus=4) as ls:
-        yield ls.deploy("dp", small_config("colocated", engine=engine, colocated=DP2,
-                                           ingress={"token_timeout_s": 20.0}), "/")
+    return local_serve.deploy("dp", small_config("colocated", engine=engine, colocated=DP2,
+                                                 ingress={"token_timeout_s": 20.0}), "/")
 
 
 def complete(url: str, prompt: list[int], max_tokens: int, **extra) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from ray import serve
 
 from tests.integration.test_index_faults import out_of_memory, read_only
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.engine import Engine
 from workers.engine.stats import EngineStats
 from workers.sampling.params import SamplingParams
@@ -30,13 +30,12 @@ GREEDY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": Tr
 
 
 @pytest.fixture(scope="module")
-def app(password_redis, tmp_path_factory):
+def app(password_redis, tmp_path_factory, local_serve):
     client, url = password_redis
     config = small_config("disaggregated", engine={"store": str(tmp_path_factory.mktemp("store")), "index": url},
                           handoff={"release_timeout_s": RELEASE_TIMEOUT_S},
                           ingress={"max_body_bytes": BODY_LIMIT, "num_cpus": 0.1, "token_timeout_s": 30.0})
-    with LocalServe(num_cpus=4) as ls:
-        yield ls.deploy("app", config, "/"), ls.port, client, config
+    return local_serve.deploy("disconnects", config, "/"), local_serve.port, client, config
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def cold(app):
 
 
 def pool_state(name: str) -> EngineStats:
-    stats = serve.get_deployment_handle(name, app_name="app").stats.remote().result(timeout_s=30)
+    stats = serve.get_deployment_handle(name, app_name="disconnects").stats.remote().result(timeout_s=30)
     return stats.engine
 
 

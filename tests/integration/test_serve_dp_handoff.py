@@ -5,7 +5,7 @@ handoff READs from the holding prefill rank straight into the decode rank's memo
 prompts spread over the ranks (a held cache counts as load); every answer equals the offline
 engine (tokens, logprobs within 1e-4); once read, every prefill rank has freed its held caches.
 
-One Ray cluster for the module, one Serve app per configuration (two apps)."""
+The session's Ray, one Serve app per configuration (two apps)."""
 from __future__ import annotations
 
 import time
@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import BLOCK_TOKENS, assert_same_run, random_prompt, tiny_engine, write_tiny_checkpoint
 from tests.integration.chaos_cluster import scrape
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster, Serve apps with gloo rank actors
@@ -38,12 +38,11 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def urls(model):
+def urls(model, local_serve):
     engine = {"model": str(model[0]), "block_tokens": BT, "kv_cache_bytes": "8MiB"}
-    with LocalServe(num_cpus=4) as ls:
-        yield {app: ls.deploy(app, small_config(engine=engine, prefill=DP2, decode=decode,
-                                                 ingress={"token_timeout_s": 30.0}), f"/{app}")
-               for app, decode in APPS.items()}
+    return local_serve.deploy_many({app: (small_config(engine=engine, prefill=DP2, decode=decode,
+                                                       ingress={"token_timeout_s": 30.0}), f"/{app}")
+                                    for app, decode in APPS.items()})
 
 
 def complete(url: str, prompt: list[int]) -> dict:

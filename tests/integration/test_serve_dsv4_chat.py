@@ -1,6 +1,6 @@
 """DeepSeek-V4's chat format end to end through the `openai` client, on a random tiny V4
-checkpoint whose tokenizer has V4's special tokens (colocated, one Ray cluster for the
-module): thinking on and off with reasoning_content, tool_choice required / named / none
+checkpoint whose tokenizer has V4's special tokens (colocated, one app on the
+session's Ray): thinking on and off with reasoning_content, tool_choice required / named / none
 (streamed too) giving schema-valid calls, a conversation sent back with reasoning_content
 and tool results, /tokenize giving the chat request's prompt ids, logit_bias outside the
 vocabulary a 400."""
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.helpers import BLOCK_TOKENS, write_tiny_checkpoint, write_v4_tokenizer
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 
 pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
 
@@ -34,12 +34,11 @@ ASK = [{"role": "user", "content": "What's the weather in Beijing?"}]
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def url(tmp_path_factory, local_serve):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(NAME), NAME)
     write_v4_tokenizer(path)
     config = small_config("colocated", engine={"model": str(path), "block_tokens": BLOCK_TOKENS[NAME]})
-    with LocalServe(num_cpus=2) as ls:
-        yield ls.deploy("dsv4", config, "/")
+    return local_serve.deploy("dsv4", config, "/")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import ray
 from ray import serve
 
 from tests.helpers import assert_clean_end, stream_and_kill
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
@@ -21,12 +21,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
 @pytest.fixture(scope="module")
-def urls():
-    with LocalServe(num_cpus=4) as ls:
-        overload = small_config("colocated", colocated={"max_ongoing_requests": 1, "max_queued_requests": 1},
-                                ingress={"retry_after_s": 2})
-        yield {"disagg": ls.deploy("disagg", small_config("disaggregated"), "/"),
-               "overload": ls.deploy("overload", overload, "/overload")}
+def urls(local_serve):
+    overload = small_config("colocated", colocated={"max_ongoing_requests": 1, "max_queued_requests": 1},
+                            ingress={"retry_after_s": 2})
+    urls = local_serve.deploy_many({"kill": (small_config("disaggregated"), "/"), "overload": (overload, "/overload")})
+    return {"disagg": urls["kill"], "overload": urls["overload"]}
 
 
 def replica_actor(app: str, deployment: str):
@@ -49,11 +48,11 @@ def test_decode_replica_killed_mid_stream_ends_cleanly_and_the_pool_recovers(url
             "return_token_ids": True}
     start = time.monotonic()
     tokens, errors, _ = stream_and_kill(urls["disagg"], body,
-                                        lambda: ray.kill(replica_actor("disagg", "Decode"), no_restart=True),
+                                        lambda: ray.kill(replica_actor("kill", "Decode"), no_restart=True),
                                         KILL_BOUND_S)
     assert_clean_end(tokens, errors, want)
     deadline = time.monotonic() + 60
-    while running_replicas("disagg", "Decode") < 1 and time.monotonic() < deadline:
+    while running_replicas("kill", "Decode") < 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     print(f"decode pool running again after {time.monotonic() - start:.1f}s")
     r = httpx.post(f"{urls['disagg']}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)

@@ -48,12 +48,23 @@ def stop_cluster(markers: list[str]) -> None:
         grew = bool(children)
         ours |= children
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        ours = {pid for pid in ours if _running(pid)}
         for pid in ours:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        time.sleep(2)
+        deadline = time.monotonic() + 2
+        while any(_running(pid) for pid in ours) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +75,8 @@ def fake_cluster():
     config["provider"]["gcs_address"] = f"127.0.0.1:{gcs_port}"
     config_path = Path(temp_dir) / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1"}
+    # the autoscaler looks every second (Ray's default: 5 s), so the min_workers nodes come sooner
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     ray_bin = str(Path(sys.executable).parent / "ray")
     markers = [temp_dir, f":{gcs_port}"]
     try:

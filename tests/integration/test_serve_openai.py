@@ -2,7 +2,7 @@
 logit_bias, prompt batches, structured output, usage while streaming, the small
 endpoints, API keys, and live /metrics while requests run.
 
-One Ray cluster for the module: disaggregated at `/` behind two API keys, colocated at
+The session's Ray + Serve, two apps for the module: disaggregated at `/` behind two API keys, colocated at
 `/colocated` without keys.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 
 pytestmark = pytest.mark.slow     # a Ray cluster and two Serve apps
 
@@ -30,10 +30,10 @@ AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 
 
 @pytest.fixture(scope="module")
-def urls():
-    with LocalServe(num_cpus=4) as ls:
-        yield {"disaggregated": ls.deploy("disagg", small_config("disaggregated", ingress={"api_keys": KEYS}), "/"),
-               "colocated": ls.deploy("colo", small_config("colocated"), "/colocated")}
+def urls(local_serve):
+    urls = local_serve.deploy_many({"openai": (small_config("disaggregated", ingress={"api_keys": KEYS}), "/"),
+                                    "openai-colo": (small_config("colocated"), "/colocated")})
+    return {"disaggregated": urls["openai"], "colocated": urls["openai-colo"]}
 
 
 @pytest.fixture(scope="module")

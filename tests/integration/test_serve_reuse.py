@@ -1,4 +1,5 @@
-"""Cross-node prefix reuse on a two-node Ray test cluster (ray.cluster_utils.Cluster).
+"""Cross-node prefix reuse on a two-node Ray test cluster: the session's (a
+ray.cluster_utils.Cluster, tests/integration/conftest.py) and a node added for the module.
 
 One prefill replica per node (each node carries one `kvmesh_prefill`), a shared store
 folder and a private Redis prefix index. A prompt computed on node A is
@@ -14,11 +15,10 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import build_app
 from cluster.messages import GenRequest, RouteHint
 from kvstore.hashing import PrefixHasher
 from kvstore.index import make_index
-from tests.local_serve import free_port, small_config
+from tests.local_serve import small_config
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
@@ -28,24 +28,21 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def two_nodes(redis_server, tmp_path_factory):
-    from ray.cluster_utils import Cluster
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"kvmesh_prefill": 1}})
-    cluster.add_node(num_cpus=2, resources={"kvmesh_prefill": 1})
-    ray.init(address=cluster.address)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = small_config(
-        "disaggregated",
-        engine={"store": str(tmp_path_factory.mktemp("store")), "index": redis_server, "kv_cache_bytes": 32 << 20},
-        prefill={"num_replicas": 2, "resources": {"kvmesh_prefill": 1}})
-    serve.run(build_app(config), name="reuse", route_prefix="/")
+def two_nodes(redis_server, tmp_path_factory, local_serve, session_cluster):
+    """The session's Ray (its head carries one kvmesh_prefill) and a second node for the module."""
+    node = session_cluster.add_node(num_cpus=2, resources={"kvmesh_prefill": 1})
     try:
-        yield f"http://127.0.0.1:{port}", config
+        config = small_config(
+            "disaggregated",
+            engine={"store": str(tmp_path_factory.mktemp("store")), "index": redis_server,
+                    "kv_cache_bytes": 32 << 20},
+            prefill={"num_replicas": 2, "resources": {"kvmesh_prefill": 1}})
+        yield local_serve.deploy("reuse", config, "/"), config
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        try:
+            local_serve.delete_all()        # before its node goes: no replica is restarted
+        finally:
+            session_cluster.remove_node(node)
 
 
 def prefill_workers() -> list[str]:

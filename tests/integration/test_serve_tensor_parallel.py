@@ -1,7 +1,7 @@
 """Tensor-parallel replicas on Ray Serve: a replica of N ranks is the Serve replica (rank 0)
 plus N-1 rank actors in the replica's own placement group.
 
-One Ray cluster for the module, a tiny checkpoint, two disaggregated apps: at `/` prefill
+The session's Ray, a tiny checkpoint, two disaggregated apps: at `/` prefill
 TP=2 hands off to decode TP=1, at `/back` prefill TP=1 hands off to decode TP=2 with expert
 parallelism (the pool whose rank actor is killed mid-stream).
 """
@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group_table
 from cluster.app import build_app
 from cluster.config import ConfigFileError
 from tests.helpers import BLOCK_TOKENS, assert_clean_end, random_prompt, stream_and_kill, write_tiny_checkpoint
-from tests.local_serve import LocalServe, small_config
+from tests.local_serve import small_config
 from workers.engine import Engine
 from workers.sampling.params import SamplingParams
 
@@ -42,10 +42,10 @@ def config(checkpoint, mode: str, **pools):
 
 
 @pytest.fixture(scope="module")
-def urls(checkpoint):
-    with LocalServe(num_cpus=4) as ls:
-        yield {"disagg": ls.deploy("disagg", config(checkpoint, "disaggregated", prefill=TP2), "/"),
-               "back": ls.deploy("back", config(checkpoint, "disaggregated", decode=TP2_EP), "/back")}
+def urls(checkpoint, local_serve):
+    urls = local_serve.deploy_many({"tp": (config(checkpoint, "disaggregated", prefill=TP2), "/"),
+                                    "tp-back": (config(checkpoint, "disaggregated", decode=TP2_EP), "/back")})
+    return {"disagg": urls["tp"], "back": urls["tp-back"]}
 
 
 def offline(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -83,13 +83,13 @@ def test_tp1_prefill_and_tp2_expert_parallel_decode_over_http_equal_the_offline_
 
 
 def test_each_tp2_replica_packs_its_ranks_in_one_placement_group(urls):
-    (prefill,) = replica_ids("disagg", "Prefill")
+    (prefill,) = replica_ids("tp", "Prefill")
     assert [a["name"] for a in rank_actors("prefill")] == [f"kvmesh-rank:prefill:{prefill}:1"]
     groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"
               and len(g["bundles"]) == 2 and g["strategy"] == "STRICT_PACK"]
-    assert len(groups) >= 2            # one per TP=2 replica: /'s prefill and /back's decode
+    assert len(groups) >= 2            # one per TP=2 replica: tp's prefill and tp-back's decode
     assert all(b == {"CPU": 0.25} for g in groups for b in g["bundles"].values())
-    (decode,) = replica_ids("back", "Decode")
+    (decode,) = replica_ids("tp-back", "Decode")
     assert [a["name"] for a in rank_actors("decode")] == [f"kvmesh-rank:decode:{decode}:1"]   # TP=1 pools: none
 
 
@@ -97,7 +97,7 @@ def test_each_tp2_replica_packs_its_ranks_in_one_placement_group(urls):
 def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, checkpoint):
     prompt = random_prompt(20, seed=3)
     want = offline(checkpoint, [prompt], 300)[0]
-    (victim_replica,) = replica_ids("back", "Decode")
+    (victim_replica,) = replica_ids("tp-back", "Decode")
     (rank,) = [a for a in rank_actors("decode") if a["name"] == f"kvmesh-rank:decode:{victim_replica}:1"]
     body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
@@ -109,8 +109,8 @@ def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, 
     assert_clean_end(tokens, errors, want)
     deadline = time.monotonic() + RECOVER_BOUND_S
     while time.monotonic() < deadline:         # Serve replaces the replica: new placement group, new ranks
-        fresh = replica_ids("back", "Decode") - {victim_replica}
-        if fresh and serve.status().applications["back"].deployments["Decode"].replica_states.get("RUNNING"):
+        fresh = replica_ids("tp-back", "Decode") - {victim_replica}
+        if fresh and serve.status().applications["tp-back"].deployments["Decode"].replica_states.get("RUNNING"):
             break
         time.sleep(0.5)
     print(f"decode replica replaced after {time.monotonic() - start:.1f}s: {fresh}")
@@ -120,12 +120,12 @@ def test_rank_actor_killed_mid_request_ends_cleanly_and_the_pool_recovers(urls, 
 
 @pytest.mark.slow
 def test_a_rank_that_dies_while_idle_fails_the_health_check_and_the_replica_is_replaced(urls, checkpoint):
-    (victim_replica,) = replica_ids("disagg", "Prefill")
+    (victim_replica,) = replica_ids("tp", "Prefill")
     (rank,) = [a for a in rank_actors("prefill") if a["name"] == f"kvmesh-rank:prefill:{victim_replica}:1"]
     ray.kill(ray.get_actor(rank["name"], namespace=rank["namespace"]), no_restart=True)
     start, fresh = time.monotonic(), set()
     while time.monotonic() - start < RECOVER_BOUND_S and not fresh:
-        fresh = replica_ids("disagg", "Prefill") - {victim_replica}
+        fresh = replica_ids("tp", "Prefill") - {victim_replica}
         time.sleep(0.5)
     print(f"prefill replica replaced {time.monotonic() - start:.1f}s after its idle rank died")
     assert fresh, "a dead rank of an idle replica went unnoticed"

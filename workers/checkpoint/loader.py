@@ -10,6 +10,7 @@ nothing is dequantized at load.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -240,6 +241,23 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
         raise CheckpointError(f"{model_dir}: {loaded.named(str(e))}") from None
 
 
+@contextlib.contextmanager
+def _no_init():
+    """Skip torch.nn.init while the model is built on the meta device: every parameter is then
+    replaced by the checkpoint's, and a random init on meta imports torch._dynamo (~0.9 s of CPU
+    in every process that opens an engine: replicas, ranks, CLIs)."""
+    skipped = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_",
+               "constant_")
+    saved = {name: getattr(torch.nn.init, name) for name in skipped}
+    for name in skipped:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def _build(args: ModelArgs, state: dict[str, torch.Tensor], fmt: QuantFormat | None, shard: Shard,
            kernel_backend: str, dtype_name: str, device: str) -> Transformer:
     """The model from canonical tensors; CheckpointErrors name canonical tensors (the caller
@@ -250,7 +268,7 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], fmt: QuantFormat | N
                             whole=args.n_routed_experts)
     elif shard.dp_size > 1:
         state = own_experts(state, *shard.owned_experts(args.n_routed_experts), whole=args.n_routed_experts)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = Transformer(args, kernel_backend, mtp_layer_count(state), shard)
     try:
         quantized = install_quantized(model, state, fmt)
