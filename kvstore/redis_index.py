@@ -3,18 +3,26 @@
 Key layout, `ns` the namespace (`fingerprint[:16]`, or `{fingerprint[:16]}-k{key_id}` for a
 keyed store: kvstore.hashing.store_namespace), `hex = hash_hex(h)`::
 
-    kvmesh:{ns}:b:{hex}   string "1"         block object is in the store
-    kvmesh:{ns}:c:{hex}   string "1"         checkpoint object is in the store
-    kvmesh:{ns}:m:{hex}   sorted set         member worker_id, score = lease deadline
+    kvmesh:{ns}:b:{hex}       string "1"     block object is in the store
+    kvmesh:{ns}:c:{hex}       string "1"     checkpoint object is in the store
+    kvmesh:{ns}:w:{worker}    sorted set     member hex, score = that block's lease deadline
                                              (Redis server clock, ms since epoch)
+    kvmesh:{ns}:workers       sorted set     member worker id, score = its latest deadline
 
 Memory leases are judged by the *Redis server's* clock, so nodes with skewed
 clocks still agree: `publish_memory` runs a small Lua script that reads
-`TIME`, adds `now + ttl` as the score, drops expired members, and keeps the
-key's own PEXPIRE at least `ttl` so abandoned sets vanish. `lookup` is one
-pipeline: `TIME`, one `MGET` for blocks, one for checkpoints, and one
-`ZRANGE .. WITHSCORES` per hash; members whose score is <= the server time
-are ignored. Lease granularity is therefore 1 ms.
+`TIME`, adds `now + ttl` as the blocks' score in the worker's set and as the
+worker's in `workers`, drops expired members, and keeps each key's PEXPIRE
+at least `ttl` so abandoned sets vanish. Lease granularity is 1 ms.
+
+`lookup` is one server-side step (`_LOOKUP_LUA`, one EVALSHA carrying the
+chain as one string of hex): it reads the block keys in pages of `MGET` up to
+the first miss, the checkpoint keys of that stored run, then, for each live
+worker holding the chain's first block, its deadlines along the chain in pages
+of `ZMSCORE` up to its first expired or missing one. One round trip and a few
+commands per 512 blocks, whatever the chain's length (the lookup before it was
+a pipeline of 3 + N commands: `bench/index_lookup.py` compares them). Needs
+Redis >= 6.2 (ZMSCORE).
 
 Faults: when Redis is unreachable (connection refused/reset, timeout) or answers
 with an error reply (READONLY after a failover, OOM under `noeviction`, LOADING,
@@ -29,6 +37,7 @@ The URL's password never reaches a log line (`kvstore.redact`).
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from typing import Callable, Sequence, TypeVar
@@ -37,10 +46,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.hashing import hash_hex
+from kvstore.hashing import U64_MAX, hash_hex
 from kvstore.log_once import LogOnce
 from kvstore.redact import redact_url
-from kvstore.index_base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup, walk_memory
+from kvstore.index_base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup
 
 __all__ = ["RedisIndex"]
 
@@ -55,18 +64,89 @@ _CLEAR_BATCH = 1000  # keys per SCAN page / UNLINK call in clear()
 # Every Redis failure is a fault: the index is a hint, and a request must not fail over it.
 _FAULTS = (redis.exceptions.RedisError,)
 
-# KEYS: lease sets; ARGV[1]: worker id; ARGV[2]: ttl in ms. Returns server time (ms).
-_PUBLISH_MEMORY_LUA = """
+_HEX = 16           # hash_hex's width: a chain travels to the scripts as one string of these
+_PAGE = 512         # keys per MGET / ZADD / ZMSCORE inside the scripts (Lua's unpack has a limit)
+
+# KEYS[1]: the worker's lease set; KEYS[2]: the workers set; ARGV[1]: worker id; ARGV[2]: ttl in
+# ms; ARGV[3]: the hashes as hex, concatenated. Returns server time (ms).
+_PUBLISH_MEMORY_LUA = f"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
+local ttl, chain = tonumber(ARGV[2]), ARGV[3]
+local n, deadline = #chain / {_HEX}, now + ttl
+for from = 1, n, {_PAGE} do
+  local args = {{}}
+  for i = from, math.min(from + {_PAGE} - 1, n) do
+    args[#args + 1] = deadline
+    args[#args + 1] = string.sub(chain, {_HEX} * i - {_HEX - 1}, {_HEX} * i)
+  end
+  redis.call('ZADD', KEYS[1], unpack(args))
+end
+local old = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not old or tonumber(old) < deadline then redis.call('ZADD', KEYS[2], deadline, ARGV[1]) end
 for _, key in ipairs(KEYS) do
-  redis.call('ZADD', key, now + ttl, ARGV[1])
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
 end
 return now
 """
+
+# ARGV[1]: the namespace's key prefix; ARGV[2]: the chain's hashes as hex, concatenated.
+# Returns {{stored, {{checkpoint indices}}, {{worker, count, worker, count, ...}}}} (see LookupResult).
+_LOOKUP_LUA = f"""
+local ns, chain = ARGV[1], ARGV[2]
+local n = #chain / {_HEX}
+local function hex(i) return string.sub(chain, {_HEX} * i - {_HEX - 1}, {_HEX} * i) end
+local function page(prefix, from, to)
+  local out = {{}}
+  for i = from, to do out[#out + 1] = prefix .. hex(i) end
+  return out
+end
+local function run(cmd, key, prefix, to, alive)   -- leading entries of 1..to that `alive` accepts
+  local count = 0
+  for from = 1, to, {_PAGE} do
+    local last = math.min(from + {_PAGE} - 1, to)
+    local got = key and redis.call(cmd, key, unpack(page(prefix, from, last)))
+                    or redis.call(cmd, unpack(page(prefix, from, last)))
+    for i = 1, #got do
+      if not alive(got[i]) then return count end
+      count = count + 1
+    end
+  end
+  return count
+end
+local stored = run('MGET', nil, ns .. ':b:', n, function(v) return v end)
+local marks = {{}}
+for from = 1, stored, {_PAGE} do
+  local got = redis.call('MGET', unpack(page(ns .. ':c:', from, math.min(from + {_PAGE} - 1, stored))))
+  for i = 1, #got do
+    if got[i] then marks[#marks + 1] = from + i - 2 end
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function live(score) return score and tonumber(score) > now end
+local memory = {{}}
+if n > 0 then
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':workers', '(' .. now, '+inf')) do
+    local key = ns .. ':w:' .. w
+    if live(redis.call('ZSCORE', key, hex(1))) then
+      memory[#memory + 1] = w
+      memory[#memory + 1] = run('ZMSCORE', key, '', n, live)
+    end
+  end
+end
+return {{stored, marks, memory}}
+"""
+
+
+def _chain_hex(hashes: Sequence[int]) -> str:
+    """The hashes as one string of `hash_hex`es (what the scripts read a chain from)."""
+    try:
+        return struct.pack(f">{len(hashes)}Q", *hashes).hex()
+    except struct.error:
+        bad = next(h for h in hashes if not (isinstance(h, int) and 0 <= h <= U64_MAX))
+        raise ValueError(f"hash must be a u64, got {bad}") from None
 
 
 class RedisIndex(PrefixIndex):
@@ -102,6 +182,7 @@ class RedisIndex(PrefixIndex):
             retry=Retry(NoBackoff(), 0),
         )
         self._publish_memory_script = self._client.register_script(_PUBLISH_MEMORY_LUA)
+        self._lookup_script = self._client.register_script(_LOOKUP_LUA)
         self._clock = clock
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
@@ -179,6 +260,9 @@ class RedisIndex(PrefixIndex):
     def _keys(self, tier: str, hashes: Sequence[int]) -> list[str]:
         return [self._key(tier, h) for h in hashes]
 
+    def _lease_key(self, worker_id: str) -> str:
+        return f"{self._ns}:w:{worker_id}"
+
     # -- PrefixIndex -------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[int]) -> LookupResult:
@@ -192,24 +276,10 @@ class RedisIndex(PrefixIndex):
         return result
 
     def _lookup(self, hashes: Sequence[int]) -> LookupResult:
-        pipe = self._client.pipeline(transaction=False)
-        pipe.time()
-        pipe.mget(self._keys("b", hashes))
-        pipe.mget(self._keys("c", hashes))
-        for key in self._keys("m", hashes):
-            pipe.zrange(key, 0, -1, withscores=True)
-        (secs, micros), blocks, checkpoints, *leases = pipe.execute()
-        now_ms = secs * 1000 + micros // 1000
-        stored = 0
-        for present in blocks:
-            if present is None:
-                break
-            stored += 1
-        marks = tuple(i for i in range(stored) if checkpoints[i] is not None)
-        memory = walk_memory(
-            {w.decode() for w, deadline in members if deadline > now_ms} for members in leases
+        stored, marks, memory = self._lookup_script(args=[self._ns, _chain_hex(hashes)])
+        return LookupResult(
+            stored, tuple(marks), {memory[i].decode(): memory[i + 1] for i in range(0, len(memory), 2)}
         )
-        return LookupResult(stored, marks, memory)
 
     def _write(self, op: str, fn: Callable[[], object]) -> None:
         self._count("writes")
@@ -234,22 +304,16 @@ class RedisIndex(PrefixIndex):
         if not hashes:
             return
         ttl_ms = max(1, round(ttl_s * 1000))
+        keys = [self._lease_key(worker_id), f"{self._ns}:workers"]
         self._write(
             "publish_memory",
-            lambda: self._publish_memory_script(keys=self._keys("m", hashes), args=[worker_id, ttl_ms]),
+            lambda: self._publish_memory_script(keys=keys, args=[worker_id, ttl_ms, _chain_hex(hashes)]),
         )
 
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
-        if not hashes:
-            return
-
-        def remove() -> None:
-            pipe = self._client.pipeline(transaction=False)
-            for key in self._keys("m", hashes):
-                pipe.zrem(key, worker_id)
-            pipe.execute()
-
-        self._write("remove_memory", remove)
+        if hashes:
+            self._write("remove_memory",
+                        lambda: self._client.zrem(self._lease_key(worker_id), *(hash_hex(h) for h in hashes)))
 
     def clear(self) -> None:
         def clear_namespace() -> None:

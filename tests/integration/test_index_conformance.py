@@ -201,6 +201,35 @@ def test_stats_count_lookups_hits_and_writes_the_same_way(harness: Harness) -> N
     assert index.stats() == IndexStats(lookups=2, hits=1, hit_blocks=3, writes=3)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_long_chains_give_redis_and_embedded_the_same_answers(redis_server: str, seed: int) -> None:
+    """Redis walks a chain server-side in pages of 512 keys: misses on and beside a page's edge,
+    checkpoints in every page, several workers' leases ending at different blocks."""
+    import random
+    rng = random.Random(seed)
+    fp = _fingerprint()
+    hs = _chain(fp, 1500)
+    redis_index, embedded = RedisIndex(redis_server, fp), EmbeddedIndex(fp)
+    try:
+        miss = rng.choice([0, 1, 511, 512, 513, 1023, 1024, 1200, 1500])
+        stored = hs[:miss] + hs[miss + 1:]
+        checkpoints = rng.sample(hs, 60)
+        leases = {f"w{i}": hs[:rng.choice([0, 1, 511, 512, 900, 1500])] for i in range(3)}
+        leases["late"] = hs[5:]                           # holds no leading block
+        for index in (redis_index, embedded):
+            index.publish_blocks(stored)
+            for h in checkpoints:
+                index.publish_checkpoint(h)
+            for worker, chain in leases.items():
+                index.publish_memory(worker, chain, 60.0)
+        for chain in (hs, hs[:513], hs[:1], hs[700:]):
+            assert redis_index.lookup(chain) == embedded.lookup(chain)
+        assert redis_index.lookup(hs).stored == miss
+    finally:
+        redis_index.clear()
+        redis_index.close()
+
+
 # -- Redis faults ------------------------------------------------------------------
 
 
