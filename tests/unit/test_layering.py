@@ -131,6 +131,18 @@ def test_cluster_is_cut_into_subpackages():
     assert len(top) <= 8 and len(subpackages) >= 3, (top, subpackages)
 
 
+@pytest.mark.parametrize("package", ["cluster", "cluster/openai", "cluster/chat", "cluster/serve", "cluster/cli",
+                                     "kvstore", "workers/engine"])
+def test_a_package_file_map_names_each_of_its_modules_and_subpackages(package):
+    """The docstring of these packages' __init__ is their file map: a reader finds every file there."""
+    root = ROOT / package
+    doc = ast.get_docstring(ast.parse((root / "__init__.py").read_text())) or ""
+    parts = [p.name for p in root.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    parts += [p.name + "/" for p in root.iterdir() if (p / "__init__.py").exists()]
+    missing = [name for name in parts if name not in doc]
+    assert not missing, f"{package}/__init__.py's file map does not name {missing}"
+
+
 def test_the_checker_finds_a_ring_between_subpackages(tmp_path):
     """The checker itself: openai -> chat and chat -> openai through two different modules is no
     module ring, but it is a subpackage ring."""
