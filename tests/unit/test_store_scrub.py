@@ -1,9 +1,10 @@
 """The store scrub (issue 31): every object of the store's own namespace is checked, never-read
 ones included; what fails (a FIFO, a directory, a symlink, a socket, 0 bytes, a truncated or
-bit-flipped object, an unparseable header, a forged MAC, a crashed writer's temp file) is removed
-and unpublished, or quarantined when it cannot be removed; a second pass finds nothing; other
-namespaces (another fingerprint, another store key) and names the store does not own are never
-touched, and never followed or opened blocking. Real files in tmp dirs."""
+bit-flipped object, an unparseable header, another hash's or fingerprint's object under this
+name, a forged MAC, a crashed writer's temp file) is removed and unpublished, or quarantined
+when it cannot be removed; a second pass finds nothing; other namespaces (another fingerprint,
+another store key) and names the store does not own are never touched, and nothing is followed
+or opened blocking. Real files in tmp dirs."""
 from __future__ import annotations
 
 import hashlib
@@ -109,6 +110,8 @@ def damaged(tmp_path):
     flip(obj(store, 7), -1)                                              # a flipped data bit
     flip(obj(store, 8), PREFIX_SIZE + 2)                                 # an unparseable header
     obj(store, 10).write_bytes(obj(store, 10).read_bytes() + b"\0")     # trailing bytes
+    obj(store, 13).write_bytes(obj(store, 12).read_bytes())             # another hash's object, renamed
+    obj(store, 14).write_bytes(obj(other, 14).read_bytes())             # another fingerprint's, copied in
     flip(obj(store, 15, "checkpoint"), -1)
     blocks = Path(store.directory) / "block"
     for name, age in ((tmp_name(11), OLD), (tmp_name(12), None)):       # a crashed write, a live one
@@ -117,7 +120,7 @@ def damaged(tmp_path):
     (blocks / "README").write_bytes(b"not the store's")
     (blocks / "0123").mkdir()
     (tmp_path / "store" / "stray.txt").write_bytes(b"x")
-    expect = {"not_regular": 5, "empty": 1, "corrupt": 5, "stale_tmp": 1}
+    expect = {"not_regular": 5, "empty": 1, "corrupt": 7, "stale_tmp": 1}
     others = {k: v for k, v in snapshot(root).items() if not k.startswith(store.namespace + "/")}
     return store, expect, others
 
@@ -130,10 +133,10 @@ def test_a_scrub_removes_what_fails_and_leaves_everything_else_alone(damaged, tm
     report = Scrubber(store).run()
     assert report.found == expect and report.complete
     assert report.removed == sum(expect.values()) and report.quarantined == 0
-    assert report.ok == 6                    # 16 blocks and a checkpoint, 11 of them damaged
+    assert report.ok == 4                    # 16 blocks and a checkpoint, 13 of them damaged
     blocks = Path(store.directory) / "block"
     assert sorted(p.name for p in blocks.iterdir()) == sorted(
-        ["README", "0123", tmp_name(12)] + [f"{hash_hex(h)}.kv" for h in HS[9:16] if h != HS[10]])
+        ["README", "0123", tmp_name(12)] + [f"{hash_hex(HS[i])}.kv" for i in (9, 11, 12, 15)])
     assert obj(store, 9).read_bytes()                               # the symlink's target is intact
     others_now = {k: v for k, v in snapshot(tmp_path / "store").items() if not k.startswith(store.namespace + "/")}
     assert others_now == others                                     # other namespaces, foreign files: untouched
