@@ -45,7 +45,6 @@ from kvstore.timed_io import TimedRunner
 
 log = logging.getLogger(__name__)
 REASONS = ("not_regular", "empty", "corrupt", "unauthenticated", "unreadable", "stale_tmp")
-RESULTS = ("ok", "removed", "quarantined")
 PASS_MAX_S = 5.0    # a background pass holds the write-behind thread at most this long (+ one read)
 _WHERE = ("", *KINDS)   # the namespace root (temp files only), then one directory per kind
 
