@@ -2,6 +2,8 @@
 
 The caller hands over CPU copies; `ObjectStore.put` publishes each object to the index
 only once it is durable. Failures are logged and counted, never raised into serving.
+The same thread runs the background scrub (`kvstore.scrub.ScrubSchedule`) when one is due,
+between puts: the store's IO is never scrubbed and written at once.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from .log_once import LogOnce
+from .scrub import ScrubSchedule
 from .store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -29,8 +32,10 @@ class PutJob(NamedTuple):
 
 
 class WriteBehind:
-    def __init__(self, store: ObjectStore, max_pending: int = 4096):
+    def __init__(self, store: ObjectStore, max_pending: int = 4096, scrub: ScrubSchedule | None = None):
         self.store = store
+        self.scrub = scrub
+        self._closing = threading.Event()     # stops a scrub pass in progress
         self._q: queue.Queue[PutJob | None] = queue.Queue(max_pending)
         self.stats = {"queued": 0, "written": 0, "bytes": 0, "errors": 0, "dropped": 0, "write_s": 0.0}
         self._warn = LogOnce(log)      # a broken store must not flood the log
@@ -46,7 +51,13 @@ class WriteBehind:
 
     def _run(self) -> None:
         while True:
-            job = self._q.get()
+            if self.scrub is not None:
+                self.scrub.run_if_due(self._closing)
+            try:
+                idle = self.scrub is None or self._closing.is_set()     # closing: no more passes
+                job = self._q.get(timeout=None if idle else self.scrub.wait_s())
+            except queue.Empty:     # a scrub is due
+                continue
             try:
                 if job is None:
                     return
@@ -75,6 +86,7 @@ class WriteBehind:
         return True
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        self._closing.set()
         if not self.flush(timeout_s):
             log.warning("store writes still pending after %.0f s at close: abandoned (they stay uncached)",
                         timeout_s)

@@ -31,6 +31,11 @@ the index a hint (DESIGN §4):
   are used; without one the store trusts whoever can write to it (said once).
   Each key has its own namespace, so a node with a wrong key never reads, removes
   or overwrites the objects of another key (or the unkeyed ones).
+* A scrub (:mod:`kvstore.scrub`; `kvmesh store scrub`, and a budgeted background pass in a
+  serving engine) reads every object of the namespace, the never-read ones too, and rejects
+  what fails as ``get`` would; it also removes what no read ever meets (a symlink, a FIFO, a
+  directory at an object's path, a crashed writer's temp file). Names it does not know, and
+  other namespaces, are never touched.
 * Capacity is per fingerprint namespace. A put that goes over it evicts (and
   unpublishes) the least recently used objects: this process's reads and
   writes, seeded from file mtimes. A put never fails for space; an object
@@ -66,7 +71,7 @@ log = logging.getLogger(__name__)
 
 OBJECT_SUFFIX = ".kv"
 FINGERPRINT_FILE = "FINGERPRINT"
-_OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
+OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{%d,}$" % FINGERPRINT_MIN_CHARS)
 DEFAULT_READ_TIMEOUT_S = 10.0
 _trust_warned = False
@@ -95,6 +100,11 @@ class StoreStats(NamedTuple):
     read_errors: int = 0      # I/O errors, wrong file types, timeouts
     timeouts: int = 0
     quarantined: int = 0      # unusable objects that could not be removed
+    scrub_ok: int = 0         # scrubbed objects (kvstore.scrub) found sound ...
+    scrub_removed: int = 0    # ... found unusable and removed (stale temp files too) ...
+    scrub_quarantined: int = 0  # ... or quarantined (not removable, or a hung read)
+    scrub_passes: int = 0
+    scrub_last_pass_s: float = 0.0
 
 
 class _Entry(NamedTuple):
@@ -168,7 +178,8 @@ class ObjectStore(CacheTier):
         self._bytes = 0
         self._counters = dict.fromkeys(
             ("reads", "writes", "bytes_read", "bytes_written", "misses", "corrupt", "evicted", "skipped",
-             "read_errors", "timeouts", "quarantined"), 0
+             "read_errors", "timeouts", "quarantined", "scrub_ok", "scrub_removed", "scrub_quarantined",
+             "scrub_passes", "scrub_last_pass_s"), 0
         )
         self._key = key
         self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
@@ -200,6 +211,19 @@ class ObjectStore(CacheTier):
     @property
     def capacity_bytes(self) -> int | None:
         return self._capacity
+
+    @property
+    def directory(self) -> str:
+        """The namespace directory (on `filesystem`)."""
+        return self._dir
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        return self._fs
+
+    @property
+    def read_timeout_s(self) -> float | None:
+        return self._reader.timeout_s
 
     def attach_index(self, index: PrefixIndex | None) -> None:
         """Publish future puts to (and unpublish evictions from) ``index``."""
@@ -283,6 +307,16 @@ class ObjectStore(CacheTier):
             return None
         self._track(kind, h, len(buf), reads=1, bytes_read=len(buf))
         return obj
+
+    def verify(self, kind: str, h: int, run=None) -> int:
+        """Read and verify one object as `get` does, but as a check: not counted as a read and
+        not moved in the LRU (the scrub's). Returns its size; raises what `get` serves as a miss
+        (FileNotFoundError, OSError, IoTimeoutError, CorruptObjectError). `run`: the timed runner
+        to read on (default: the store's, shared with `get`)."""
+        _check_kind(kind)
+        buf = (run or self._reader.run)(lambda: read_whole(self._fs, self._path(kind, h)))
+        decode_object(buf, self._fingerprint, h, kind, lazy=True, key=self._key)
+        return len(buf)
 
     def get_rows(self, kind: str, hashes: Sequence[int], staging: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, list[CacheObject | None]]:
@@ -380,10 +414,10 @@ class ObjectStore(CacheTier):
         self.reject(kind, h, CorruptObjectError("its tensors do not fit this cache layout (missing, extra or reshaped)"))
         return None
 
-    def reject(self, kind: str, h: int, error: BaseException) -> None:
+    def reject(self, kind: str, h: int, error: BaseException) -> bool:
         """An object that cannot be used (corrupt, forged, unreadable, of another layout):
         count it, log the cause once, unpublish it and remove it - or, when it cannot be
-        removed, quarantine it so this process never reads it again."""
+        removed, quarantine it so this process never reads it again. True when removed."""
         path = self._path(kind, h)
         corrupt = isinstance(error, CorruptObjectError) or not isinstance(error, (OSError, TimeoutError))
         timeout = isinstance(error, TimeoutError)
@@ -393,18 +427,23 @@ class ObjectStore(CacheTier):
         if timeout:     # removing may hang the same way: only stop reading it
             self._quarantined(kind, h)
             self._update_index(kind, h, present=False)
-            return
+            return False
         try:
             self.delete(kind, h)
         except OSError as e:
             self._quarantined(kind, h, persist=True)
             self._warn("undeletable", "cannot remove unusable store object %s (%s): quarantined "
                        "(%s), no process will read it again", path, e, QUARANTINE_FILE)
+            return False
+        return True
 
     def _quarantined(self, kind: str, h: int, persist: bool = False) -> None:
         if self._quarantine.add(kind, h, persist):
             with self._lock:
                 self._counters["quarantined"] += 1
+
+    def is_quarantined(self, kind: str, h: int) -> bool:
+        return (kind, h) in self._quarantine
 
     def contains(self, kind: str, h: int) -> bool:
         """Whether an object file exists (not verified; ``get`` verifies)."""
@@ -417,7 +456,7 @@ class ObjectStore(CacheTier):
 
     def _list_files(self, kind: str) -> list[tuple[int, pafs.FileInfo]]:
         _check_kind(kind)
-        files = list_files(self._fs, f"{self._dir}/{kind}", _OBJECT_RE)
+        files = list_files(self._fs, f"{self._dir}/{kind}", OBJECT_RE)
         listed = [(parse_hash_hex(match.group(1)), info) for match, info in files]
         return [(h, info) for h, info in listed if (kind, h) not in self._quarantine]
 
@@ -514,6 +553,14 @@ class ObjectStore(CacheTier):
                 self._bytes += size
             for name, n in counts.items():
                 self._counters[name] += n
+
+    def record_scrub(self, ok: int, removed: int, quarantined: int, seconds: float) -> None:
+        """Count one scrub pass (kvstore.scrub) in `stats`."""
+        with self._lock:
+            for name, n in (("scrub_ok", ok), ("scrub_removed", removed), ("scrub_quarantined", quarantined),
+                            ("scrub_passes", 1)):
+                self._counters[name] += n
+            self._counters["scrub_last_pass_s"] = seconds
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -16,7 +16,7 @@ import re
 import stat
 import time
 import uuid
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import pyarrow.fs as pafs
 
@@ -24,6 +24,7 @@ from kvstore.hashing import NAMESPACE_RE
 
 STALE_TMP_S = 3600.0  # a temp file older than this was left by a crashed writer
 _TMP_SUFFIX = ".tmp"
+TMP_RE = re.compile(r"^\.(?:[0-9a-f]{16}\.kv|FINGERPRINT|QUARANTINE)\.[0-9a-f]{32}\.tmp$")  # write_atomic's temps
 
 
 def resolve_uri(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -57,8 +58,10 @@ def read_text(filesystem: pafs.FileSystem, path: str) -> str | None:
 
 def open_regular(path: str):
     """Open a local file for unbuffered reading, refusing anything but a regular file.
-    O_NONBLOCK makes opening a FIFO return at once (it has no effect on regular files)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    O_NONBLOCK makes opening a FIFO return at once (it has no effect on regular files);
+    O_NOFOLLOW refuses a symlink (ELOOP): the store never writes one, so one is not its object."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -146,23 +149,52 @@ def read_whole(filesystem: pafs.FileSystem, path: str) -> mmap.mmap | bytearray:
 def list_files(
     filesystem: pafs.FileSystem, directory: str, pattern: re.Pattern[str]
 ) -> list[tuple[re.Match[str], pafs.FileInfo]]:
-    """Files in `directory` whose name matches `pattern`; removes stale temp files."""
+    """Files in `directory` whose name matches `pattern` (a listing never changes anything:
+    stale temp files are the scrub's, kvstore.scrub)."""
     found = []
     for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
-        if info.type != pafs.FileType.File:
-            continue
-        if match := pattern.match(info.base_name):
+        if info.type == pafs.FileType.File and (match := pattern.match(info.base_name)):
             found.append((match, info))
-        elif _is_stale_tmp(info):
-            with contextlib.suppress(FileNotFoundError):
-                filesystem.delete_file(info.path)
     return found
 
 
-def _is_stale_tmp(info: pafs.FileInfo) -> bool:
-    return (
-        info.base_name.startswith(".")
-        and info.base_name.endswith(_TMP_SUFFIX)
-        and info.mtime is not None
-        and time.time() - info.mtime.timestamp() > STALE_TMP_S
-    )
+class Entry(NamedTuple):
+    """One name in a directory, as lstat(2) sees it: `type` is "file", "directory", "symlink",
+    "fifo", "socket", "device" or "unknown" (what an object store cannot say)."""
+    name: str
+    type: str
+    size: int
+    mtime: float | None
+
+
+_TYPES = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
+          (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"), (stat.S_ISBLK, "device"))
+_ARROW_TYPES = {pafs.FileType.File: "file", pafs.FileType.Directory: "directory"}
+
+
+def list_entries(filesystem: pafs.FileSystem, directory: str) -> list[Entry]:
+    """Every name in `directory`, sorted, without following a symlink or opening anything
+    (locally: one lstat each; elsewhere: the object store's listing)."""
+    if not is_local(filesystem):
+        infos = filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+        return sorted(Entry(i.base_name, _ARROW_TYPES.get(i.type, "unknown"), i.size or 0,
+                            i.mtime.timestamp() if i.mtime is not None else None) for i in infos)
+    try:
+        with os.scandir(directory) as it:
+            found = []
+            for e in it:
+                with contextlib.suppress(FileNotFoundError):     # gone since the listing
+                    st = e.stat(follow_symlinks=False)
+                    kind = next((name for test, name in _TYPES if test(st.st_mode)), "unknown")
+                    found.append(Entry(e.name, kind, st.st_size, st.st_mtime))
+    except FileNotFoundError:
+        return []
+    return sorted(found)
+
+
+def is_stale_tmp(entry: Entry, grace_s: float = STALE_TMP_S, now: float | None = None) -> bool:
+    """A temp file of `write_atomic` older than `grace_s`: its writer crashed (a live write
+    renames it within seconds)."""
+    now = time.time() if now is None else now
+    return (bool(TMP_RE.match(entry.name)) and entry.type not in ("directory", "unknown")
+            and entry.mtime is not None and now - entry.mtime > grace_s)

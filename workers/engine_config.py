@@ -85,6 +85,10 @@ class EngineConfig:
                                          "without prefix reuse)")
     store_read_timeout_s: float | None = setting(DEFAULT_READ_TIMEOUT_S, "a store read slower than this (s) "
                                                                          "is a miss")
+    store_scrub_interval_s: float = setting(600.0, "seconds between background scrub passes over this "
+                                                   "deployment's store namespace (kvstore/scrub.py; 0 = off)")
+    store_scrub_pass_bytes: int = setting(1 << 30, "object bytes one background scrub pass reads at most (the next "
+                                                   "resumes where it stopped)", unit="bytes")
     max_schema_bytes: int = setting(64 << 10, "largest response_format JSON schema (canonical JSON); larger is a "
                                               "400 before any work", unit="bytes")
     grammar_compile_timeout_s: float = setting(10.0, "a response_format schema whose compile takes longer (s) is "
@@ -130,7 +134,7 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         positive = ("block_tokens", "kv_cache_bytes", "max_num_seqs", "max_batched_tokens", "max_model_len",
-                    "store_capacity_bytes", "store_read_timeout_s", "tensor_parallel_size", "data_parallel_size",
+                    "store_capacity_bytes", "store_read_timeout_s", "store_scrub_pass_bytes", "tensor_parallel_size", "data_parallel_size",
                     "rank_timeout_s",
                     "max_schema_bytes", "grammar_compile_timeout_s", "grammar_compile_memory_bytes")
         for name in positive:
@@ -139,7 +143,7 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}: must be a number, got {value!r}")
             if value is not None and not value > 0:
                 raise ConfigError(f"EngineConfig.{name}: must be > 0, got {value!r}")
-        for name in ("host_cache_bytes", "speculative_tokens"):
+        for name in ("host_cache_bytes", "speculative_tokens", "store_scrub_interval_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"EngineConfig.{name}: must be >= 0, got {getattr(self, name)!r}")
 

@@ -1,4 +1,4 @@
-"""`kvmesh store stats|ls|gc`: inspect and trim a kvmesh object store.
+"""`kvmesh store stats|ls|gc|scrub`: inspect, trim and check a kvmesh object store.
 
 Wired into the main CLI with `add_parser(subparsers)`; the parsed
 arguments go to `run_store(args)`, which returns a process exit code. Also
@@ -9,19 +9,27 @@ Every command works per namespace (`{root}/{fingerprint[:16]}`, or
 namespaces under the store root, those of one fingerprint (`--fingerprint`, the full
 fingerprint or its 16-char prefix), or one namespace by name (`--namespace`, as `stats`
 prints it: how an old key's namespace is removed after a key rotation). `--capacity` is
-per namespace, as it is for `ObjectStore`. No command needs the store key: none reads
-an object's contents.
+per namespace, as it is for `ObjectStore`. Only `scrub` reads objects' contents (kvstore.scrub):
+it verifies MACs in the namespace of the key in $KVMESH_STORE_KEY, and checksums alone in
+every other namespace (a key is never applied to another key's objects).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from typing import TextIO
 
 from kvstore.index import make_index
+from kvstore.mac import StoreKey
 from kvstore.objects import KINDS
+from kvstore.scrub import REASONS, ScrubReport, Scrubber
 from kvstore.store import ObjectStore, list_namespaces
+from kvstore.store_fs import STALE_TMP_S
+
+STORE_KEY_ENV = "KVMESH_STORE_KEY"
 
 
 class StoreCliError(Exception):
@@ -29,22 +37,31 @@ class StoreCliError(Exception):
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `store` command (with `stats`, `ls`, `gc`) to a CLI."""
+    """Add the `store` command (with `stats`, `ls`, `gc`, `scrub`) to a CLI."""
     parser = subparsers.add_parser("store", help="inspect and trim the KV object store")
     commands = parser.add_subparsers(dest="store_command", required=True)
     for name, help_text in (
         ("stats", "objects and bytes per namespace and kind"),
         ("ls", "list the objects of each namespace"),
         ("gc", "evict least recently used objects down to --capacity"),
+        ("scrub", "verify every object; remove (or quarantine) what fails and stale temp files"),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--store", required=True, help="store URI: a path, file://..., s3://...")
         sub.add_argument("--fingerprint", help="only this namespace (full fingerprint or 16-char prefix)")
         sub.add_argument("--namespace", help="only this namespace directory (as `stats` names it)")
-        sub.add_argument("--capacity", type=int, help="bytes per namespace (required for gc)")
+        if name != "scrub":
+            sub.add_argument("--capacity", type=int, help="bytes per namespace (required for gc)")
+        if name in ("gc", "scrub"):
+            sub.add_argument("--index", help=f"also unpublish {'evicted' if name == 'gc' else 'removed'} objects "
+                                             "from this index spec")
         if name == "gc":
-            sub.add_argument("--index", help="also unpublish evicted objects from this index spec")
             sub.add_argument("--all", action="store_true", help="evict every object (e.g. an old key's namespace)")
+        if name == "scrub":
+            sub.add_argument("--dry-run", action="store_true", help="only report what fails; change nothing")
+            sub.add_argument("--json", action="store_true", help="print one JSON object per namespace")
+            sub.add_argument("--tmp-grace-s", type=float, default=STALE_TMP_S,
+                             help="temp files of interrupted writes older than this (s) are removed")
     parser.set_defaults(handler=run_store)
     return parser
 
@@ -58,6 +75,8 @@ def run_store(args: argparse.Namespace, out: TextIO | None = None) -> int:
             _print_stats(stores, out)
         elif args.store_command == "ls":
             _print_listing(stores, out)
+        elif args.store_command == "scrub":
+            _scrub(stores, args, out)
         else:
             _gc(stores, args, out)
     except (StoreCliError, ValueError) as e:
@@ -67,8 +86,9 @@ def run_store(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _open_stores(args: argparse.Namespace) -> list[ObjectStore]:
-    if args.capacity is not None and args.capacity <= 0:
-        raise StoreCliError(f"--capacity must be a positive number of bytes, got {args.capacity}")
+    capacity = getattr(args, "capacity", None)
+    if capacity is not None and capacity <= 0:
+        raise StoreCliError(f"--capacity must be a positive number of bytes, got {capacity}")
     namespaces = list_namespaces(args.store)
     wanted, name = args.fingerprint, getattr(args, "namespace", None)
     if wanted is not None:
@@ -84,8 +104,16 @@ def _open_stores(args: argparse.Namespace) -> list[ObjectStore]:
         if fingerprint is None:
             print(f"skipping {ns}: no FINGERPRINT file (not written by kvmesh)", file=sys.stderr)
             continue
-        stores.append(ObjectStore(args.store, fingerprint, args.capacity, namespace=ns))
+        key = _key_of(ns) if args.store_command == "scrub" else None
+        stores.append(ObjectStore(args.store, fingerprint, capacity, namespace=None if key else ns, key=key))
     return stores
+
+
+def _key_of(namespace: str) -> StoreKey | None:
+    """$KVMESH_STORE_KEY when `namespace` is that key's (then MACs are verified), else None."""
+    secret = os.environ.get(STORE_KEY_ENV)
+    key = StoreKey(secret) if secret else None
+    return key if key is not None and namespace.endswith(f"-k{key.key_id}") else None
 
 
 def _print_stats(stores: list[ObjectStore], out: TextIO) -> None:
@@ -106,6 +134,36 @@ def _print_listing(stores: list[ObjectStore], out: TextIO) -> None:
         for kind in KINDS:
             for h in sorted(store.list(kind)):
                 print(f"  {kind}/{h:016x}", file=out)
+
+
+def _scrub(stores: list[ObjectStore], args: argparse.Namespace, out: TextIO) -> None:
+    row = "{:<35}  {:>8}  {:>8}  {:>8}  {:>11}  {:>9}  {:>12}  {:>7}"
+    if not args.json:
+        print(row.format("namespace", "checked", "ok", "removed", "quarantined", "untouched", "bytes_read",
+                         "seconds"), file=out)
+    for store in stores:
+        if "-k" in store.namespace and _key_of(store.namespace) is None:
+            print(f"{store.namespace}: without its key ({STORE_KEY_ENV}) only checksums are verified, not MACs",
+                  file=sys.stderr)
+        index = make_index(args.index, store.fingerprint, namespace=store.namespace) if args.index else None
+        store.attach_index(index)
+        try:
+            report = Scrubber(store, args.tmp_grace_s).run(dry_run=args.dry_run)
+        finally:
+            if index is not None:
+                index.close()
+        if args.json:
+            print(json.dumps(report.as_dict()), file=out)
+        else:
+            print(row.format(report.namespace, report.checked, report.ok, report.removed, report.quarantined,
+                             report.untouched, report.bytes_read, f"{report.seconds:.2f}"), file=out)
+            _print_found(report, out)
+
+
+def _print_found(report: ScrubReport, out: TextIO) -> None:
+    if report.found:
+        found = ", ".join(f"{reason} {report.found[reason]}" for reason in REASONS if reason in report.found)
+        print(f"  {'would remove' if report.dry_run else 'found'}: {found}", file=out)
 
 
 def _gc(stores: list[ObjectStore], args: argparse.Namespace, out: TextIO) -> None:

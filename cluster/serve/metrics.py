@@ -71,6 +71,7 @@ class WorkerSnapshots:
     def collect(self):
         workers = list(self.latest.values())
         yield from self._vllm_named(workers)
+        yield self._scrubbed(workers)
         yield from _numeric_gauges("kvmesh_worker_", "worker counter", ["pool", "worker"], [
             ([w.pool, w.worker_id], {**w.engine.as_dict(), "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes,
                                      "fallbacks": w.fallbacks, "held_timeouts": w.held_timeouts}) for w in workers])
@@ -85,6 +86,17 @@ class WorkerSnapshots:
             for tier, n in engine.reuse.hit_tokens_by_tier.items():
                 hits.add_metric(ids + [tier], float(n))
         yield hits
+
+    @staticmethod
+    def _scrubbed(workers: list[WorkerStats]) -> CounterMetricFamily:
+        """Objects the background store scrub checked (kvstore/scrub.py), by what became of them."""
+        family = CounterMetricFamily("kvmesh_store_scrub_objects", "store objects the background scrub checked: "
+                                     "ok, removed (unusable) or quarantined (unusable, not removable)",
+                                     labels=["pool", "worker", "result"])
+        for w in workers:
+            for result, n in (w.engine.store or StoreCounters()).scrub_objects.items():
+                family.add_metric([w.pool, w.worker_id, result], float(n))
+        return family
 
     @staticmethod
     def _vllm_named(workers: list[WorkerStats]):

@@ -20,7 +20,8 @@ BAD = [("swa_policy", "sometimes", "full, periodic:P"), ("swa_policy", "periodic
        ("kv_cache_bytes", -1, "> 0"), ("kv_cache_bytes", "8MB", "KiB, MiB"), ("max_num_seqs", 0, "> 0"),
        ("max_batched_tokens", 0, "> 0"), ("max_model_len", 0, "> 0"), ("store_capacity_bytes", 0, "> 0"),
        ("host_cache_bytes", -1, ">= 0"), ("speculative_tokens", -1, ">= 0"), ("store_read_timeout_s", 0, "> 0"),
-       ("max_num_seqs", "many", "a number"), ("store_key", "short", "at least 16 bytes")]
+       ("max_num_seqs", "many", "a number"), ("store_key", "short", "at least 16 bytes"),
+       ("store_scrub_interval_s", -1, ">= 0"), ("store_scrub_pass_bytes", 0, "> 0")]
 
 
 @pytest.mark.parametrize("name,value,allowed", BAD, ids=[f"{n}={v}" for n, v, _ in BAD])

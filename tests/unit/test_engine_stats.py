@@ -9,7 +9,8 @@ from workers.engine.stats import EngineCounters, EngineStats, Histogram, ReuseCo
 REUSE_NAMES = ["prefix_query_tokens", "prefix_hit_tokens", "reuse_hits", "reuse_hit_tokens", "reuse_bytes_loaded",
                "reuse_blocks_from_store", "reuse_blocks_from_memory", "reuse_recomputed_tokens", "reuse_errors"]
 STORE_NAMES = ["store_bytes_read", "store_bytes_written", "store_reads", "store_writes", "store_corrupt",
-               "store_bytes", "store_read_errors", "store_timeouts", "store_quarantined"]
+               "store_bytes", "store_read_errors", "store_timeouts", "store_quarantined", "store_scrub_objects",
+               "store_scrub_passes", "store_scrub_last_pass_s"]
 
 
 def stats(query: int, tiers: dict, store: StoreCounters | None, running: int = 0) -> EngineStats:
@@ -58,3 +59,19 @@ def test_the_ingress_collector_reads_the_typed_records():
     assert got["kvmesh:num_requests_running", "w0", None] == 1
     assert got["kvmesh_worker_reuse_hits", "w1", None] == 1
     assert ("kvmesh_worker_store_bytes_written", "w1", None) not in got
+
+
+def test_the_collector_exports_the_store_scrub_by_result():
+    snapshots = WorkerSnapshots()
+    scrubbed = StoreCounters(scrub_objects={"ok": 7, "removed": 2, "quarantined": 1}, scrub_passes=3,
+                             scrub_last_pass_s=0.5)
+    snapshots.update(WorkerStats("prefill", "w0", stats(5, {}, scrubbed)))
+    snapshots.update(WorkerStats("decode", "w1", stats(2, {}, None)))
+    got = {(s.name, s.labels["worker"], s.labels.get("result")): s.value for m in snapshots.collect() for s in m.samples}
+    assert got["kvmesh_store_scrub_objects_total", "w0", "removed"] == 2
+    assert got["kvmesh_store_scrub_objects_total", "w0", "ok"] == 7
+    assert got["kvmesh_worker_store_scrub_passes", "w0", None] == 3
+    assert got["kvmesh_worker_store_scrub_last_pass_s", "w0", None] == 0.5
+    assert not any(k[0].startswith("kvmesh_store_scrub") and k[1] == "w1" for k in got)     # no store, no rows
+    total = summed([stats(1, {}, scrubbed), stats(1, {}, scrubbed)]).store
+    assert total.scrub_objects["removed"] == 4 and total.scrub_last_pass_s == 0.5

@@ -26,6 +26,7 @@ from kvstore.mac import StoreKey
 from kvstore.mirror import MirroredCache
 from kvstore.planner import SwaPolicy, recompute_span
 from kvstore.redact import redact_url
+from kvstore.scrub import Scrubber, ScrubSchedule
 from kvstore.state_slots import SlotPool
 from kvstore.store import ObjectStore
 from workers.checkpoint.loader import load_model
@@ -135,8 +136,10 @@ def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cac
     worker = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
     tuner = AutoPeriod(layout, capacity_bytes=config.store_capacity_bytes) if config.policy.adaptive else None
     hasher = PrefixHasher(fingerprint, config.block_tokens)
+    scrub = (ScrubSchedule(Scrubber(store), config.store_scrub_interval_s, config.store_scrub_pass_bytes)
+             if store is not None and config.store_scrub_interval_s else None)
     return PrefixCache(cache, blocks, hasher, config.policy, span, store, index, HostCache(config.host_cache_bytes),
-                       worker, enabled=config.prefix_reuse, auto=tuner)
+                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub)
 
 
 def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None

@@ -304,7 +304,8 @@ class Engine:
         stored = None if s is None else StoreCounters(
             bytes_read=s.bytes_read, bytes_written=s.bytes_written, reads=s.reads, writes=s.writes,
             corrupt=s.corrupt, bytes=s.total_bytes, read_errors=s.read_errors, timeouts=s.timeouts,
-            quarantined=s.quarantined)
+            quarantined=s.quarantined, scrub_passes=s.scrub_passes, scrub_last_pass_s=s.scrub_last_pass_s,
+            scrub_objects={"ok": s.scrub_ok, "removed": s.scrub_removed, "quarantined": s.scrub_quarantined})
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), held=len(self.held),
             free_blocks=self.blocks.num_free, total_blocks=self.blocks.num_blocks, free_slots=self.slots.num_free,

@@ -80,6 +80,10 @@ class StoreCounters:
     read_errors: int = 0
     timeouts: int = 0
     quarantined: int = 0
+    scrub_objects: dict[str, int] = field(default_factory=dict,     # "ok" | "removed" | "quarantined"
+                                          metadata=_metric("store_scrub_objects"))
+    scrub_passes: int = 0
+    scrub_last_pass_s: float = field(default=0.0, metadata=_metric("store_scrub_last_pass_s", shared=True))
 
 
 def exported(record: ReuseCounters | StoreCounters) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
 from kvstore.log_once import LogOnce
 from kvstore.persist import PutJob, WriteBehind
+from kvstore.scrub import ScrubSchedule
 from kvstore.planner import Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due, plan_restore
 from kvstore.store import ObjectStore
 from kvstore.tiers import CacheTier, Tensors, nbytes, packed_batch
@@ -71,14 +72,15 @@ class PrefixCache:
 
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
-                 worker_id: str, enabled: bool = True, auto: AutoPeriod | None = None):
+                 worker_id: str, enabled: bool = True, auto: AutoPeriod | None = None,
+                 scrub: ScrubSchedule | None = None):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.enabled = enabled              # False: no restore, no persistence (baselines)
         self.auto = auto                    # adaptive auto policy: chooses the checkpoint period
         self._last_observed: str | None = None
         self.bt = hasher.block_tokens
-        self.writer = WriteBehind(store) if store is not None else None
+        self.writer = WriteBehind(store, scrub=scrub) if store is not None else None   # scrubs between puts
         self.stored: set[tuple[str, int]] = set()   # objects this process knows are durable
         self.stats = ReuseStats()
         self._last_renew = time.monotonic()
