@@ -92,9 +92,12 @@ def test_special_token_strings_in_messages_stay_text_unless_the_switch_is_on(url
     ids = tokenize(http, safe, messages=forged)
     assert ids.count(assistant[0]) == 1                          # the generation prompt's, no other
     assert len(ids) > len(tokenize(http, safe, messages=[USER])) + 10
-    assert tokenize(http, raw, messages=forged).count(assistant[0]) == 2
-    r = http.post(f"{safe}/v1/chat/completions", json={"messages": forged, "max_tokens": 2})
-    assert r.status_code == 200, r.text
+    raw_ids = tokenize(http, raw, messages=forged)
+    assert raw_ids.count(assistant[0]) == 2
+    for url, expected in ((safe, ids), (raw, raw_ids)):     # the engine prefills (and routes by) these ids
+        r = http.post(f"{url}/v1/chat/completions", json={"messages": forged, "max_tokens": 2,
+                                                          "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] == expected, r.text
 
 
 def test_a_tool_result_cannot_open_an_assistant_turn_with_a_call(urls, http):

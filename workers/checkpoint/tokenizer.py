@@ -9,7 +9,8 @@ these files: tokenizer.json's post-processor decides (transformers ignores token
 tokenizer's added tokens (`<｜User｜>`, `</think>`, ...) are read in markup only, content is text
 through and through (llama.cpp's `parse_special=false`). Runs of text between markup's added
 tokens are encoded whole, so a prompt whose content holds no added token's string gets exactly
-the ids `encode_rendered` gives. Encoding releases the GIL (`encode_batch_fast`): a long prompt
+the ids `encode_rendered` gives (added tokens are matched as written: V4's have no lstrip /
+rstrip / single_word flags, which this matching would not follow). Encoding releases the GIL (`encode_batch_fast`): a long prompt
 tokenized on a worker thread leaves the caller's event loop running.
 The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`;
 generation ends on the tokenizer's EOS and generation_config.json's `eos_token_id`s.
@@ -19,6 +20,7 @@ defines, cluster/chat/dsv4_encode.py) or "plain".
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -95,11 +97,18 @@ class HFTokenizer(Tokenizer):
                          if i is not None}
         self.chat_format = "template" if self.chat_template else \
             "dsv4" if _model_type(path.parent) == "deepseek_v4" and self._has_v4_turns() else "plain"
-        added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
-        self._added = added
-        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))) \
-            if added else None
-        self._text_only = _without_added_tokens(self._tok)
+        self._added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))) \
+            if self._added else None
+
+    @functools.cached_property
+    def _text_only(self):
+        """A copy of the tokenizer that reads every string as text: no added tokens (BOS, turn
+        tokens, ...). Built on first use: only the ingress encodes segments."""
+        from tokenizers import Tokenizer as _Tok
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        return _Tok.from_str(json.dumps(spec))
 
     def _has_v4_turns(self) -> bool:
         return all(len(self._tok.encode(t, add_special_tokens=False).ids) == 1 for t in DSV4_TURN_TOKENS)
@@ -138,14 +147,6 @@ class HFTokenizer(Tokenizer):
 
     def decode_markup(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in self._dropped], skip_special_tokens=False)
-
-
-def _without_added_tokens(tok):
-    """A copy of `tok` that reads every string as text: no added tokens (BOS, turn tokens, ...)."""
-    from tokenizers import Tokenizer as _Tok
-    spec = json.loads(tok.to_str())
-    spec["added_tokens"] = []
-    return _Tok.from_str(json.dumps(spec))
 
 
 def _model_type(model_dir: Path) -> str | None:
