@@ -443,4 +443,5 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 def _is_union_tag(p) -> bool:
     # pydantic names union members in the error location ("str", "list[int]", "constrained-str")
-    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith(("constrained-", "function-")))
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p
+                                   or p.startswith(("constrained-", "function-")))

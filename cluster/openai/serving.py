@@ -29,8 +29,7 @@ from workers.checkpoint.tokenizer import Tokenizer
 from workers.sampling.params import InvalidRequestError
 
 from cluster.errors import APIError, WorkerFailed, bad_request, model_not_found, overloaded
-from cluster.messages import Chunk
-from cluster.messages import GenRequest
+from cluster.messages import Chunk, GenRequest
 from cluster.openai.limits import Limits, WorkerLimits
 from cluster.openai.protocol import parse_body
 from cluster.openai.responses import Choice, Delta, Reply, sse
@@ -148,23 +147,28 @@ class OpenAIServing(ABC):
     async def _start(self, raw: bytes, timer: RequestTimer) -> Generation:
         """Prepare (off the loop) and dispatch; returns once the first chunk is in (an error
         before the first token is still a status code)."""
-        body, reply, reqs = await self.ctx.off_loop(self._prepare, raw, await self.ctx.limits.get())
+        body, prompts = await self.ctx.off_loop(self._parse, raw)
+        reply, reqs = await self.ctx.off_loop(self._requests, body, prompts, await self.ctx.limits.get())
         chunks = merge([self.ctx.dispatch.stream(r) for r in reqs])
         first = await chunks.__anext__()
         return Generation(self, body, reply, first, chunks, timer)
 
-    def _prepare(self, raw: bytes, limits: Limits) -> tuple[Body, Reply, list[GenRequest]]:
-        """Parse, tokenize and check: the body, its Reply and a GenRequest per prompt, or a 400."""
+    def _parse(self, raw: bytes) -> tuple[Body, Prompts]:
+        """The body and its prompts as token ids, or a 400 (a 404 for another model)."""
         body = parse_body(raw, self.request_model)
         prompts = self.prompts(body)
         self.ctx.model.check(body.model)
+        return body, prompts
+
+    def _requests(self, body: Body, prompts: Prompts, limits: Limits) -> tuple[Reply, list[GenRequest]]:
+        """The Reply and a GenRequest per prompt, checked against the workers' limits (or a 400)."""
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         reqs = [gen_request(body, prompts, ids, f"{rid}-{i}", limits) for i, ids in enumerate(prompts.ids)]
         tok = self.ctx.tokenizer
         reply = Reply(rid, self.ctx.model.name, tok, body.stop_strings, prompts.ids, body.num_sequences,
                       keep=body.n, echo=[tok.decode(p) for p in prompts.ids] if prompts.echo else None,
                       stop_ids=stop_ids(tok, body), fmt=prompts.fmt)
-        return body, reply, reqs
+        return reply, reqs
 
 
 class Generation:

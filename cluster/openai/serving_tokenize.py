@@ -19,23 +19,23 @@ class ServingTokenize:
         """The ids (and their count) of `prompt` as it is, or of `messages` in the chat format
         (message text as text unless ingress.allow_special_tokens_in_content), with the context
         they must fit in."""
-        return await self.ctx.off_loop(self._tokenize, raw, (await self.ctx.limits.get()).max_model_len)
+        ids = await self.ctx.off_loop(self._ids, raw)
+        max_model_len = (await self.ctx.limits.get()).max_model_len
+        return await self.ctx.off_loop(JSONResponse, {"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
-    def _tokenize(self, raw: bytes, max_model_len: int) -> JSONResponse:
+    def _ids(self, raw: bytes) -> list[int]:
         body = parse_body(raw, TokenizeRequest)
         if body.prompt is not None:
-            ids = self.ctx.tokenizer.encode(body.prompt)
-        else:
-            ids = chat_prompt_ids(self.ctx.tokenizer, body.as_chat(), self.ctx.special_in_content)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+            return self.ctx.tokenizer.encode(body.prompt)
+        return chat_prompt_ids(self.ctx.tokenizer, body.as_chat(), self.ctx.special_in_content)
 
     async def detokenize(self, raw: bytes) -> JSONResponse:
         """The text of `tokens`; an id outside the vocabulary is a 400."""
-        return await self.ctx.off_loop(self._detokenize, raw, (await self.ctx.limits.get()).vocab_size)
+        body = await self.ctx.off_loop(parse_body, raw, DetokenizeRequest)
+        return await self.ctx.off_loop(self._text, body.tokens, (await self.ctx.limits.get()).vocab_size)
 
-    def _detokenize(self, raw: bytes, vocab: int) -> JSONResponse:
-        body = parse_body(raw, DetokenizeRequest)
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
+    def _text(self, tokens: list[int], vocab: int) -> JSONResponse:
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": self.ctx.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": self.ctx.tokenizer.decode(tokens)})

@@ -9,9 +9,10 @@ these files: tokenizer.json's post-processor decides (transformers ignores token
 tokenizer's added tokens (`<｜User｜>`, `</think>`, ...) are read in markup only, content is text
 through and through (llama.cpp's `parse_special=false`). Runs of text between markup's added
 tokens are encoded whole, so a prompt whose content holds no added token's string gets exactly
-the ids `encode_rendered` gives (added tokens are matched as written: V4's have no lstrip /
-rstrip / single_word flags, which this matching would not follow). Encoding releases the GIL (`encode_batch_fast`): a long prompt
-tokenized on a worker thread leaves the caller's event loop running.
+the ids `encode_rendered` gives (added tokens are matched as written: a tokenizer whose added
+tokens set lstrip / rstrip / single_word would split differently; the default and test
+tokenizers set none). Encoding releases the GIL
+(`encode_batch_fast`): a long prompt tokenized on a worker thread leaves the event loop running.
 The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`;
 generation ends on the tokenizer's EOS and generation_config.json's `eos_token_id`s.
 `chat_format` says how chat prompts are made: "template", "dsv4" (a DeepSeek-V4 checkpoint
