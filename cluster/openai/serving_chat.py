@@ -20,7 +20,7 @@ class ServingChat(OpenAIServing):
 
     def prompts(self, body: ChatCompletionRequest) -> Prompts:
         """One prompt: the messages in the chat format (every refusal of a message is a 400)."""
-        ids = chat_prompt_ids(self.ctx.tokenizer, body)
+        ids = chat_prompt_ids(self.ctx.tokenizer, body, self.ctx.special_in_content)
         return Prompts([ids], body.token_limit, body.logprobs, field="messages", fmt=self.reply_format(body))
 
     def reply_format(self, body: ChatCompletionRequest) -> ReplyFormat | None:
