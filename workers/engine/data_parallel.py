@@ -179,19 +179,17 @@ class DataParallelEngine:
         `route` picks; returns that rank. It starts there on the next step. `hold_kv` / `resume`:
         Engine.add_request's, on that rank (a resume on rank j > 0 needs a PortableLoad).
 
-        A grammar is checked on rank 0 first (`wait`: compiled there, so a bad schema raises
-        here, a 400; False: only a verdict already known raises, nothing blocks). The rank that
-        runs the request compiles its own copy in its own pool and parks the request until it is
-        ready (engine/grammar_wait.py): no rank compiles inside the lockstep step. A request
-        routed off rank 0 thus compiles twice (once per rank, in parallel pools, each cached);
-        shipping rank 0's compiled grammar instead would put megabytes into every rank's tick."""
+        `wait`: a grammar is compiled on rank 0 first, so a bad schema raises here (a 400);
+        False: the caller checked it already (AsyncEngine compiles it on rank 0 before adding).
+        The rank that runs the request compiles its own copy in its own pool and parks the
+        request until it is ready (engine/grammar_wait.py): no rank compiles inside the lockstep
+        step. A request routed off rank 0 thus compiles twice (each cached); shipping rank 0's
+        compiled grammar instead would put megabytes into every rank's tick."""
         if request_id in self.where or request_id in self.held_on:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         ids = self.local.prepare(prompt, params)
-        if params.guide:
-            checked = self.local.guides.compile_async(params.guide)
-            if wait or checked.done():
-                checked.result()
+        if params.guide and wait:
+            self.local.guides.compile(params.guide)
         if rank is not None and not 0 <= rank < self.size:
             raise InvalidRequestError(f"rank {rank}: this engine has data-parallel ranks 0..{self.size - 1}")
         rank = self.route(ids) if rank is None else rank

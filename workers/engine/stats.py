@@ -92,6 +92,7 @@ class GrammarCounters:
     requests parked for theirs): exported as `grammar_<name>`."""
     PREFIX = "grammar_"
     waiting: int = 0          # requests waiting outside the batch for their grammar
+    processes: int = 0        # compiler processes up now
     running: int = 0          # compiles in a compiler process now
     queued: int = 0           # compiles waiting for a compiler process
     compiles: int = 0         # compiles ended since start

@@ -6,7 +6,7 @@ steeply with a schema's size (on the tiny test tokenizer: 50 properties 0.2 s, 2
 (issue 31: 50 s behind three). Here `size` children (grammar_worker.CompileWorker, each with its
 own time and memory budget and kill-on-budget) compile side by side:
 
-    pool = CompilePool(tokenizer_info_json, size=None, timeout_s=10.0, memory_bytes=2 << 30)   # None: default_size()
+    pool = CompilePool(tokenizer_info, size=None, timeout_s=10.0, memory_bytes=2 << 30)   # None: default_size()
     future = pool.submit(schema_json, "json_schema")     # concurrent.futures.Future of the serialized grammar
     future.result()                                      # or ValueError / CompileBudgetExceeded
 
@@ -21,8 +21,11 @@ budget), and cancelling a running compile to make room wastes the work already d
 text that is slow anyway (a short but pathological schema) holds the kept child only until its
 own time budget. With size 1 nothing can be kept: compiles run one at a time in that order.
 
-Children start with the pool, all at once (importing xgrammar takes seconds), and a child killed
-for its budget is restarted right away, before it takes the next compile. Thread-safe.
+Children start with the pool, all at once and in the pool's threads (importing xgrammar takes
+seconds; `tokenizer_info()`, xgrammar's serialized TokenizerInfo, is called there once, so
+creating a pool never waits for an import: an engine may create it inside its step), and a child killed
+for its budget is restarted right away, before it takes the next compile (the restart counts in
+its compile's lane). Thread-safe.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import os
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .grammar_worker import CompileWorker
 
@@ -48,7 +51,8 @@ def default_size() -> int:
 
 
 class PoolStats(NamedTuple):
-    running: int         # compiles in a child now
+    processes: int       # children up now
+    running: int         # compiles in a child now (or restarting it after a budget kill)
     queued: int          # compiles waiting for a child
     compiled: int        # compiles that ended (ok, unusable, or stopped) since start
     budget_kills: int    # compiles stopped at their time or memory budget since start
@@ -63,17 +67,20 @@ class _Job:
 
 
 class CompilePool:
-    def __init__(self, tokenizer_info_json: str, size: int | None, timeout_s: float, memory_bytes: int):
+    def __init__(self, tokenizer_info: Callable[[], str], size: int | None, timeout_s: float, memory_bytes: int):
         self.size = default_size() if size is None else max(1, size)
         self.large_cap = max(1, self.size - 1)          # children large compiles may hold at once
-        self._workers = [CompileWorker(tokenizer_info_json, timeout_s, memory_bytes) for _ in range(self.size)]
+        self._tokenizer_info, self.timeout_s, self.memory_bytes = tokenizer_info, timeout_s, memory_bytes
+        self._info_json: str | None = None
+        self._info_lock = threading.Lock()
+        self._workers: list[CompileWorker | None] = [None] * self.size
         self._cond = threading.Condition()
         self._small: deque[_Job] = deque()
         self._large: deque[_Job] = deque()
         self._running = self._running_large = self._compiled = 0
         self._closed = False
-        self._threads = [threading.Thread(target=self._serve, args=(w,), name=f"kvmesh-grammar-{i}", daemon=True)
-                         for i, w in enumerate(self._workers)]
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"kvmesh-grammar-{i}", daemon=True)
+                         for i in range(self.size)]
         for t in self._threads:
             t.start()
 
@@ -105,8 +112,19 @@ class CompilePool:
                 self._running_large += job.large
                 return job
 
-    def _serve(self, worker: CompileWorker) -> None:
-        """One child's thread: start it, then run compiles until the pool closes."""
+    def _serve(self, index: int) -> None:
+        """One child's thread: start it, then run compiles until the pool closes. A child killed
+        for its budget restarts before its lane frees (so a large compile's restart never takes
+        the child kept for small ones)."""
+        try:
+            worker = CompileWorker(self._info(), self.timeout_s, self.memory_bytes)
+        except Exception:
+            log.exception("grammar compile pool: no tokenizer info; this child never starts")
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._workers[index] = worker
         self._restart(worker)
         while (job := self._take()) is not None:
             stopped = worker.stopped
@@ -115,26 +133,33 @@ class CompilePool:
                     job.future.set_result(worker.compile(job.text, job.kind))
             except Exception as e:          # ValueError / CompileBudgetExceeded / closed: the caller's to see
                 job.future.set_exception(e)
-            finally:
-                with self._cond:
-                    self._running -= 1
-                    self._running_large -= job.large
-                    self._compiled += 1
-                    self._cond.notify_all()
+            with self._cond:
+                self._compiled += 1
             if worker.stopped != stopped:
                 self._restart(worker)
+            with self._cond:
+                self._running -= 1
+                self._running_large -= job.large
+                self._cond.notify_all()
+
+    def _info(self) -> str:
+        with self._info_lock:
+            if self._info_json is None:
+                self._info_json = self._tokenizer_info()
+            return self._info_json
 
     def _restart(self, worker: CompileWorker) -> None:
         try:
             worker.start()
-        except RuntimeError as e:          # closed, or it did not start: the next compile tries again
+        except Exception as e:             # closed, or it did not start: the next compile tries again
             if not self._closed:
                 log.warning("grammar compiler process: %s", e)
 
     def stats(self) -> PoolStats:
         with self._cond:
-            return PoolStats(self._running, len(self._small) + len(self._large), self._compiled,
-                             sum(w.stopped for w in self._workers))
+            workers = [w for w in self._workers if w is not None]
+            return PoolStats(sum(w.alive for w in workers), self._running, len(self._small) + len(self._large),
+                             self._compiled, sum(w.stopped for w in workers))
 
     def close(self) -> None:
         """Stop every child (a compile in progress raises) and fail what is queued."""
@@ -143,9 +168,10 @@ class CompilePool:
             queued = [*self._small, *self._large]
             self._small.clear()
             self._large.clear()
+            workers = [w for w in self._workers if w is not None]
             self._cond.notify_all()
         for job in queued:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(RuntimeError("the grammar compile pool is closed"))
-        for w in self._workers:
+        for w in workers:
             w.close()

@@ -69,6 +69,7 @@ class GrammarLimits(NamedTuple):
 
 class GrammarStats(NamedTuple):
     """The compiler's counters (workers.engine.stats.GrammarCounters exports them)."""
+    processes: int = 0        # compiler processes up now
     running: int = 0          # compiles in a child process now
     queued: int = 0           # compiles waiting for a child
     compiles: int = 0         # compiles that ended since start
@@ -97,6 +98,7 @@ class GuideCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, limits: GrammarLimits = GrammarLimits()):
         self.tokenizer, self.vocab_size, self.eos, self.limits = tokenizer, vocab_size, list(eos_token_ids), limits
         self._info = None
+        self._info_lock = threading.Lock()
         self._pool: CompilePool | None = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -114,12 +116,19 @@ class GuideCompiler:
         vocab = [b""] * BYTE_OFFSET + [bytes([b]) for b in range(256)]   # the byte tokenizer: raw bytes
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.eos)
 
+    def _info_json(self) -> str:
+        """xgrammar's TokenizerInfo, serialized (the pool calls this in its own thread: the
+        import and the vocabulary take seconds, which no engine step may wait for)."""
+        with self._info_lock:
+            if self._info is None:
+                self._info = self._tokenizer_info()
+            return self._info.serialize_json()
+
     def _started(self) -> CompilePool:
         with self._lock:
             if self._pool is None:
-                self._info = self._tokenizer_info()
                 lim = self.limits
-                self._pool = CompilePool(self._info.serialize_json(), lim.compile_workers, lim.compile_timeout_s,
+                self._pool = CompilePool(self._info_json, lim.compile_workers, lim.compile_timeout_s,
                                          lim.compile_memory_bytes)
             return self._pool
 
@@ -202,7 +211,8 @@ class GuideCompiler:
             hits, coalesced = self._hits, self._coalesced
         if pool is None:
             return GrammarStats(cache_hits=hits, coalesced=coalesced)
-        return GrammarStats(pool.running, pool.queued, pool.compiled, hits, coalesced, pool.budget_kills)
+        return GrammarStats(pool.processes, pool.running, pool.queued, pool.compiled, hits, coalesced,
+                            pool.budget_kills)
 
     def close(self) -> None:
         if self._pool is not None:

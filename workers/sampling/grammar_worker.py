@@ -64,7 +64,7 @@ def resident_bytes(pid: int) -> int:
 class CompileWorker:
     """One child process compiling one schema at a time (calls from several threads queue;
     workers.sampling.compile_pool runs several). Thread-safe; close() from another thread stops
-    a compile in progress (it raises CompileBudgetExceeded)."""
+    a compile in progress (it raises RuntimeError)."""
 
     def __init__(self, tokenizer_info_json: str, timeout_s: float, memory_bytes: int):
         self._info, self.timeout_s, self.memory_bytes = tokenizer_info_json, timeout_s, memory_bytes
@@ -78,6 +78,12 @@ class CompileWorker:
         """Start the child now (else the first compile does), so a compile waits for no import."""
         with self._lock:
             self._started()
+
+    @property
+    def alive(self) -> bool:
+        """The child is up (racy: for stats)."""
+        proc = self._proc
+        return proc is not None and proc.is_alive()
 
     def compile(self, text: str, kind: str = "json_schema") -> str:
         """The serialized compiled grammar of `text`, a JSON schema or (kind "ebnf") an EBNF
@@ -115,12 +121,14 @@ class CompileWorker:
             elif not self._proc.is_alive():
                 over = "budget: the compiler process died"
             elif self._closed:
-                over = "the compiler was closed"
+                over = "the grammar compiler was closed"
             if over is not None:
                 self._stop()
+                if self._closed:
+                    raise RuntimeError(over)
                 if not budget:
                     raise RuntimeError(f"the grammar compiler process did not start: {over}")
-                self.stopped += not self._closed
+                self.stopped += 1
                 raise CompileBudgetExceeded(over)
         try:
             return conn.recv()
