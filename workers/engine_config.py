@@ -93,7 +93,7 @@ class EngineConfig:
                                               "400 before any work", unit="bytes")
     grammar_compile_timeout_s: float = setting(10.0, "a response_format schema whose compile takes longer (s) is "
                                                      "stopped and the request gets a 400")
-    grammar_compile_memory_bytes: int = setting(2 << 30, "memory the schema compiler process may use (it starts at "
+    grammar_compile_memory_bytes: int = setting(2 << 30, "memory each schema compiler process may use (it starts at "
                                                          "~300 MiB); beyond it the compile is stopped, a 400",
                                                 unit="bytes")
     grammar_compile_workers: int | None = setting(None, "schema compiler processes per engine (each compiles one "

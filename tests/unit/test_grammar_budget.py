@@ -66,7 +66,9 @@ def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_di
     # memory budget is raised so it cannot end it first
     engine = AsyncEngine(engine=tiny_engine(model_dir, NAME, grammar_compile_timeout_s=3.0,
                                             grammar_compile_memory_bytes="8GiB"))
-    engine.engine.guides.compile(("json_schema", json.dumps(SMALL)))      # the compiler process is up
+    engine.engine.guides.compile(("json_schema", json.dumps(SMALL)))      # the compiler processes are up
+    while engine.engine.guides.stats().processes < engine.engine.guides._pool.size:
+        time.sleep(0.05)
 
     async def run(rid: str, params: SamplingParams) -> float:
         async for out in engine.generate(rid, SHORT, params):
@@ -75,6 +77,7 @@ def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_di
         return time.monotonic()
 
     async def both():
+        await run("warm", GREEDY)                  # the first (slow) step is over
         slow = asyncio.create_task(run("wide", guided(wide(1000))))
         await asyncio.sleep(0.2)
         plain = [await run(f"plain-{i}", GREEDY) for i in range(3)]
