@@ -87,6 +87,24 @@ def test_an_aborted_request_leaves_the_wait_and_holds_nothing(model_dir):
         engine.close()
 
 
+def test_forks_of_a_parked_request_each_follow_the_grammar_from_its_start(model_dir):
+    engine = tiny_engine(model_dir, NAME, grammar_compile_workers=1)
+    try:
+        ok = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+        params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, n=2, guide=("json_schema", json.dumps(ok)))
+        engine.add_request("forks", SHORT, params, wait=False)
+        assert engine.stats().grammar.waiting == 1
+        final = {}
+        while engine.has_unfinished():
+            final.update({o.index: o for o in engine.step() if o.finished})
+        assert sorted(final) == [0, 1]
+        for out in final.values():
+            assert json.loads(engine.tokenizer.decode(out.token_ids)) in ({"ok": True}, {"ok": False})
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow       # gloo process group: rank 1 is a spawned process
 def test_a_data_parallel_rank_compiles_before_the_lockstep_step_and_never_inside_it(model_dir):
     engine = tiny_engine(model_dir, NAME, data_parallel_size=2, enable_expert_parallel=True,
