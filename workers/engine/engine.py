@@ -349,7 +349,7 @@ class Engine:
             total_slots=self.slots.num_slots, preemptions=self.scheduler.preemptions,
             kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
-            reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), *self.guides.stats()))
+            reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()))
 
     @property
     def rank_stats(self) -> list[EngineStats]:

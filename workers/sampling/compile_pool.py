@@ -1,8 +1,8 @@
 """A pool of grammar compiler processes, so no request's grammar waits behind another's.
 
 One compiler process compiles one grammar at a time, and xgrammar's compile time grows
-steeply with a schema's size (on the tiny test tokenizer: 50 properties 0.2 s, 200 in 2.4 s,
-400 in 11 s), so behind one child a small schema waited for every large one queued before it
+steeply with a schema's size (the tiny checkpoints' byte tokenizer, a loaded 2-core box: 50
+required properties 0.2 s, 200 in 2.4 s, 400 in 11 s), so behind one child a small schema waited for every large one queued before it
 (issue 31: 50 s behind three). Here `size` children (grammar_worker.CompileWorker, each with its
 own time and memory budget and kill-on-budget) compile side by side:
 
@@ -14,8 +14,8 @@ Which compile runs next: the cost of a compile is not known until it ends, so it
 by its text's length (what it grows with). A text of LARGE_TEXT_BYTES or more is *large*; large
 compiles may hold at most size - 1 children at once, so one child is always kept for small
 ones, and queued small compiles go before queued large ones (first come, first served within
-each). A small schema behind any number of large ones therefore waits at most for one other
-small compile, never for a large one. The alternatives were weaker: a queue ordered by cost
+each). A small schema behind any number of large ones therefore waits only for the small
+compiles queued before it, never for a large one. The alternatives were weaker: a queue ordered by cost
 alone still lets large compiles take every child (a small one then waits up to a full time
 budget), and cancelling a running compile to make room wastes the work already done. A small
 text that is slow anyway (a short but pathological schema) holds the kept child only until its
@@ -23,9 +23,9 @@ own time budget. With size 1 nothing can be kept: compiles run one at a time in 
 
 Children start with the pool, all at once and in the pool's threads (importing xgrammar takes
 seconds; `tokenizer_info()`, xgrammar's serialized TokenizerInfo, is called there once, so
-creating a pool never waits for an import: an engine may create it inside its step), and a child killed
-for its budget is restarted right away, before it takes the next compile (the restart counts in
-its compile's lane). Thread-safe.
+creating a pool never waits for an import: an engine may create it inside its step), and a
+child killed for its budget is restarted right away, before it takes the next compile (the
+restart counts in its compile's lane). Thread-safe.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple
 from .grammar_worker import CompileWorker
 
 log = logging.getLogger(__name__)
-LARGE_TEXT_BYTES = 4 << 10     # from here a compile takes ~0.5 s and more with a real vocabulary: "large"
+LARGE_TEXT_BYTES = 4 << 10     # byte tokenizer, loaded box: ~0.5-1 s at this size, 0.2 s at 2 KiB, ms below
 MAX_DEFAULT_SIZE = 4           # children by default at most (each holds ~300 MiB once xgrammar is imported)
 
 
