@@ -37,6 +37,8 @@ from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, P
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")
 TOP_LEVEL = {"type", "properties", "required", "additionalProperties", "unevaluatedProperties"}
+NOT = "[^\\uD800-\\uDFFF"    # a negated class: xgrammar reads UTF-8-encoded surrogates as characters,
+                               # which decode to three U+FFFD each (a maxLength broken), so none is one
 ROOT_DEF = "kvmesh_root"        # where a parameter's grammar finds the tool's whole schema for $refs
 
 
@@ -51,7 +53,7 @@ def _excluding(s: str) -> str:
     first = s[0]
 
     def cls(c: str) -> str:
-        return "[^" + "".join("\\" + x if x in "\\]^-" else x for x in sorted({c, first})) + "]"
+        return NOT + "".join("\\" + x if x in "\\]^-" else x for x in sorted({c, first})) + "]"
     partial = ""                     # "<" ("/" ("t" …)?)?: a prefix of s not followed by its next character
     broken = cls(s[-1])              # the same prefixes, each followed by a character breaking the match
     for k in range(len(s) - 2, 0, -1):
@@ -59,7 +61,7 @@ def _excluding(s: str) -> str:
         broken = f"{cls(s[k])} | {_lit(s[k])} ({broken})"
     partial = f"{_lit(first)} ({partial})?"
     broken = f"{_lit(first)} ({broken})"
-    return f"([^{first}] | ({partial})* ({broken}))* ({partial})*"
+    return f"({NOT}{first}] | ({partial})* ({broken}))* ({partial})*"
 
 
 def _unambiguous(m: re.Match) -> str:
@@ -69,7 +71,8 @@ def _unambiguous(m: re.Match) -> str:
 def _renamed(ebnf: str, prefix: str) -> str:
     """xgrammar's EBNF with every rule name prefixed. String literals and classes stay, but for
     their `\\xHH` escapes, which xgrammar prints and then reads with the hex digits after them
-    ("\\xe9b" is "é" "b" printed, read as U+0E9B): written `\\u00HH`."""
+    ("\\xe9b" is "é" "b" printed, read as U+0E9B): written `\\u00HH`; and negated classes
+    exclude surrogates (NOT)."""
     names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", ebnf, flags=re.MULTILINE))
     out, i = [], 0
     while i < len(ebnf):
@@ -79,7 +82,8 @@ def _renamed(ebnf: str, prefix: str) -> str:
             j = i + 1
             while ebnf[j] != close:
                 j += 2 if ebnf[j] == "\\" else 1
-            out.append(_HEX_ESCAPE.sub(_unambiguous, ebnf[i:j + 1]))
+            text = _HEX_ESCAPE.sub(_unambiguous, ebnf[i:j + 1])
+            out.append(NOT + text[2:] if text.startswith("[^") else text)
             i = j + 1
         elif (m := _IDENT.match(ebnf, i)) and (i == 0 or not ebnf[i - 1].isalnum()):
             word = m.group()
@@ -154,7 +158,7 @@ def _raw_string(schema: dict, prefix: str, rules: list[str]) -> str | None:
         rules.append(_renamed(str(xgr.Grammar.from_regex(schema["pattern"])), prefix))
         return f"{prefix}root"
     if "minLength" in schema or "maxLength" in schema:
-        return f'[^<]{{{schema.get("minLength", 0)},{schema.get("maxLength", "")}}}'
+        return f'{NOT}<]{{{schema.get("minLength", 0)},{schema.get("maxLength", "")}}}'
     return _excluding(PARAM_CLOSE)
 
 
