@@ -197,8 +197,8 @@ def _invoke(i: int, fn: dict, where: str, rules: list[str]) -> str:
     for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
         rule = _param(i, k, key, schema if isinstance(schema, dict) else {}, params, rules)
         parts.append(rule if key in required else f"({rule})?")
-    rules.append(f't{i} ::= {_lit(f"<{DSML}invoke name=" + chr(34) + escape_name(fn["name"]) + chr(34) + ">" + chr(10))} '
-                 f'{" ".join(parts)} {_lit(f"</{DSML}invoke>")}')
+    opener = f'<{DSML}invoke name="{escape_name(fn["name"])}">\n'
+    rules.append(f't{i} ::= {_lit(opener)} {" ".join(parts)} {_lit(f"</{DSML}invoke>")}')
     return f"t{i}"
 
 

@@ -167,11 +167,23 @@ class _Walker:
         if s.get("uniqueItems") and s.get("maxItems", 2) > 1:
             raise at.refuse("uniqueItems", "is not enforced by the grammar engine")
         self._numbers(s, types, at)
-        missing = [k for k in s.get("required") or () if k not in (s.get("properties") or {})]
+        self._shapes(s, at)
+
+    def _shapes(self, s: dict, at: _Where) -> None:
+        """Objects and arrays no value fits: required names outside properties, counts over limits."""
+        required = s.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise at.refuse("required", "must be a list of property names")
+        missing = [k for k in required if k not in (s.get("properties") or {})]
         if missing:
             raise at.refuse("required", f"names {missing}, not among `properties` (the grammar engine "
                                         "generates only declared properties)")
-        if s.get("additionalProperties") in (None, False) and s.get("minProperties", 0) > len(s.get("properties") or {}):
+        if len(set(required)) > s.get("maxProperties", math.inf):
+            raise at.refuse("maxProperties", "is under the number of required properties")
+        if s.get("items") is False and s.get("minItems", 0) > len(s.get("prefixItems") or ()):
+            raise at.refuse("minItems", "exceeds prefixItems while items is false")
+        closed = s.get("additionalProperties") in (None, False)
+        if closed and s.get("minProperties", 0) > len(s.get("properties") or {}):
             raise at.refuse("minProperties", "exceeds the declared properties (undeclared ones are never "
                                              "generated)")
 
@@ -310,11 +322,15 @@ def _has_value(s, known: dict[str, bool]) -> bool:
         if key in s and not any(_has_value(sub, known) for sub in s[key]):
             return False
     types = s.get("type")
-    types = [types] if isinstance(types, str) else types or TYPES
-    props = s.get("properties") or {}
-    return any(t not in ("array", "object")
-               or t == "object" and all(_has_value(props.get(k, True), known) for k in s.get("required") or ())
-               or t == "array" and all(_has_value(p, known) for p in (s.get("prefixItems") or [])[:s.get("minItems", 0)])
-               and (s.get("minItems", 0) <= len(s.get("prefixItems") or []) or _has_value(s.get("items", True), known))
-               for t in types)
+    return any(_type_has_value(t, s, known) for t in ([types] if isinstance(types, str) else types or TYPES))
 
+
+def _type_has_value(t: str, s: dict, known: dict[str, bool]) -> bool:
+    if t == "object":
+        props = s.get("properties") or {}
+        return all(_has_value(props.get(k, True), known) for k in s.get("required") or ())
+    if t == "array":
+        prefix, need = s.get("prefixItems") or [], s.get("minItems", 0)
+        return all(_has_value(p, known) for p in prefix[:need]) and (
+            need <= len(prefix) or _has_value(s.get("items", True), known))
+    return True
