@@ -174,7 +174,7 @@ def _param(tool: int, k: int, key: str, schema: dict, root: dict, rules: list[st
     return name
 
 
-def checked_parameters(fn: dict, where: str) -> dict:
+def _checked_parameters(fn: dict, where: str) -> dict:
     """A tool's parameters schema, checked (json_schema.check) and with what DSML can carry at
     its top: an object of declared properties. Raises InvalidRequestError naming the keyword."""
     params = fn.get("parameters")
@@ -182,16 +182,16 @@ def checked_parameters(fn: dict, where: str) -> dict:
     params = json_schema.check(params, where)
     if params.get("type", "object") != "object":
         raise InvalidRequestError("`type` must be \"object\": a call's arguments are named parameters",
-                                              f"{where}.type")
+                                  f"{where}.type")
     extra = [k for k in params if k not in TOP_LEVEL and k not in json_schema.ANNOTATIONS]
     if extra:
         raise InvalidRequestError(f"`{extra[0]}` is not supported at the top of a tool's parameters "
-                                              "(a call's arguments are DSML parameters)", f"{where}.{extra[0]}")
+                                  "(a call's arguments are DSML parameters)", f"{where}.{extra[0]}")
     return params
 
 
 def _invoke(i: int, fn: dict, where: str, rules: list[str]) -> str:
-    params = checked_parameters(fn, where)
+    params = _checked_parameters(fn, where)
     required = set(params.get("required") or [])
     parts = []
     for k, (key, schema) in enumerate((params.get("properties") or {}).items()):

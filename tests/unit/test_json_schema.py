@@ -154,3 +154,25 @@ def test_reasoning_may_hold_a_closing_slash_and_string_values_a_less_than_sign()
     call = render_tool_calls([{"function": {"name": "f", "arguments": json.dumps({"s": "a < b </x"})}}])
     assert accepts(g, "x </b> y </thin" + "</think>" + call)
     assert not accepts(g, "x </think> y" + "</think>" + call)
+
+
+def _bytes_accepted(ebnf: str, data: bytes) -> bool:
+    vocab = [bytes([b]) for b in range(256)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=256, stop_token_ids=[0])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(ebnf), terminate_without_stop_token=True)
+    return all(matcher.accept_token(b) for b in data) and matcher.is_terminated()
+
+
+def test_non_ascii_enum_values_and_lengths_survive_the_grammar_text():
+    """xgrammar prints "é" "b" as "\\xe9b" and reads it back as U+0E9B; and it reads a UTF-8-encoded
+    surrogate (which decodes to three U+FFFD) as one character. The grammar text avoids both."""
+    tools = tool({"type": "object", "properties": {"e": {"type": "array", "items": {"enum": ["éb"]}},
+                                                   "s": {"type": "string", "maxLength": 2}},
+                  "required": ["e", "s"]})
+    ebnf = tool_call_grammar(tools, "chat")
+
+    def text(s: str) -> bytes:
+        return render_tool_calls([{"function": {"name": "f", "arguments": json.dumps({"e": ["éb"], "s": "x"})}}]
+                                 ).replace('string="true">x<', f'string="true">{s}<').encode("utf-8", "surrogatepass")
+    assert _bytes_accepted(ebnf, text("éS"))
+    assert not _bytes_accepted(ebnf, text("\ud800S"))
