@@ -129,7 +129,7 @@ def argument_pieces(args: dict) -> tuple[str, ...]:
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a marker."""
-    for k in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+    for k in range(min(len(text), max((len(m) for m in markers), default=1) - 1), 0, -1):
         if any(m.startswith(text[-k:]) for m in markers):
             return k
     return 0
@@ -137,11 +137,13 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
 
 class ReplyParser:
     """One choice's reply. mode "thinking" starts in the reasoning; `tools`: parse DSML calls
-    (with none, DSML text is content); `parallel`: keep more than the first call."""
+    (with none, DSML text is content); `parallel`: keep more than the first call; `verbatim`:
+    content is kept as written, stray `<think>` text too (a grammar-guided JSON reply, whose
+    strings may hold it)."""
 
-    def __init__(self, mode: str, tools: bool, parallel: bool = True):
+    def __init__(self, mode: str, tools: bool, parallel: bool = True, verbatim: bool = False):
         self.state = "reasoning" if mode == "thinking" else "content"
-        self.tools, self.parallel = tools, parallel
+        self.tools, self.parallel, self.verbatim = tools, parallel, verbatim
         self.buf = ""
         self.calls: list[ToolCall] = []
         self._after_block = False
@@ -189,7 +191,7 @@ class ReplyParser:
             self.buf, self.state, self._fresh = before[len(head):] + self.buf[q:], "calls", True
             return head
         text = self._strip(self.buf)
-        markers = STRAY + ((CALLS_OPEN,) if self.tools else ())
+        markers = (() if self.verbatim else STRAY) + ((CALLS_OPEN,) if self.tools else ())
         keep = _held(text, markers)
         if final:                # a cut opener (it starts with a full-width bar, never prose) is dropped
             cut = self.tools and keep and text[len(text) - keep:].startswith(CALLS_OPEN[:2])
@@ -201,6 +203,8 @@ class ReplyParser:
         return text[:len(text) - keep]
 
     def _strip(self, text: str) -> str:
+        if self.verbatim:
+            return text
         for m in STRAY:
             text = text.replace(m, "")
         return text

@@ -1,7 +1,8 @@
 """Hostile schemas over HTTP (issue 31 item 1), on the default tiny app (colocated, the session's
 Ray + Serve): with tool_choice required a string `pattern` holds, a property name holding `<`
 and a newline comes back as a parsed tool call, a `$ref` into `$defs` is followed; `enum: []`
-is a 400 naming `enum`; response_format json_schema holds a pattern."""
+is a 400 naming `enum`; response_format json_schema holds a pattern, and `<think>` text inside
+its strings."""
 from __future__ import annotations
 
 import json
@@ -96,3 +97,11 @@ def test_response_format_json_schema_holds_a_pattern(http, url):
             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
             return
     pytest.fail("no seed's reply ended within max_tokens")
+
+
+def test_response_format_keeps_think_markup_inside_json_strings(http, url):
+    schema = {"type": "object", "properties": {"t": {"const": "<think>a</think>"}}, "required": ["t"],
+              "additionalProperties": False}
+    r = chat(http, url, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"t": "<think>a</think>"}

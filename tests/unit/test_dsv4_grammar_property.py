@@ -23,7 +23,7 @@ from workers.sampling.grammar import GuideCompiler
 
 jsonschema = pytest.importorskip("jsonschema")
 VOCAB, EOS = 300, 1
-STEPS, WALKS, FREE = 800, 3, 24
+STEPS, WALKS, FREE = 800, 2, 24
 ODD = list('ab<>"&/\n\t ｜é') + ["</", "&amp;", PARAM_CLOSE, "</think>"]
 
 names = st.lists(st.sampled_from(ODD), min_size=1, max_size=4).map("".join)
@@ -139,13 +139,14 @@ def _check(tools, thinking, engine_parts, seed):
         parsed = [parser.feed(text), parser.finish()]
         calls = [c for p in parsed for c in p.calls]
         assert calls and all(c.name == "f" for c in calls), repr(text)
-        assert "".join(p.content for p in parsed) == "", text
+        assert "".join(p.content for p in parsed) == "", repr(text)
         for c in calls:
             jsonschema.validate(json.loads(c.arguments), schema)
     assert ended, f"no walk reached the end of the grammar: {cut!r}"
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+# the same 12 examples every run, not shrunk (a few seconds); more, random: set derandomize=False
+@settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(tools=tools_strategy(), thinking=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_every_forced_reply_parses_and_validates(engine_parts, tools, thinking, seed):

@@ -187,3 +187,14 @@ def test_names_and_values_of_any_characters_round_trip_through_the_encoder_and_t
     parsed = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
     assert [json.loads(c.arguments) for p in parsed for c in p.calls] == [args]
     assert "".join(p.content for p in parsed) == ""
+
+
+@pytest.mark.parametrize("step", [1, 5, 10_000])
+def test_a_guided_json_reply_keeps_think_text_in_its_strings(step):
+    """response_format content is parsed verbatim: `<think>` / `</think>` inside a JSON string stay
+    (unguided content drops them as stray markup)."""
+    text = 'why </th not</think>{"a": "<think>", "b": "x</think>"}'
+    parser = ReplyParser("thinking", tools=False, verbatim=True)
+    parsed = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
+    assert "".join(p.reasoning for p in parsed) == "why </th not"
+    assert json.loads("".join(p.content for p in parsed)) == {"a": "<think>", "b": "x</think>"}
