@@ -232,14 +232,13 @@ class _Walker:
     def _values(self, s: dict, at: _Where) -> None:
         """enum / const: each value must pass the rest of the schema (the engine checks only the
         value list); failing enum values are dropped, a failing const or no enum value left is a 400."""
-        rest = {k: v for k, v in s.items() if k not in ("enum", "const")}
-        if "const" in s and not _passes(s["const"], rest, self.root):
+        passes = _test({k: v for k, v in s.items() if k not in ("enum", "const")}, self.root)
+        if "const" in s and not passes(s["const"]):
             raise at.refuse("const", "fails the rest of its schema: no value satisfies it")
         if "enum" in s:
             if not isinstance(s["enum"], list) or not s["enum"]:
                 raise at.refuse("enum", "is empty: no value satisfies it")
-            s["enum"] = [v for v in s["enum"] if _passes(v, rest, self.root)
-                         and ("const" not in s or v == s["const"])]
+            s["enum"] = [v for v in s["enum"] if passes(v) and ("const" not in s or v == s["const"])]
             if not s["enum"]:
                 raise at.refuse("enum", "has no value that passes the rest of its schema")
 
@@ -299,13 +298,20 @@ def _disjoint(branches: list) -> bool:
     return True
 
 
-def _passes(value, schema: dict, root: dict) -> bool:
+def _test(schema: dict, root: dict):
+    """value -> whether it passes `schema` (a part of `root`: its refs into root's $defs or
+    definitions resolve; one to another place cannot here, and the value is kept)."""
     import jsonschema
-    try:
-        jsonschema.validate(value, {**schema, **{k: root[k] for k in ("$defs", "definitions") if k in root}})
-    except jsonschema.ValidationError:
-        return False
-    return True
+    from referencing.exceptions import Unresolvable
+    validator = jsonschema.Draft202012Validator(
+        {**schema, **{k: root[k] for k in ("$defs", "definitions") if k in root}})
+
+    def passes(value) -> bool:
+        try:
+            return validator.is_valid(value)
+        except Unresolvable:
+            return True
+    return passes
 
 
 def _has_value(s, known: dict[str, bool]) -> bool:
