@@ -14,6 +14,12 @@ Rules kept exactly as the reference encoder has them (the tests pin its publishe
   the assistant turn before them; a user message right after joins that turn;
 * assistant `tool_calls` re-render as DSML: `string="true"` for string values, JSON otherwise.
 
+Where the reference writes text as is, kvmesh escapes what would break the markup, so any
+text reads back exactly (cluster/chat/dsv4_parse.py) and the forced-call grammar writes the
+same: a tool or parameter name escapes `&`, `"`, `<`, `>` and control characters as XML
+character references (`&amp;`, `&quot;`, `&lt;`, `&gt;`, `&#10;`); a string value that contains
+the closing `</｜DSML｜parameter>` is written as JSON (`string="false"`), any other as is.
+
 Messages are plain dicts in OpenAI's shape (`reasoning` / `reasoning_content`, `tool_calls`,
 `tool_call_id`); `encode_messages` returns the prompt text (tokenize without adding BOS).
 
@@ -35,6 +41,11 @@ THINK, END_THINK = "<think>", "</think>"
 USER, ASSISTANT, LATEST_REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
 DSML = "｜DSML｜"
 CALLS_OPEN, CALLS_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+PARAM_CLOSE = f"</{DSML}parameter>"
+_ENTITIES = {"&": "&amp;", '"': "&quot;", "<": "&lt;", ">": "&gt;"}
+_NAMED = {v[1:-1]: k for k, v in _ENTITIES.items()}
+_UNSAFE = re.compile(r'[&"<>\x00-\x1f\x7f]')
+_REFERENCE = re.compile(r"&(amp|quot|lt|gt|#[0-9]{1,7});")
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK, END_THINK)
 TASK_TOKENS = {t: f"<｜{t}｜>" for t in ("action", "query", "authority", "domain", "title", "read_url")}
 THINKING, CHAT = "thinking", "chat"
@@ -90,16 +101,36 @@ def render_tools(tools: list[dict]) -> str:
     return TOOLS_TEMPLATE.format(dsml=DSML, think=THINK, end_think=END_THINK, schemas=schemas)
 
 
+def escape_name(name: str) -> str:
+    """A tool or parameter name as the DSML attribute holds it."""
+    return _UNSAFE.sub(lambda m: _ENTITIES.get(m.group(), f"&#{ord(m.group())};"), name)
+
+
+def unescape_name(text: str) -> str:
+    """`escape_name`'s inverse (other `&` text stays as written)."""
+    def one(m: re.Match) -> str:
+        ref = m.group(1)
+        if ref[0] != "#":
+            return _NAMED[ref]
+        return chr(int(ref[1:])) if int(ref[1:]) <= 0x10FFFF else m.group()
+    return _REFERENCE.sub(one, text)
+
+
+def render_parameter(name: str, value: Any) -> str:
+    """One DSML parameter: a string as is unless it holds the closing tag, anything else as JSON."""
+    raw = isinstance(value, str) and PARAM_CLOSE not in value
+    return (f'<{DSML}parameter name="{escape_name(name)}" string="{"true" if raw else "false"}">'
+            f'{value if raw else to_json(value)}{PARAM_CLOSE}')
+
+
 def render_arguments(arguments: str | dict | None) -> str:
     """A call's arguments (JSON text or a dict) as DSML parameters, one per line."""
     args = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else arguments
-    return "\n".join(
-        f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-        f'{v if isinstance(v, str) else to_json(v)}</{DSML}parameter>' for k, v in (args or {}).items())
+    return "\n".join(render_parameter(k, v) for k, v in (args or {}).items())
 
 
 def render_tool_calls(calls: list[dict]) -> str:
-    invokes = "\n".join(f'<{DSML}invoke name="{c["function"]["name"]}">\n'
+    invokes = "\n".join(f'<{DSML}invoke name="{escape_name(c["function"]["name"])}">\n'
                         f'{render_arguments(c["function"].get("arguments"))}\n</{DSML}invoke>' for c in calls)
     return f"\n\n{CALLS_OPEN}\n{invokes}\n{CALLS_CLOSE}"
 

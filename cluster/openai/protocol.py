@@ -119,10 +119,11 @@ class _Request(BaseModel):
             return None
         if f.type == "json_object":
             return ("json_object", "")
+        from cluster.chat.json_schema import check
         try:
-            return ("json_schema", check_schema(f.json_schema.schema_))
+            return ("json_schema", check_schema(check(f.json_schema.schema_, "response_format.json_schema.schema")))
         except InvalidRequestError as e:
-            raise bad_request(str(e), "response_format") from None
+            raise bad_request(str(e), e.field or "response_format") from None
 
     @property
     def num_sequences(self) -> int:
@@ -351,6 +352,8 @@ class ChatCompletionRequest(_Request):
         name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         try:
             return ("ebnf", tool_call_grammar(self.offered_tools, self.thinking_mode, self.parallel_tool_calls, name))
+        except InvalidRequestError as e:      # a schema the grammar cannot enforce exactly, or never satisfied
+            raise bad_request(str(e), e.field) from None
         except Exception as e:        # a parameter schema xgrammar cannot turn into a grammar
             raise bad_request(f"tools: a parameter schema cannot be compiled: {e}", "tools") from None
 

@@ -27,7 +27,8 @@ class ServingChat(OpenAIServing):
         """Replies in V4's format are parsed into reasoning, content and tool calls; others are text."""
         if self.ctx.tokenizer.chat_format != "dsv4":
             return None
-        return ReplyFormat(body.thinking_mode, bool(body.offered_tools), body.parallel_tool_calls)
+        guided = body.response_format is not None and body.response_format.type != "text"
+        return ReplyFormat(body.thinking_mode, bool(body.offered_tools), body.parallel_tool_calls, guided)
 
     def render(self, reply: Reply, body: ChatCompletionRequest) -> dict:
         return reply.chat(body.logprobs, body.top_n, body.return_token_ids)
