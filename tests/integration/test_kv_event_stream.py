@@ -1,0 +1,109 @@
+"""KV events over a real private redis-server (kvstore/kv_event_stream.py): publisher -> stream ->
+router index, snapshots on a gap or a late-joining router, trimming, and Redis restarted empty."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from kvstore.kv_event_stream import RedisEventStream, decode, encode
+from kvstore.kv_events import SNAPSHOT, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher
+
+
+@pytest.fixture
+def namespace(redis_server):
+    ns = f"evtest-{uuid.uuid4().hex[:8]}"
+    yield ns
+    client = redis.Redis.from_url(redis_server)
+    client.delete(f"kvmesh:{ns}:events", f"kvmesh:{ns}:events:resync")
+    client.close()
+
+
+def router(url: str, ns: str) -> tuple[RedisEventStream, KvEventIndex, KvEventFollower]:
+    stream = RedisEventStream(url, ns)
+    index = KvEventIndex(stream.request_snapshot)
+    return stream, index, KvEventFollower(stream, index, poll_s=0.05)
+
+
+def drain(follow: KvEventFollower) -> None:
+    """Apply everything there is; a connection the server dropped is reopened by the next call."""
+    for _ in range(3):
+        try:
+            while follow.pump():
+                pass
+            return
+        except redis.ConnectionError:
+            continue
+
+
+def test_events_round_trip_through_the_stream_encoding():
+    for e in (KvEvent("w/dp1", "ep", 7, "stored", "host", (1, 2**64 - 1), 2.5),
+              KvEvent("w", "ep", 3, SNAPSHOT, "", (), 1.0, (("device", (5, 6)), ("store", (9,))))):
+        fields = encode(e)
+        assert decode({k.encode(): str(v).encode() if not isinstance(v, bytes) else v
+                       for k, v in fields.items()}) == e
+
+
+def test_a_router_follows_publishers_over_redis(redis_server, namespace):
+    stream, index, follow = router(redis_server, namespace)
+    assert follow.pump() == 0                 # positions this reader at the stream's end
+    pubs = [KvEventPublisher(f"r/dp{i}", RedisEventStream(redis_server, namespace), load=lambda i=i: float(i))
+            for i in range(2)]
+    pubs[0].stored("device", [1, 2, 3])
+    pubs[1].stored("device", [1])
+    pubs[1].stored("host", [2])
+    pubs[0].removed("device", [3])
+    drain(follow)
+    assert index.longest_prefix([1, 2, 3]) == {"r/dp0": 2, "r/dp1": 2}
+    assert index.loads() == {"r/dp0": 0.0, "r/dp1": 1.0}
+    stream.close()
+
+
+def test_a_router_started_late_resyncs_every_publisher_by_snapshot(redis_server, namespace):
+    pub = KvEventPublisher("late/dp0", RedisEventStream(redis_server, namespace))
+    pub.stored("device", [10, 11])            # before any router reads
+    stream, index, follow = router(redis_server, namespace)
+    follow.pump()
+    pub.stored("device", [12])                # seq 1 of an epoch this router never saw start
+    drain(follow)
+    assert index.stats.gaps == 1 and index.longest_prefix([10]) == {}
+    pub.beat()                                # takes the request from Redis, answers with a snapshot
+    drain(follow)
+    assert index.longest_prefix([10, 11, 12]) == {"late/dp0": 3}
+    stream.close()
+
+
+def test_a_trimmed_stream_is_a_gap_the_router_recovers_from(redis_server, namespace):
+    stream, index, follow = router(redis_server, namespace)
+    follow.pump()
+    pub = KvEventPublisher("trim/dp0", RedisEventStream(redis_server, namespace, maxlen=1))
+    pub.stored("device", [1])
+    drain(follow)
+    client = redis.Redis.from_url(redis_server)
+    for h in range(2, 200):                   # the router is away; the stream keeps only the newest
+        pub.stored("device", [h])
+    client.xtrim(f"kvmesh:{namespace}:events", maxlen=1)   # what `~` does eventually, done now
+    client.close()
+    drain(follow)
+    pub.beat()
+    drain(follow)
+    assert index.holdings("trim/dp0")["device"] == set(range(1, 200))
+    stream.close()
+
+
+def test_redis_restarted_empty_is_survived(redis_process, namespace):
+    url = redis_process.url
+    stream, index, follow = router(url, namespace)
+    follow.pump()
+    pub = KvEventPublisher("boot/dp0", RedisEventStream(url, namespace))
+    pub.stored("device", [1, 2])
+    drain(follow)
+    redis_process.restart()                   # the stream and every request are gone
+    pub.stored("device", [3])                 # sent to the new server
+    pub.stored("device", [4])
+    drain(follow)
+    pub.beat()
+    drain(follow)
+    assert index.longest_prefix([1, 2, 3, 4]) == {"boot/dp0": 4}
+    stream.close()
