@@ -107,3 +107,31 @@ def test_redis_restarted_empty_is_survived(redis_process, namespace):
     drain(follow)
     assert index.longest_prefix([1, 2, 3, 4]) == {"boot/dp0": 4}
     stream.close()
+
+
+def test_an_engine_publishes_what_its_pool_holds_and_a_router_sees_it(redis_server, tmp_path):
+    """A real engine with the Redis index: after a prompt, the router's event index holds the
+    prompt's whole blocks under the engine's worker id, and its load."""
+    from tests.helpers import random_prompt, write_tiny_checkpoint
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
+    from workers.sampling.params import SamplingParams
+
+    model = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
+    engine = Engine(EngineConfig(model=str(model), block_tokens=16, kv_cache_bytes=16 << 20,
+                                 index=redis_server, worker_id="eng-a/dp0", store=str(tmp_path / "store")))
+    try:
+        stream, index, follow = router(redis_server, engine.prefix.index.namespace)
+        follow.pump()
+        prompt = random_prompt(100, seed=3)
+        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        engine.prefix.events.beat()           # one heartbeat now: the snapshot this late router asked for
+        drain(follow)
+        engine.prefix.events.beat()
+        drain(follow)
+        hashes = engine.prefix.hasher.hashes(prompt[:96])
+        assert index.longest_prefix(hashes, tiers=("device",)) == {"eng-a/dp0": 6}
+        assert index.loads() == {"eng-a/dp0": 0.0}
+        stream.close()
+    finally:
+        engine.close()

@@ -82,6 +82,8 @@ class Engine:
         self.counters = EngineCounters()
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.scheduler = Scheduler(self.kv, self.slots.num_slots, config.max_batched_tokens, on_admit=self._admit)
+        if self.prefix.events is not None:      # the load routers read with the KV events (racy, cheap)
+            self.prefix.events.load = lambda: len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.held)
         eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size, sorted(eos),
                                     GrammarLimits(config.max_schema_bytes, config.grammar_compile_timeout_s,
