@@ -25,10 +25,14 @@ class GenRequest:
 class RouteHint:
     """What the pool router reads (the request itself is opaque to it).
 
-    prefix_blocks: worker id -> leading prompt blocks that worker holds in memory.
+    prefix_blocks: cache location (worker id, or `{worker id}/dp{rank}`) -> leading prompt blocks
+                   it holds in memory.
+    loads: cache location -> its load as its KV events last pushed it (running + waiting + held);
+           empty without events (the router then reads each replica's routing stats).
     require_worker: route only to this worker (a follow-up to state it holds)."""
     prefix_blocks: dict[str, int] = field(default_factory=dict)
     require_worker: str | None = None
+    loads: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class Dispatcher:
         for chunk in firsts if not held else []:
             yield chunk
         async for chunk in self._stream("decode", self.pools["decode"].options(stream=True)
-                                        .decode.remote(req, handoff, hint=RouteHint())):
+                                        .decode.remote(req, handoff, hint=RouteHint(loads=hint.loads))):
             for first in held:
                 yield first
             held = []

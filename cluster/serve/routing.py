@@ -1,24 +1,27 @@
 """Choosing a replica inside a pool: a Ray Serve request router, run in the caller.
 
-Prefill: the replica that holds the longest prefix of the prompt in memory (the
-ingress reads it from the prefix index and passes it as `hint=RouteHint(...)`), ties
-and misses broken by load. Decode: by load and free KV memory. A `require_worker`
-hint pins a follow-up call to the replica that holds the request's state.
+Every (replica, rank) is scored: the longest prefix of the prompt that rank holds in memory
+(the ingress passes it as `hint=RouteHint(...)`, read from the KV event index, else from the
+prefix index), then its load. A replica's score is its best rank's; ties and misses are broken
+by load and free KV memory. Decode: by its least loaded rank and free KV memory. A
+`require_worker` hint pins a follow-up call to the replica that holds the request's state.
 
 A worker id is its Serve replica's unique id, so identity needs no stats round trip;
 load and free KV come from each replica's `record_routing_stats()`:
     {"load": running + waiting requests, "free_kv": free fraction of blocks and slots,
      "rank_loads": each data-parallel rank's running + waiting (one entry without DP)}
+and, fresher, each rank's load pushed with its KV events (`RouteHint.loads`). Neither is polled
+per request.
 
-Data-parallel replicas: each rank is a cache location of its own in the index,
-`{worker_id}/dp{rank}` (workers/engine/dp_rank.py). The router scores a replica by the most
-blocks any of its ranks holds; the chosen replica reads the same hint and hands its front
-the rank that holds the most (`rank_hint`), or none, and the front routes by its own view
-(longest prefix in a rank's device pool, else the least loaded rank).
+Data-parallel replicas: each rank is a cache location of its own, `{worker_id}/dp{rank}`
+(workers/engine/dp_rank.py). The chosen replica reads the same hint and hands its front the
+rank that alone holds the longest prefix (`rank_hint`); on a tie or a miss the front breaks it
+by its own, live view (longest prefix in a rank's device pool, else the least loaded rank).
 """
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -32,15 +35,6 @@ def location(holder: str) -> tuple[str, int | None]:
     """A prefix-index memory holder -> (worker id, data-parallel rank; None: the whole replica)."""
     worker, mark, rank = holder.rpartition(RANK_MARK)
     return (worker, int(rank)) if mark and rank.isdigit() else (holder, None)
-
-
-def replica_blocks(prefix_blocks: dict[str, int]) -> dict[str, int]:
-    """Worker id -> the most leading prompt blocks it (any of its ranks) holds in memory."""
-    out: dict[str, int] = {}
-    for holder, n in prefix_blocks.items():
-        worker = location(holder)[0]
-        out[worker] = max(out.get(worker, 0), n)
-    return out
 
 
 def rank_hint(hint: RouteHint, worker_id: str) -> int | None:
@@ -62,17 +56,38 @@ def worker_id_of(replica: RunningReplica) -> str:
     return replica.replica_id.unique_id
 
 
-def rank_replicas(replicas: list[tuple[str, float, float]], hint: RouteHint, kv_weight: float
-                  ) -> list[str]:
-    """Order (worker_id, load, free_kv) best first: longest in-memory prefix, then the
-    lowest load + kv_weight * used KV fraction; equal scores in random order."""
-    shuffled = random.sample(replicas, len(replicas))
-    blocks = replica_blocks(hint.prefix_blocks)
+class Candidate(NamedTuple):
+    """A replica as the router sees it: its queue as a fraction of its room, its free KV
+    fraction, and each data-parallel rank's load from its routing stats (() without DP)."""
+    worker_id: str
+    load: float
+    free_kv: float
+    rank_loads: tuple[float, ...] = ()
 
-    def key(r):
-        wid, load, free_kv = r
-        return (-blocks.get(wid, 0), load + kv_weight * (1.0 - free_kv))
-    return [wid for wid, _, _ in sorted(shuffled, key=key)]
+
+def best_rank(c: Candidate, hint: RouteHint, room: float = 1.0) -> tuple[int, float]:
+    """(blocks, load) of `c`'s best rank: the most leading prompt blocks held, then the lowest
+    load (the one pushed with its KV events, else its routing stats'), divided by `room`."""
+    if len(c.rank_loads) <= 1:
+        return hint.prefix_blocks.get(c.worker_id, 0), c.load
+    ranks = []
+    for r, stats_load in enumerate(c.rank_loads):
+        loc = f"{c.worker_id}{RANK_MARK}{r}"
+        ranks.append((hint.prefix_blocks.get(loc, 0), hint.loads.get(loc, stats_load) / room))
+    return min(ranks, key=lambda b_l: (-b_l[0], b_l[1]))
+
+
+def rank_replicas(replicas: list[Candidate], hint: RouteHint, kv_weight: float, room: float = 1.0
+                  ) -> list[str]:
+    """Order replicas best first by their best rank (`best_rank`): the longest in-memory prefix,
+    then that rank's load + kv_weight * the replica's used KV fraction; equal scores in random
+    order. `room`: a replica's max ongoing requests (rank loads are counts)."""
+    shuffled = random.sample(replicas, len(replicas))
+
+    def key(c: Candidate):
+        blocks, load = best_rank(c, hint, room)
+        return -blocks, load + kv_weight * (1.0 - c.free_kv)
+    return [c.worker_id for c in sorted(shuffled, key=key)]
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):
@@ -92,10 +107,12 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         by_id = {worker_id_of(r): r for r in candidate_replicas}
         if hint.require_worker in by_id:
             return [[by_id[hint.require_worker]]]
-        rows = []
+        rows, room = [], 1
         for wid, r in by_id.items():
             stats = r.routing_stats or {}
             queued = self._replica_queue_len_cache.get(r.replica_id)
             load = queued if queued is not None else stats.get("load", 0)
-            rows.append((wid, float(load) / max(1, r.max_ongoing_requests), float(stats.get("free_kv", 1.0))))
-        return [[by_id[wid]] for wid in rank_replicas(rows, hint, getattr(self, "kv_weight", 1.0))]
+            room = max(1, r.max_ongoing_requests)
+            rows.append(Candidate(wid, float(load) / room, float(stats.get("free_kv", 1.0)),
+                                  tuple(float(n) for n in stats.get("rank_loads", ()))))
+        return [[by_id[wid]] for wid in rank_replicas(rows, hint, getattr(self, "kv_weight", 1.0), room)]

@@ -2,11 +2,14 @@
 router index, snapshots on a gap or a late-joining router, trimming, and Redis restarted empty."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 import redis
 
+from cluster.serve.locator import PrefixLocator
+from kvstore.hashing import PrefixHasher
 from kvstore.kv_event_stream import RedisEventStream, decode, encode
 from kvstore.kv_events import SNAPSHOT, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher
 
@@ -135,3 +138,35 @@ def test_an_engine_publishes_what_its_pool_holds_and_a_router_sees_it(redis_serv
         stream.close()
     finally:
         engine.close()
+
+
+def test_the_locator_routes_from_events_without_an_index_round_trip(redis_server):
+    """While events flow, a hint is the event index's answer and the prefix index is not asked;
+    before any publisher is heard, the locator falls back to one index lookup."""
+    fp = uuid.uuid4().hex * 2                  # a namespace of this test's own
+    locator = PrefixLocator(redis_server)
+    locator.configure(fp, 16)
+    try:
+        routes_from_events(locator, fp, redis_server)
+    finally:
+        locator.index.clear()
+        locator.close()
+
+
+def routes_from_events(locator: PrefixLocator, fp: str, redis_server: str) -> None:
+    prompt = list(range(64))
+    hashes = PrefixHasher(fp, 16).hashes(prompt)
+    locator.index.publish_memory("r/dp1", hashes[:2], 30.0)
+    assert locator.hint(prompt).prefix_blocks == {"r/dp1": 2}            # no events yet: the index
+    assert locator.index.stats().lookups == 1
+    pub = KvEventPublisher("r/dp0", RedisEventStream(redis_server, locator.index.namespace), load=lambda: 4.0)
+    deadline = time.monotonic() + 10
+    while not locator.events.live() and time.monotonic() < deadline:
+        pub.beat()                                                     # seq 0: in sync at once
+        time.sleep(0.05)
+    pub.stored("device", hashes[:3])
+    while locator.events.longest_prefix(hashes) == {} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hint = locator.hint(prompt)
+    assert hint.prefix_blocks == {"r/dp0": 3} and hint.loads == {"r/dp0": 4.0}
+    assert locator.index.stats().lookups == 1                           # no round trip this time

@@ -3,21 +3,36 @@ free KV memory; a data-parallel rank (`{replica}/dp{rank}`) is a cache location 
 from __future__ import annotations
 
 from cluster.messages import RouteHint
-from cluster.serve.routing import location, rank_hint, rank_replicas
+from cluster.serve.routing import Candidate, best_rank, location, rank_hint, rank_replicas
 
 
 def test_longest_in_memory_prefix_wins_then_load_then_free_kv():
-    replicas = [("a", 0.5, 1.0), ("b", 0.0, 1.0), ("c", 0.0, 0.1)]
+    replicas = [Candidate("a", 0.5, 1.0), Candidate("b", 0.0, 1.0), Candidate("c", 0.0, 0.1)]
     assert rank_replicas(replicas, RouteHint(prefix_blocks={"a": 3, "c": 1}), 1.0) == ["a", "c", "b"]
     assert rank_replicas(replicas, RouteHint(), 1.0) == ["b", "a", "c"]      # c: little free KV
     assert rank_replicas(replicas, RouteHint(), 0.0)[-1] == "a"              # load alone
 
 
 def test_a_data_parallel_rank_is_a_cache_location_of_its_replica():
-    replicas = [("a", 0.0, 1.0), ("b", 0.0, 1.0)]
+    replicas = [Candidate("a", 0.0, 1.0, (0, 0)), Candidate("b", 0.0, 1.0, (0, 0))]
     hint = RouteHint(prefix_blocks={"a/dp0": 1, "b/dp1": 4, "b/dp0": 2})
     assert rank_replicas(replicas, hint, 1.0) == ["b", "a"]                  # b's best rank holds the most
     assert (rank_hint(hint, "b"), rank_hint(hint, "a"), rank_hint(hint, "c")) == (1, 0, None)
     assert rank_hint(RouteHint(prefix_blocks={"b/dp0": 3, "b/dp1": 3}), "b") is None   # a tie: the front decides
     assert rank_hint(RouteHint(prefix_blocks={"b": 3}), "b") is None         # not data-parallel
     assert location("x/y/dp12") == ("x/y", 12) and location("w") == ("w", None)
+
+
+def test_every_replica_and_rank_is_scored_by_its_best_rank_not_its_total():
+    """Replica a's total load is lower, but b's rank 1 holds as much of the prompt as a's best
+    rank and is idle: b wins. Pushed (event) loads win over the routing stats' older ones."""
+    a = Candidate("a", 0.0, 1.0, (2, 0))            # rank 1 idle, holds nothing
+    b = Candidate("b", 0.0, 1.0, (5, 5))
+    hint = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3}, loads={"b/dp1": 0.0})
+    assert best_rank(a, hint) == (3, 2.0) and best_rank(b, hint) == (3, 0.0)
+    assert rank_replicas([a, b], hint, 1.0) == ["b", "a"]
+    stale = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3})     # without events: the stats' loads
+    assert rank_replicas([a, b], stale, 1.0) == ["a", "b"]
+    miss = RouteHint(loads={"a/dp0": 4.0, "a/dp1": 1.0, "b/dp0": 3.0, "b/dp1": 2.0})
+    assert rank_replicas([a, b], miss, 0.0) == ["a", "b"]          # a miss: the least loaded rank anywhere
+    assert best_rank(a, miss, room=2.0) == (0, 0.5)
