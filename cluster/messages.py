@@ -27,12 +27,17 @@ class RouteHint:
 
     prefix_blocks: cache location (worker id, or `{worker id}/dp{rank}`) -> leading prompt blocks
                    it holds in memory.
-    loads: cache location -> its load as its KV events last pushed it (running + waiting + held);
-           empty without events (the router then reads each replica's routing stats).
+    loads: cache location -> its queued tokens (prefill left + one per decoding sequence) as its KV
+           events last pushed them; empty without events (the router then reads each replica's
+           routing stats, in requests).
+    prompt_blocks, block_tokens: the prompt's whole blocks and their size, set with `loads`: a rank
+           is then scored by the tokens a request would wait for and compute there.
     require_worker: route only to this worker (a follow-up to state it holds)."""
     prefix_blocks: dict[str, int] = field(default_factory=dict)
     require_worker: str | None = None
     loads: dict[str, float] = field(default_factory=dict)
+    prompt_blocks: int = 0
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -316,6 +316,14 @@ class KvEventIndex:
         with self._lock:
             return {loc: s.load for loc, s in self._sources.items()}
 
+    def charge(self, location: str, load: float) -> None:
+        """Add `load` to `location`'s until its next event says what it is (a router that just
+        sent it work, so the next decision does not pile onto it before it reports)."""
+        with self._lock:
+            src = self._sources.get(location)
+            if src is not None:
+                src.load += load
+
     def holdings(self, location: str) -> dict[str, set[int]]:
         """What the index believes `location` holds, per tier (copies; empty when unknown)."""
         with self._lock:

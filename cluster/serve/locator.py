@@ -45,18 +45,22 @@ class PrefixLocator:
             return RouteHint()
         hashes = self.hasher.hashes(prompt)
         if not hashes:
-            return RouteHint(loads=self.loads())
+            return self.load_hint()
         if self.events is not None and self.events.live():
-            return RouteHint(prefix_blocks=self.events.longest_prefix(hashes), loads=self.events.loads())
+            return RouteHint(prefix_blocks=self.events.longest_prefix(hashes), loads=self.events.loads(),
+                             prompt_blocks=len(hashes), block_tokens=self.hasher.block_tokens)
         try:
             return RouteHint(prefix_blocks=dict(self.index.lookup(hashes).memory))
         except Exception as e:  # the index is a hint: routing falls back to load, loudly
             log.warning("prefix index lookup failed (%s); routing prefill by load", e)
             return RouteHint()
 
-    def loads(self) -> dict[str, float]:
-        """Each rank's load as its events last pushed it (empty while none flow)."""
-        return self.events.loads() if self.events is not None and self.events.live() else {}
+    def load_hint(self) -> RouteHint:
+        """Each rank's queued tokens as its events last pushed them (no hint while none flow):
+        for a short prompt, and for decode, which needs no prefix."""
+        if self.events is None or self.hasher is None or not self.events.live():
+            return RouteHint()
+        return RouteHint(loads=self.events.loads(), block_tokens=self.hasher.block_tokens)
 
     def close(self) -> None:
         """Stop following the events (the ingress's process ending does the same)."""

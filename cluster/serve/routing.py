@@ -38,13 +38,27 @@ def location(holder: str) -> tuple[str, int | None]:
 
 
 def rank_hint(hint: RouteHint, worker_id: str) -> int | None:
-    """The rank of `worker_id` that alone holds the longest prefix in memory; None when no rank
-    holds any, or several hold as much (the front then breaks the tie by load)."""
-    held = {r: n for holder, n in hint.prefix_blocks.items() if n > 0
-            for w, r in [location(holder)] if w == worker_id and r is not None}
-    best = max(held.values(), default=0)
-    top = [r for r, n in held.items() if n == best]
+    """The rank of `worker_id` to run on: with pushed loads, the one of least `rank_cost`; else the
+    one that alone holds the longest prefix in memory. None when no rank stands out (the front
+    then chooses by its own, live view)."""
+    ranks = {r for holder in {**hint.prefix_blocks, **hint.loads}
+             for w, r in [location(holder)] if w == worker_id and r is not None}
+    if hint.block_tokens and ranks:
+        score = {r: rank_cost(hint, f"{worker_id}{RANK_MARK}{r}", 0.0) for r in ranks}
+    else:
+        score = {r: -hint.prefix_blocks.get(f"{worker_id}{RANK_MARK}{r}", 0) for r in ranks}
+        score = {r: n for r, n in score.items() if n < 0}
+    best = min(score.values(), default=None)
+    top = [r for r, n in score.items() if n == best]
     return top[0] if len(top) == 1 else None
+
+
+def rank_cost(hint: RouteHint, loc: str, stats_load: float) -> float:
+    """Tokens a request would wait for and compute on rank `loc` (needs `hint.block_tokens`): its
+    queued tokens (pushed; a rank not heard from: `stats_load` requests of a block each) plus the
+    prompt blocks it does not hold."""
+    queued = hint.loads.get(loc, stats_load * hint.block_tokens)
+    return queued + (hint.prompt_blocks - hint.prefix_blocks.get(loc, 0)) * hint.block_tokens
 
 
 def route_hint(pending: PendingRequest | None) -> RouteHint:
@@ -65,29 +79,30 @@ class Candidate(NamedTuple):
     rank_loads: tuple[float, ...] = ()
 
 
-def best_rank(c: Candidate, hint: RouteHint, room: float = 1.0) -> tuple[int, float]:
-    """(blocks, load) of `c`'s best rank: the most leading prompt blocks held, then the lowest
-    load (the one pushed with its KV events, else its routing stats'), divided by `room`."""
+def best_rank(c: Candidate, hint: RouteHint, room: float = 1.0) -> tuple[float, ...]:
+    """The sort key of `c`'s best rank, lowest first. With pushed loads (`hint.block_tokens`):
+    (`rank_cost`,). Else (-leading prompt blocks held, load / `room`), the load a rank's routing
+    stats' (a replica without DP: its queue fraction `c.load`)."""
+    if hint.block_tokens:
+        if len(c.rank_loads) <= 1:
+            return (rank_cost(hint, c.worker_id, c.load * room),)
+        return (min(rank_cost(hint, f"{c.worker_id}{RANK_MARK}{r}", n) for r, n in enumerate(c.rank_loads)),)
     if len(c.rank_loads) <= 1:
-        return hint.prefix_blocks.get(c.worker_id, 0), c.load
-    ranks = []
-    for r, stats_load in enumerate(c.rank_loads):
-        loc = f"{c.worker_id}{RANK_MARK}{r}"
-        ranks.append((hint.prefix_blocks.get(loc, 0), hint.loads.get(loc, stats_load) / room))
-    return min(ranks, key=lambda b_l: (-b_l[0], b_l[1]))
+        return -hint.prefix_blocks.get(c.worker_id, 0), c.load
+    return min((-hint.prefix_blocks.get(f"{c.worker_id}{RANK_MARK}{r}", 0), n / room)
+               for r, n in enumerate(c.rank_loads))
 
 
 def rank_replicas(replicas: list[Candidate], hint: RouteHint, kv_weight: float, room: float = 1.0
                   ) -> list[str]:
-    """Order replicas best first by their best rank (`best_rank`): the longest in-memory prefix,
-    then that rank's load + kv_weight * the replica's used KV fraction; equal scores in random
-    order. `room`: a replica's max ongoing requests (rank loads are counts)."""
-    shuffled = random.sample(replicas, len(replicas))
-
-    def key(c: Candidate):
-        blocks, load = best_rank(c, hint, room)
-        return -blocks, load + kv_weight * (1.0 - c.free_kv)
-    return [c.worker_id for c in sorted(shuffled, key=key)]
+    """Order replicas best first by their best rank (`best_rank`), then kv_weight * used KV
+    fraction (added to the load without pushed loads); equal scores in random order. `room`: a
+    replica's max ongoing requests (rank loads are counts)."""
+    def key(c: Candidate) -> tuple:
+        used = kv_weight * (1.0 - c.free_kv)
+        rank = best_rank(c, hint, room)
+        return (rank[0], used) if hint.block_tokens else (rank[0], rank[1] + used)
+    return [c.worker_id for _, _, c in sorted((key(c), random.random(), c) for c in replicas)]
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):

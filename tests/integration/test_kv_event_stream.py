@@ -169,4 +169,6 @@ def routes_from_events(locator: PrefixLocator, fp: str, redis_server: str) -> No
         time.sleep(0.05)
     hint = locator.hint(prompt)
     assert hint.prefix_blocks == {"r/dp0": 3} and hint.loads == {"r/dp0": 4.0}
+    assert (hint.prompt_blocks, hint.block_tokens) == (4, 16)
+    assert locator.load_hint().loads == {"r/dp0": 4.0}
     assert locator.index.stats().lookups == 1                           # no round trip this time

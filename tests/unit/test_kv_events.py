@@ -242,3 +242,16 @@ def test_cleared_is_numbered_like_any_change():
     pub.cleared()
     pub.stored("host", [4])
     assert [(e.kind, e.seq) for e in bus.read()] == [(CLEARED, 0), (STORED, 1)]
+
+
+def test_a_charged_load_stands_until_the_publisher_reports_again():
+    bus, index, follow = wired()
+    pub = KvEventPublisher("a", bus, load=lambda: 7.0)
+    pub.beat()
+    follow.pump()
+    index.charge("a", 100.0)
+    index.charge("unknown", 5.0)              # nobody to charge: ignored
+    assert index.loads() == {"a": 107.0}
+    pub.beat()
+    follow.pump()
+    assert index.loads() == {"a": 7.0}

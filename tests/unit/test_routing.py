@@ -3,7 +3,7 @@ free KV memory; a data-parallel rank (`{replica}/dp{rank}`) is a cache location 
 from __future__ import annotations
 
 from cluster.messages import RouteHint
-from cluster.serve.routing import Candidate, best_rank, location, rank_hint, rank_replicas
+from cluster.serve.routing import Candidate, best_rank, location, rank_cost, rank_hint, rank_replicas
 
 
 def test_longest_in_memory_prefix_wins_then_load_then_free_kv():
@@ -24,15 +24,26 @@ def test_a_data_parallel_rank_is_a_cache_location_of_its_replica():
 
 
 def test_every_replica_and_rank_is_scored_by_its_best_rank_not_its_total():
-    """Replica a's total load is lower, but b's rank 1 holds as much of the prompt as a's best
-    rank and is idle: b wins. Pushed (event) loads win over the routing stats' older ones."""
+    """Without pushed loads: a replica's best rank (longest prefix, then its routing-stats load)."""
     a = Candidate("a", 0.0, 1.0, (2, 0))            # rank 1 idle, holds nothing
     b = Candidate("b", 0.0, 1.0, (5, 5))
-    hint = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3}, loads={"b/dp1": 0.0})
-    assert best_rank(a, hint) == (3, 2.0) and best_rank(b, hint) == (3, 0.0)
-    assert rank_replicas([a, b], hint, 1.0) == ["b", "a"]
-    stale = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3})     # without events: the stats' loads
-    assert rank_replicas([a, b], stale, 1.0) == ["a", "b"]
-    miss = RouteHint(loads={"a/dp0": 4.0, "a/dp1": 1.0, "b/dp0": 3.0, "b/dp1": 2.0})
+    hint = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3})
+    assert best_rank(a, hint) == (-3, 2.0) and best_rank(b, hint, room=5.0) == (-3, 1.0)
+    assert rank_replicas([a, b], hint, 1.0) == ["a", "b"]
+    miss = RouteHint()
     assert rank_replicas([a, b], miss, 0.0) == ["a", "b"]          # a miss: the least loaded rank anywhere
-    assert best_rank(a, miss, room=2.0) == (0, 0.5)
+
+
+def test_with_pushed_loads_a_rank_costs_the_tokens_a_request_would_wait_for_and_compute():
+    """Queued tokens plus the prompt blocks a rank lacks: a holder deep in work loses to an idle
+    rank, so a prefix every request shares (a system prompt) cannot pull them all onto one rank."""
+    a = Candidate("a", 0.0, 1.0, (0, 0))
+    b = Candidate("b", 0.0, 1.0, (0, 0))
+    hint = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3}, prompt_blocks=4, block_tokens=16,
+                     loads={"a/dp0": 900.0, "a/dp1": 0.0, "b/dp0": 50.0, "b/dp1": 10.0})
+    assert rank_cost(hint, "a/dp0", 0) == 916 and rank_cost(hint, "b/dp1", 0) == 26
+    assert best_rank(a, hint) == (64.0,) and best_rank(b, hint) == (26.0,)
+    assert rank_replicas([a, b], hint, 1.0) == ["b", "a"]
+    assert (rank_hint(hint, "a"), rank_hint(hint, "b")) == (1, 1)
+    quiet = RouteHint(prefix_blocks={"c/dp0": 2}, prompt_blocks=2, block_tokens=16)
+    assert rank_cost(quiet, "c/dp1", 3.0) == 3 * 16 + 2 * 16          # not heard from: its stats, a block each
