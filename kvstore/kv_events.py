@@ -41,6 +41,7 @@ CHANGES = (STORED, REMOVED, CLEARED)
 HEARTBEAT_S = 1.0           # a publisher's heartbeat period (it also answers snapshot requests then)
 EXPIRE_S = 10.0             # silence after which the router forgets a publisher
 RESYNC_S = 2.0              # how long the router waits for a snapshot before asking again
+BACKOFF_S = 0.1             # a publisher's first pause after a failed send (doubling)
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,14 @@ class KvEventPublisher:
     heartbeat thread (`start`) beats."""
 
     def __init__(self, location: str, transport: EventTransport, load: Callable[[], float] = lambda: 0.0,
-                 epoch: str | None = None, heartbeat_s: float = HEARTBEAT_S):
+                 epoch: str | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.location, self.transport, self.load = location, transport, load
         self.epoch = epoch or uuid.uuid4().hex[:16]
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s, self._clock = heartbeat_s, clock
         self.seq = 0
+        self.dropped = 0                # events not sent (a failed send, or skipped while backing off)
+        self._backoff_s, self._retry_at = 0.0, 0.0
         self.held: dict[str, set[int]] = {t: set() for t in TIERS}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -145,6 +149,8 @@ class KvEventPublisher:
 
     def beat(self) -> None:
         """A heartbeat with the current load, or a snapshot when a router asked for one."""
+        if self._backing_off():
+            return
         try:
             wanted = self.transport.snapshot_requested(self.location)
         except Exception as e:
@@ -161,12 +167,25 @@ class KvEventPublisher:
         self._send(event)
 
     def _send(self, event: KvEvent) -> None:
+        if self._backing_off():
+            self.dropped += 1
+            return
         try:
             self.transport.send(event)
         except Exception as e:      # events are hints: the router resyncs on the gap
+            self.dropped += 1
             self._failed(e)
+            return
+        self._backoff_s = 0.0
+
+    def _backing_off(self) -> bool:
+        """After a failure nothing is sent until a backoff (doubling, up to EXPIRE_S) passes: a
+        transport that hangs must not stall the engine's steps on every change."""
+        return self._backoff_s > 0 and self._clock() < self._retry_at
 
     def _failed(self, e: Exception) -> None:
+        self._backoff_s = min(2 * self._backoff_s or BACKOFF_S, EXPIRE_S)
+        self._retry_at = self._clock() + self._backoff_s
         self._warn(type(e).__name__, "kv events of %s: %s: %s (the router resyncs when they flow again)",
                    self.location, type(e).__name__, e)
 

@@ -255,3 +255,35 @@ def test_a_charged_load_stands_until_the_publisher_reports_again():
     pub.beat()
     follow.pump()
     assert index.loads() == {"a": 7.0}
+
+
+class Broken(LocalEventBus):
+    """A real bus whose sends fail while `down` (a transport that is unreachable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down, self.tries = False, 0
+
+    def send(self, event: KvEvent) -> None:
+        self.tries += 1
+        if self.down:
+            raise ConnectionError("unreachable")
+        super().send(event)
+
+
+def test_a_failing_transport_is_not_tried_on_every_change_and_the_router_resyncs_after():
+    clock, bus = Clock(), Broken()
+    _, index, follow = wired(clock, bus)
+    pub = KvEventPublisher("a", bus, clock=clock)
+    pub.stored("device", [1])
+    bus.down = True
+    for h in range(2, 12):
+        pub.stored("device", [h])                 # one try, then skipped while backing off
+    assert bus.tries == 2 and pub.dropped == 10
+    bus.down = False
+    clock.now = 1.0                               # past the backoff: sends resume
+    pub.stored("device", [12])
+    follow.pump()
+    pub.beat()
+    follow.pump()
+    assert index.holdings("a")["device"] == set(range(1, 13))
