@@ -12,6 +12,10 @@ from cluster.serve.locator import PrefixLocator
 from kvstore.hashing import PrefixHasher
 from kvstore.kv_event_stream import RedisEventStream, decode, encode
 from kvstore.kv_events import SNAPSHOT, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher
+from tests.helpers import random_prompt, write_tiny_checkpoint
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
 
 
 @pytest.fixture
@@ -118,11 +122,6 @@ def test_redis_restarted_empty_is_survived(redis_process, namespace):
 def test_an_engine_publishes_what_its_pool_holds_and_a_router_sees_it(redis_server, tmp_path):
     """A real engine with the Redis index: after a prompt, the router's event index holds the
     prompt's whole blocks under the engine's worker id, and its load."""
-    from tests.helpers import random_prompt, write_tiny_checkpoint
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
-    from workers.sampling.params import SamplingParams
-
     model = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
     engine = Engine(EngineConfig(model=str(model), block_tokens=16, kv_cache_bytes=16 << 20,
                                  index=redis_server, worker_id="eng-a/dp0", store=str(tmp_path / "store")))
@@ -175,3 +174,30 @@ def routes_from_events(locator: PrefixLocator, fp: str, redis_server: str) -> No
     assert (hint.prompt_blocks, hint.block_tokens) == (4, 16)
     assert locator.load_hint().loads == {"r/dp0": 4.0}
     assert locator.index.stats().lookups == 1                           # no round trip this time
+
+
+def test_an_engine_under_eviction_publishes_exactly_what_its_pool_and_host_cache_hold(redis_server, tmp_path):
+    """Small device pool and host cache, many distinct prompts: blocks are named, restored and
+    evicted in both tiers, and the router's event index ends equal to the engine's true holdings."""
+    model = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
+    engine = Engine(EngineConfig(model=str(model), block_tokens=16, kv_cache_bytes=512 << 10, max_num_seqs=2,
+                                 host_cache_bytes=256 << 10, index=redis_server, worker_id="evict/dp0",
+                                 store=str(tmp_path / "store")))
+    try:
+        stream, index, follow = router(redis_server, engine.prefix.index.namespace)
+        follow.pump()
+        for seed in list(range(24)) + [20, 21, 0, 1]:      # the last: restored from memory, then the store
+            engine.generate([random_prompt(90, seed=seed)], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                           ignore_eos=True))
+        for _ in range(2):
+            engine.prefix.events.beat()
+            drain(follow)
+        assert engine.prefix.stats.hits and engine.prefix.events.dropped == 0
+        truth = set(engine.blocks.by_hash)
+        host = {h for kind, h in engine.prefix.host._items if kind == "block"}
+        assert len(truth) < 24 * 5 and host                # the pool evicted: it cannot hold every prompt
+        held = index.holdings("evict/dp0")
+        assert held["device"] == truth and held["host"] == host
+        stream.close()
+    finally:
+        engine.close()
