@@ -84,6 +84,7 @@ class Ingress:
         self.pools = pools
         metrics = Metrics()
         locator = PrefixLocator(config.engine.index)
+        metrics.routing.attach(locator)
         dispatch = Dispatcher(config.mode, pools, metrics, config.ingress.token_timeout_s,
                               config.ingress.max_retries, locator.hint, config.ingress.prefill_s_per_1k_tokens,
                               locator.load_hint)

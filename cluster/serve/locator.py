@@ -27,6 +27,7 @@ class PrefixLocator:
         self.index: PrefixIndex | None = None
         self.events: KvEventIndex | None = None
         self._follower: KvEventFollower | None = None
+        self.hints = {"events": 0, "index": 0}      # hints by source (/metrics kvmesh_route_hints_total)
 
     def configure(self, fingerprint: str | None, block_tokens: int, namespace: str | None = None) -> None:
         """Called once the workers report their model fingerprint and index namespace (which
@@ -47,8 +48,10 @@ class PrefixLocator:
         if not hashes:
             return self.load_hint()
         if self.events is not None and self.events.live():
+            self.hints["events"] += 1
             return RouteHint(prefix_blocks=self.events.longest_prefix(hashes), loads=self.events.loads(),
                              prompt_blocks=len(hashes), block_tokens=self.hasher.block_tokens)
+        self.hints["index"] += 1
         try:
             return RouteHint(prefix_blocks=dict(self.index.lookup(hashes).memory))
         except Exception as e:  # the index is a hint: routing falls back to load, loudly

@@ -77,3 +77,6 @@ def test_a_repeat_goes_to_the_rank_that_holds_it_across_dp_replicas_from_events_
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BT
         gained = {k: v - hits.get(k, 0) for k, v in per_rank(url, "prefix_hit_tokens", tier="device").items()}
         assert gained[holder[i]] == 4 * BT and all(v == 0 for k, v in gained.items() if k != holder[i]), gained
+    m = scrape(url)
+    assert m[("kvmesh_route_hints_total", (("source", "events"),))] >= len(prompts)
+    assert m[("kvmesh_kv_event_publishers", ())] == 4                  # 2 replicas x 2 ranks
