@@ -43,6 +43,7 @@ class _Worker:
         self.config = config
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         pool = getattr(config, self.POOL)
+        self.dp_ranks = pool.data_parallel_size
         self.launcher = None
         if pool.ranks > 1:     # ranks 1..N-1 (TP or DP): actors in this replica's placement group
             from cluster.serve.ranks import RayRankLauncher
@@ -100,7 +101,7 @@ class Colocated(_Worker):
     POOL = "colocated"
 
     async def generate(self, req: GenRequest, hint: RouteHint | None = None):
-        rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
+        rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix
         async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True, rank=rank):
             yield self._chunks(outs)
 
@@ -125,7 +126,7 @@ class Prefill(_Worker):
         handed_over = False
         try:
             last = None
-            rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the rank holding the prefix
+            rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix
             async for out in self.engine.generate(req.request_id, req.prompt, req.params, hold_kv=True, rank=rank):
                 last = out
             base = dict(request_id=req.request_id, prompt_len=last.prompt_tokens, first=last.first,
@@ -220,7 +221,7 @@ class Decode(_Worker):
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings)
         first = True
-        rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the least queued rank (events)
+        rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the least queued rank (events)
         try:
             async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
                                                    batched=True, rank=rank):

@@ -37,16 +37,18 @@ def location(holder: str) -> tuple[str, int | None]:
     return (worker, int(rank)) if mark and rank.isdigit() else (holder, None)
 
 
-def rank_hint(hint: RouteHint, worker_id: str) -> int | None:
-    """The rank of `worker_id` to run on: with pushed loads, the one of least `rank_cost`; else the
-    one that alone holds the longest prefix in memory. None when no rank stands out (the front
-    then chooses by its own, live view)."""
-    ranks = {r for holder in {**hint.prefix_blocks, **hint.loads}
-             for w, r in [location(holder)] if w == worker_id and r is not None}
-    if hint.block_tokens and ranks:
-        score = {r: rank_cost(hint, f"{worker_id}{RANK_MARK}{r}", 0.0) for r in ranks}
+def rank_hint(hint: RouteHint, worker_id: str, ranks: int) -> int | None:
+    """The rank of `worker_id` (a replica of `ranks` data-parallel ranks) to run on: with pushed
+    loads from every one of its ranks, the one of least `rank_cost`; else the one that alone holds
+    the longest prefix in memory. None when no rank stands out (the front then chooses by its own,
+    live view): a rank not heard from yet cannot be scored, so it must not lose by default."""
+    if ranks <= 1:
+        return None
+    locations = {r: f"{worker_id}{RANK_MARK}{r}" for r in range(ranks)}
+    if hint.block_tokens and all(loc in hint.loads for loc in locations.values()):
+        score = {r: rank_cost(hint, loc, 0.0) for r, loc in locations.items()}
     else:
-        score = {r: -hint.prefix_blocks.get(f"{worker_id}{RANK_MARK}{r}", 0) for r in ranks}
+        score = {r: -hint.prefix_blocks.get(loc, 0) for r, loc in locations.items()}
         score = {r: n for r, n in score.items() if n < 0}
     best = min(score.values(), default=None)
     top = [r for r, n in score.items() if n == best]

@@ -17,9 +17,9 @@ def test_a_data_parallel_rank_is_a_cache_location_of_its_replica():
     replicas = [Candidate("a", 0.0, 1.0, (0, 0)), Candidate("b", 0.0, 1.0, (0, 0))]
     hint = RouteHint(prefix_blocks={"a/dp0": 1, "b/dp1": 4, "b/dp0": 2})
     assert rank_replicas(replicas, hint, 1.0) == ["b", "a"]                  # b's best rank holds the most
-    assert (rank_hint(hint, "b"), rank_hint(hint, "a"), rank_hint(hint, "c")) == (1, 0, None)
-    assert rank_hint(RouteHint(prefix_blocks={"b/dp0": 3, "b/dp1": 3}), "b") is None   # a tie: the front decides
-    assert rank_hint(RouteHint(prefix_blocks={"b": 3}), "b") is None         # not data-parallel
+    assert (rank_hint(hint, "b", 2), rank_hint(hint, "a", 2), rank_hint(hint, "c", 2)) == (1, 0, None)
+    assert rank_hint(RouteHint(prefix_blocks={"b/dp0": 3, "b/dp1": 3}), "b", 2) is None   # a tie: the front decides
+    assert rank_hint(RouteHint(prefix_blocks={"b": 3}), "b", 1) is None      # not data-parallel
     assert location("x/y/dp12") == ("x/y", 12) and location("w") == ("w", None)
 
 
@@ -44,6 +44,11 @@ def test_with_pushed_loads_a_rank_costs_the_tokens_a_request_would_wait_for_and_
     assert rank_cost(hint, "a/dp0", 0) == 916 and rank_cost(hint, "b/dp1", 0) == 26
     assert best_rank(a, hint) == (64.0,) and best_rank(b, hint) == (26.0,)
     assert rank_replicas([a, b], hint, 1.0) == ["b", "a"]
-    assert (rank_hint(hint, "a"), rank_hint(hint, "b")) == (1, 1)
+    assert (rank_hint(hint, "a", 2), rank_hint(hint, "b", 2)) == (1, 1)
+    # a rank not heard from yet is not scored as idle or as busy: the front decides (live loads)
+    partial = RouteHint(prompt_blocks=4, block_tokens=16, loads={"a/dp0": 1.0})
+    assert rank_hint(partial, "a", 2) is None
+    assert rank_hint(RouteHint(prefix_blocks={"a/dp0": 2}, prompt_blocks=4, block_tokens=16,
+                               loads={"a/dp0": 1.0}), "a", 2) == 0      # ... but a prefix still counts
     quiet = RouteHint(prefix_blocks={"c/dp0": 2}, prompt_blocks=2, block_tokens=16)
     assert rank_cost(quiet, "c/dp1", 3.0) == 3 * 16 + 2 * 16          # not heard from: its stats, a block each
