@@ -77,8 +77,7 @@ class EngineConfig:
                                     cli=False)
     prefix_reuse: bool = setting(True, "restore and persist prefixes (false: never; baselines)")
     speculative_tokens: int | None = setting(None, "drafts per decode step from the checkpoint's MTP layer "
-                                                   "(0 = off; default: 1 when the checkpoint has mtp.* weights and "
-                                                   "the engine is neither tensor- nor data-parallel, else 0)")
+                                                   "(0 = off; default: 1 when the checkpoint has mtp.* weights, else 0)")
     store_key: str | None = setting(None, "MAC key (>= 16 bytes) for store objects; default: $KVMESH_STORE_KEY",
                                     cli=False, repr=False)
     require_store: bool = setting(False, "a store / index unusable at start-up is fatal (default: run "
@@ -171,9 +170,6 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig: tensor_parallel_size={self.tensor_parallel_size} with "
                               f"data_parallel_size={dp} (attention TP inside a DP rank) is not built yet; "
                               f"use one of them")
-        if self.speculative_tokens:
-            raise ConfigError(f"EngineConfig.speculative_tokens={self.speculative_tokens} with data_parallel_size={dp} "
-                              f"is not supported yet (the MTP layer's MoE would need its own exchange step)")
 
     @property
     def policy(self) -> SwaPolicy:

@@ -79,6 +79,7 @@ def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
             results.setdefault(i, {"id": rid, "error": f"engine failed: {type(e).__name__}: {e}",
                                    "finish_reason": "error"})
     bar.close()
+    _report_drafts(engine)
     try:
         engine.flush()
         engine.close()
@@ -104,6 +105,14 @@ def _run(engine, order: dict[str, int], results: dict[int, dict], bar) -> None:
                     result["error"] = out.error or f"the request ended with finish_reason {out.finish_reason!r}"
                 results[order[out.request_id]] = result
                 bar.update(1)
+
+
+def _report_drafts(engine) -> None:
+    """One stderr line on speculative decoding (every rank's drafts), when the engine drafted."""
+    c = engine.stats().counters
+    if c.draft_tokens:
+        print(f"kvmesh generate: speculative decoding: {c.draft_tokens} draft tokens, "
+              f"{c.accepted_draft_tokens / c.draft_tokens:.0%} accepted", file=sys.stderr)
 
 
 def _maybe_id(line: str):

@@ -221,10 +221,10 @@ def test_mtp_drafts_beside_chunked_prefills_leave_greedy_output_unchanged(mtp_ch
     assert stats.draft_tokens > 0
 
 
-def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_otherwise(tmp_path_factory):
+def test_speculation_is_on_by_default_with_an_mtp_layer_and_off_otherwise(tmp_path_factory):
     """speculative_tokens unset: AUTO_SPECULATIVE_TOKENS drafts when the checkpoint has `mtp.*`
-    weights; none without them, none when set to 0 (tensor- and data-parallel engines: the next
-    test)."""
+    weights; none without them, none when set to 0 (tensor- and data-parallel engines:
+    test_speculative_parallel.py)."""
     from workers.engine.engine import AUTO_SPECULATIVE_TOKENS
     name = "swa_csa_hca"
     path = write_mtp_checkpoint(tmp_path_factory, name)
@@ -237,22 +237,6 @@ def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_o
     assert off.speculator is None and [o.token_ids for o in off.generate(prompts()[:2], GREEDY)] == [
         o.token_ids for o in out]
     assert tiny_engine(plain, name).speculator is None
-
-
-@pytest.mark.slow     # gloo ranks: rank 1 is a spawned process
-def test_speculation_is_off_by_default_on_tensor_and_data_parallel_engines(tmp_path_factory):
-    """With an MTP layer and speculative_tokens unset, tensor- and data-parallel engines do not
-    draft (they do not draft yet) and raise no error."""
-    name = "swa_csa_hca"
-    path = write_mtp_checkpoint(tmp_path_factory, name)
-    for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)):
-        engine = tiny_engine(path, name, **parallel)
-        try:
-            rank0 = getattr(engine, "local", engine)              # a DataParallelEngine's own rank
-            assert rank0.config.speculative_tokens == 0 and rank0.speculator is None, parallel
-            assert len(engine.generate(prompts()[:1], GREEDY)[0].token_ids) == MAX_TOKENS
-        finally:
-            engine.close()
 
 
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):

@@ -94,16 +94,15 @@ class Engine:
             if not len(self.model.mtp):
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
                                   f"layer, and {model_dir} has none (no mtp.* weights)")
-            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots))
+            share = self.ranks.draft if self.ranks is not None else None     # TP: every rank runs the passes
+            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots, share))
 
     def _speculative_tokens(self, config: EngineConfig) -> int:
         """EngineConfig.speculative_tokens as given, or by default (None) AUTO_SPECULATIVE_TOKENS
-        when the checkpoint has an MTP layer (`mtp.*` weights) and this engine is one process:
-        drafts are not built for tensor- or data-parallel engines yet (asked for explicitly there,
-        start-up refuses them)."""
+        when the checkpoint has an MTP layer (`mtp.*` weights), whatever the parallel sizes."""
         if config.speculative_tokens is not None:
             return config.speculative_tokens
-        return AUTO_SPECULATIVE_TOKENS if len(self.model.mtp) and self.ranks is None and self.dp is None else 0
+        return AUTO_SPECULATIVE_TOKENS if len(self.model.mtp) else 0
 
     def enable_decode_graphs(self, capture: bool = True) -> None:
         """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
@@ -335,8 +334,11 @@ class Engine:
         t0 = time.perf_counter()
         batch, failed = self.scheduler.schedule()    # admission restores prefixes here
         failed = [self.outputs.failure(seq, e.__cause__ or e) for seq, e in failed]
+        spec = self.speculator
         if self.dp is not None and any(self.dp.all_counts(int(bool(batch)))) and not batch:
             self.runner.idle()       # every DP rank said whether it has a batch; join the others' exchanges
+            if spec is not None:
+                spec.drafter.idle(spec.k)
         if not batch:
             return failed
         now = time.monotonic()
@@ -345,7 +347,6 @@ class Engine:
                 seq.scheduled = True
                 self.queue_time.observe(now - seq.arrival)
         t1 = time.perf_counter()
-        spec = self.speculator
         drafts = spec.propose(batch) if spec else {}
         saved = spec.save(batch, drafts) if drafts else None
         starts = [seq.num_computed for seq, _ in batch]

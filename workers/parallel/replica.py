@@ -40,6 +40,7 @@ from workers.checkpoint.loader import load_model
 from workers.engine_config import EngineConfig
 from workers.model.shard import Shard
 from workers.model.step import StepInput
+from workers.spec.mtp import DraftPlan, MTPPasses
 
 from .collectives import Collectives, RankFailed, init_method
 
@@ -121,9 +122,17 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward: first the cache calls rank 0 made since the last step, in order."""
+    """One forward: first the cache calls rank 0 made since the last step, in order.
+    `keep_streams`: keep the step and its last streams for the Draft that follows."""
     ops: list[tuple[str, tuple]]
     step: StepInput | None
+    keep_streams: bool = False
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The MTP layer's passes after the last step (speculative decoding), run on every rank."""
+    plan: DraftPlan
 
 
 @dataclass(frozen=True)
@@ -179,16 +188,22 @@ class Leader(Liveness):
         self.mirror = MirroredCache(cache)
         return self.mirror
 
-    def forward(self, step: StepInput) -> None:
+    def forward(self, step: StepInput, keep_streams: bool = False) -> None:
         """Before rank 0 runs `step` (CPU tensors): the other ranks get the pending cache calls
-        and the step."""
+        and the step (`keep_streams`: a Draft follows it)."""
+        self._send(Step(self.mirror.take(), step, keep_streams))
+
+    def draft(self, plan: DraftPlan) -> None:
+        """Before rank 0 runs the MTP passes of `plan`: the other ranks get it."""
+        self._send(Draft(plan))
+
+    def _send(self, message: Step | Draft) -> None:
         self.check()
         try:
-            self.comm.send(Step(self.mirror.take(), step))
+            self.comm.send(message)
         except RankFailed as e:
             self.dead = e
             raise
-
 
     def close(self, reason: str = "engine closed") -> None:
         if self.dead is None:
@@ -229,11 +244,21 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig)
 
 
 def follow(comm: Collectives, model, cache: CacheTensors, device: str) -> None:
+    """Run rank 0's steps and MTP passes (its own MTP ring, like rank 0's drafter's) until Stop."""
+    passes = MTPPasses(model, cache.num_slots) if len(model.mtp) else None
+    last = None                                      # (step, streams) a Draft runs on
     while True:
         msg = comm.recv()
         if isinstance(msg, Stop):
             return
+        if isinstance(msg, Draft):
+            passes.run(msg.plan, *last)
+            continue
         for name, args in msg.ops:
             getattr(cache, name)(*args)
         if msg.step is not None:
-            model(msg.step.to(device), cache)
+            step = msg.step.to(device)
+            if msg.keep_streams:
+                last = (step, model(step, cache, keep_streams=True)[1])
+            else:
+                model(step, cache)

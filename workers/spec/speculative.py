@@ -47,6 +47,10 @@ class Drafter(ABC):
     def observe(self, batch, starts: list[int], step, streams: torch.Tensor, k: int) -> None:
         """Called after each step when wants_streams (a model-based draft runs here)."""
 
+    def idle(self, k: int) -> None:
+        """Data-parallel attention: called instead of `observe` when this rank stepped nothing while
+        another did (a model-based draft joins the other ranks' collectives here)."""
+
 
 class OracleDrafter(Drafter):
     """Proposes the continuation it was given for a prompt (e.g. a previous greedy run):
