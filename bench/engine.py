@@ -354,14 +354,14 @@ OPENINGS = ("The king said to his servants,", "In the beginning", "And the LORD 
 
 
 def speculative_main(engine: Engine, levels: list[int], args) -> list[str]:
-    """The checkpoint's MTP layer as the draft, k = 0..K drafts per step, at each batch size:
+    """The checkpoint's MTP layer as the draft, k = 0..K drafts per step and auto, at each batch size:
     every (batch, k) is run once per round and the k alternate inside a round (their order
     rotating between rounds), so a burst of other load hits every k alike; the table shows
     medians. Greedy tokens of every k > 0 run are compared with the k = 0 run of its round."""
     from workers.spec.mtp import MTPDrafter
     if not len(engine.model.mtp):
         raise SystemExit("--speculative drafts with the checkpoint's MTP layer, and this one has none")
-    ks = list(range(args.speculative + 1))
+    ks = list(range(args.speculative + 1)) + ["auto"]      # auto: k by the batch (--speculative-auto's table)
     runs = {(c, k): [] for c in levels for k in ks}
     for r in range(args.repeats):
         for c in levels:
@@ -541,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="only speculative decoding with the checkpoint's MTP layer: k = 0..K drafts per "
                              "step, alternated, at each --concurrency (no transformers reference)")
+    parser.add_argument("--speculative-auto", metavar="TABLE",
+                        help="with --speculative: the batch:k table the auto rows use (default: EngineConfig's)")
     parser.add_argument("--tensor-parallel-size", metavar="N,M",
                         help="compare kvmesh at these tensor-parallel sizes (e.g. 1,2) instead of transformers")
     parser.add_argument("--enable-expert-parallel", action="store_true",
@@ -567,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                  max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
                                  prefix_reuse=not args.speculative,    # the k runs repeat their prompts
-                                 speculative_tokens=0))   # plain decoding; --speculative sets each k's drafter
+                                 speculative_tokens=0,    # plain decoding; --speculative sets each k's drafter
+                                 speculative_auto=args.speculative_auto or EngineConfig.speculative_auto))
     if args.speculative:
         run_kvmesh(engine, [engine.encode(o) for o in OPENINGS[:max(levels)]], args.max_tokens)   # warm-up
         lines = speculative_main(engine, levels, args)

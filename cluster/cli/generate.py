@@ -145,7 +145,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         text = meta.get("help", "")
         help = text if "default" in text else f"{text} (default: {_shown(f.default)})"
-        kind = next(t for t in (bool, int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
+        kind = next(t for t in (bool, str, int, float) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         elif meta.get("unit") == "bytes":

@@ -150,8 +150,11 @@ class MTPDrafter(Drafter):
 
     def observe(self, batch: list[tuple[Sequence, int]], starts: list[int], step: StepInput,
                 streams: torch.Tensor, k: int) -> None:
-        plan, drafting = self.plan(batch, starts, step, k)
         self.drafts = {}
+        if k == 0:                   # no drafts for the next step: no pass, and the ring is stale from here
+            self.first = {}
+            return
+        plan, drafting = self.plan(batch, starts, step, k)
         if plan is None:
             self.passes.idle(k)
             return

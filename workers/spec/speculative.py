@@ -83,6 +83,39 @@ class DraftLimits:
         return max(0, min(k, room, self.window - n_real))
 
 
+@dataclass(frozen=True)
+class DraftRule:
+    """Drafts per step by the number of sequences in the batch: `steps` ((batch, k), ...) with
+    rising batch sizes, the first at 1; k is the last step's whose batch is <= the batch. A fixed
+    k is one step. Drafting pays where a step is cheap beside its fixed cost (small batches) and
+    loses where the step is already compute-bound (docs/benchmarks.md)."""
+    steps: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def fixed(cls, k: int) -> "DraftRule":
+        return cls(((1, k),))
+
+    @classmethod
+    def parse(cls, text: str) -> "DraftRule":
+        """"1:2,2:1,16:0" -> k = 2 at batch 1, 1 from 2 to 15, 0 from 16 up (ValueError if malformed)."""
+        try:
+            steps = tuple((int(b), int(k)) for b, k in (part.split(":") for part in text.split(",")))
+        except ValueError:
+            raise ValueError(f"{text!r} is not a list of batch:k pairs such as 1:2,2:1,16:0") from None
+        batches = [b for b, _ in steps]
+        if batches[0] != 1 or batches != sorted(set(batches)) or any(k < 0 for _, k in steps):
+            raise ValueError(f"{text!r}: batch sizes must rise from 1, and every k be >= 0")
+        return cls(steps)
+
+    @property
+    def k(self) -> int:
+        """The most drafts any batch gets."""
+        return max(k for _, k in self.steps)
+
+    def for_batch(self, n: int) -> int:
+        return next(k for b, k in reversed(self.steps) if b <= max(n, 1))
+
+
 class DraftState:
     """What one step's drafts overwrite that a later step may read, saved before the step: the
     window-ring rows of the drafts after each sequence's first (`rows`: (batch index, draft
@@ -116,11 +149,12 @@ class DraftState:
 
 
 class Speculator:
-    """Chooses each decoding sequence's drafts, and after the step keeps the accepted ones'
-    state and rolls the rejected ones back. The engine samples (`accept` tells it how)."""
+    """Chooses each decoding sequence's drafts (at most `rule.k`; a model draft makes as many as
+    the rule gives the batch it ran after), and after the step keeps the accepted ones' state and
+    rolls the rejected ones back. The engine samples (`accept` tells it how)."""
 
-    def __init__(self, drafter: Drafter, k: int, limits: DraftLimits, cache: CacheTensors):
-        self.drafter, self.k, self.limits, self.cache = drafter, k, limits, cache
+    def __init__(self, drafter: Drafter, rule: DraftRule, limits: DraftLimits, cache: CacheTensors):
+        self.drafter, self.rule, self.k, self.limits, self.cache = drafter, rule, rule.k, limits, cache
         self.overlap_ratios = cache.overlap_ratios()
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
