@@ -549,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --tensor-parallel-size: split routed experts by expert")
     parser.add_argument("--data-parallel-size", type=int, metavar="N",
                         help="compare one process, TP=N+EP and DP=N+EP (data-parallel attention) in one run: "
-                             "throughput, KV capacity, the MoE exchange's cost (bench/data_parallel.py)")
+                             "throughput, KV capacity, the MoE exchange's cost (bench/data_parallel.py); with "
+                             "--speculative: each with and without the MTP draft")
     parser.add_argument("--quantized", action="store_true",
                         help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
@@ -557,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.quantized:
         return quantized_main(args, levels)
+    if args.data_parallel_size and args.speculative:
+        from bench.data_parallel import spec_main
+        return spec_main(args, levels, args.data_parallel_size, run_kvmesh, OPENINGS, median_run)
     if args.data_parallel_size:
         from bench.data_parallel import dp_main
         return dp_main(args, levels, args.data_parallel_size, run_kvmesh, make_prompts, median_run, KV_CACHE_BYTES,
