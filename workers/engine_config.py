@@ -24,7 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 INDEX_SCHEMES = ("redis://", "rediss://", "unix://")
-AUTO_DRAFTS = "1:2,2:1,16:0"     # speculative_tokens=auto on this CPU (docs/benchmarks.md)
+AUTO_DRAFTS = "1:2,16:1,32:0"    # speculative_tokens=auto: measured on this CPU (docs/benchmarks.md)
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -81,9 +81,9 @@ class EngineConfig:
     speculative_tokens: int | str | None = setting(None, "drafts per decode step from the checkpoint's MTP layer: "
                                                          "K, or auto (by the batch: speculative_auto); 0 = off; "
                                                          "default: auto when the checkpoint has mtp.* weights, else 0")
-    speculative_auto: str = setting(AUTO_DRAFTS, "speculative_tokens=auto: drafts per step by batch size, as "
-                                                 "batch:k pairs (1:2,2:1,16:0: k = 2 at batch 1, 1 up to 15, "
-                                                 "0 from 16 up)")
+    speculative_auto: str = setting(AUTO_DRAFTS, "speculative_tokens=auto: drafts per step by the number of "
+                                                 "sequences in the step, as batch:k pairs (1:2,16:1,32:0: k = 2 "
+                                                 "up to batch 15, 1 up to 31, none from 32)")
     store_key: str | None = setting(None, "MAC key (>= 16 bytes) for store objects; default: $KVMESH_STORE_KEY",
                                     cli=False, repr=False)
     require_store: bool = setting(False, "a store / index unusable at start-up is fatal (default: run "

@@ -15,8 +15,12 @@ The copies stay identical because every write to the cache is either
   `MirroredCache`, which applies each such call and records it; the list goes to the other
   ranks with the next step, which apply it before running the forward.
 
-    rank 0:   schedule (restores: recorded) ─ send Step(ops, step) ─ forward ─ sample
-    rank k:                                   recv Step ─ apply ops ─ forward (its shard)
+    rank 0:   schedule (restores: recorded) ─ send Step(ops, step) ─ forward ─ sample ─ send Draft(plan) ─ MTP
+    rank k:                                   recv Step ─ apply ops ─ forward (its shard)   recv Draft ─ MTP
+
+With speculative decoding the step keeps its last streams (`Step.keep_streams`) and rank 0 sends
+the MTP layer's passes for the next step's drafts (`Draft`, workers/spec/mtp.py), which every rank
+runs on its shard of the layer and its own copy of the layer's ring.
 
 A rank that dies or stalls turns the next collective (or `RankLauncher.check`) into
 `RankFailed` within `rank_timeout_s`.
@@ -45,7 +49,7 @@ from workers.spec.mtp import DraftPlan, MTPPasses
 from .collectives import Collectives, RankFailed, init_method
 
 __all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
-           "Leader", "Liveness"]
+           "Leader", "Liveness", "Draft"]
 
 log = logging.getLogger(__name__)
 

@@ -97,11 +97,11 @@ class DraftRule:
 
     @classmethod
     def parse(cls, text: str) -> "DraftRule":
-        """"1:2,2:1,16:0" -> k = 2 at batch 1, 1 from 2 to 15, 0 from 16 up (ValueError if malformed)."""
+        """"1:2,16:1,32:0" -> k = 2 up to batch 15, 1 up to 31, 0 from 32 (ValueError if malformed)."""
         try:
             steps = tuple((int(b), int(k)) for b, k in (part.split(":") for part in text.split(",")))
         except ValueError:
-            raise ValueError(f"{text!r} is not a list of batch:k pairs such as 1:2,2:1,16:0") from None
+            raise ValueError(f"{text!r} is not a list of batch:k pairs such as 1:2,16:1,32:0") from None
         batches = [b for b, _ in steps]
         if batches[0] != 1 or batches != sorted(set(batches)) or any(k < 0 for _, k in steps):
             raise ValueError(f"{text!r}: batch sizes must rise from 1, and every k be >= 0")
