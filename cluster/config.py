@@ -221,6 +221,9 @@ class IngressConfig(_Strict):
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
     api_keys: list[SecretStr] = Field(default_factory=list,
                                       description="accepted `Authorization: Bearer` keys; empty = no auth")
+    allow_special_tokens_in_content: bool = Field(False, description=(
+        "tokenize a special token's string in chat messages (`<｜Assistant｜>`, `</think>`, DSML) as the special "
+        "token, as DeepSeek's encoder does; off: message text is always text"))
 
 
 class HandoffConfig(_Strict):

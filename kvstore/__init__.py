@@ -15,6 +15,7 @@ The store (DESIGN §4; the truth about what is cached):
     store_fs.py       filesystem primitives over pyarrow.fs: atomic writes, mapped reads, listings
     store.py          ObjectStore: put / get / list, corrupt objects as misses
     quarantine.py     objects no read may touch (unremovable corrupt ones), kept across restarts
+    scrub.py          checks every object of a namespace, never-read ones too (`kvmesh store scrub`, background)
     persist.py        write-behind: store puts on a background thread, off the request path
     tiers.py          one interface for every place objects live outside the device pool
     host_cache.py     the host-memory tier (LRU by bytes)

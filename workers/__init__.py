@@ -5,7 +5,7 @@
     model/            DeepSeek-V4 in torch (args, transformer, attention, moe, quant, shard, step)
     checkpoint/       loading, quantized formats, sharding, tokenizer, built-in model, sizing
     engine/           loop, builder, output processing, scheduler, KV-cache manager, runner, stats
-    sampling/         params, batch sampler, penalties, grammar
+    sampling/         params, batch sampler, penalties, grammar (+ its compile pool)
     spec/             speculative decoding (exact), the MTP drafter
     reuse/            prefix cache across tiers, the adaptive SWA policy
     parallel/         collectives, the tensor-parallel replica protocol

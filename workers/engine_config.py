@@ -98,9 +98,13 @@ class EngineConfig:
                                               "400 before any work", unit="bytes")
     grammar_compile_timeout_s: float = setting(10.0, "a response_format schema whose compile takes longer (s) is "
                                                      "stopped and the request gets a 400")
-    grammar_compile_memory_bytes: int = setting(2 << 30, "memory the schema compiler process may use (it starts at "
+    grammar_compile_memory_bytes: int = setting(2 << 30, "memory each schema compiler process may use (it starts at "
                                                          "~300 MiB); beyond it the compile is stopped, a 400",
                                                 unit="bytes")
+    grammar_compile_workers: int | None = setting(None, "schema compiler processes per engine (each compiles one "
+                                                        "grammar at a time, within the budgets above); one is kept "
+                                                        "for small schemas while large ones compile (default: the "
+                                                        "CPUs, at most 4)")
     tensor_parallel_size: int = setting(1, "ranks one replica spans (vLLM's name): heads, output groups, vocabulary "
                                            "and experts split across them; every rank holds the whole cache",
                                         serve=False)   # serve: per pool (it sizes the placement group)
@@ -142,7 +146,8 @@ class EngineConfig:
         positive = ("block_tokens", "kv_cache_bytes", "max_num_seqs", "max_batched_tokens", "max_model_len",
                     "store_capacity_bytes", "store_read_timeout_s", "store_scrub_pass_bytes", "tensor_parallel_size", "data_parallel_size",
                     "rank_timeout_s",
-                    "max_schema_bytes", "grammar_compile_timeout_s", "grammar_compile_memory_bytes")
+                    "max_schema_bytes", "grammar_compile_timeout_s", "grammar_compile_memory_bytes",
+                    "grammar_compile_workers")
         for name in positive:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):

@@ -1,7 +1,8 @@
 """Text <-> tokens at the API edge: what a chat becomes, and what a reply is.
 
     template.py     chat prompts: the checkpoint's Jinja template, else DeepSeek-V4's format, else plain
-    dsv4_encode.py  DeepSeek-V4's chat format (thinking, reasoning_effort, tools, DSML), implemented here
+    dsv4_encode.py  DeepSeek-V4's chat format (thinking, reasoning_effort, tools, DSML), implemented here;
+                    its segments tell markup from client text, which is tokenized as text
     dsv4_parse.py   a V4 reply parsed as it streams: reasoning_content, content, tool_calls
     dsv4_grammar.py the grammar a forced tool call follows (xgrammar EBNF)
     detokenizer.py  incremental detokenization with stop strings

@@ -14,13 +14,26 @@ Rules kept exactly as the reference encoder has them (the tests pin its publishe
   the assistant turn before them; a user message right after joins that turn;
 * assistant `tool_calls` re-render as DSML: `string="true"` for string values, JSON otherwise.
 
+Where the reference writes text as is, kvmesh escapes what would break the markup, so any
+text reads back exactly (cluster/chat/dsv4_parse.py) and the forced-call grammar writes the
+same: a tool or parameter name escapes `&`, `"`, `<`, `>` and control characters as XML
+character references (`&amp;`, `&quot;`, `&lt;`, `&gt;`, `&#10;`); a string value that contains
+the closing `</｜DSML｜parameter>` is written as JSON (`string="false"`), any other as is.
+
 Messages are plain dicts in OpenAI's shape (`reasoning` / `reasoning_content`, `tool_calls`,
 `tool_call_id`); `encode_messages` returns the prompt text (tokenize without adding BOS).
+
+`encode_segments` returns the same text cut into markup and content: what a client wrote (message
+text, reasoning, tool results, tool schemas, history calls' names and arguments) is content, to be
+tokenized as text, so that `<｜Assistant｜>` typed by a user never becomes the turn token
+(`Tokenizer.encode_segments`). While rendering, content travels wrapped in two lone surrogates,
+code points no valid text holds (a JSON body cannot carry them), and is cut out at the end.
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -28,9 +41,18 @@ THINK, END_THINK = "<think>", "</think>"
 USER, ASSISTANT, LATEST_REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
 DSML = "｜DSML｜"
 CALLS_OPEN, CALLS_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+PARAM_CLOSE = f"</{DSML}parameter>"
+_ENTITIES = {"&": "&amp;", '"': "&quot;", "<": "&lt;", ">": "&gt;"}
+_NAMED = {v[1:-1]: k for k, v in _ENTITIES.items()}
+_UNSAFE = re.compile(r'[&"<>\x00-\x1f\x7f]')
+_REFERENCE = re.compile(r"&(amp|quot|lt|gt|#[0-9]{1,7});")
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK, END_THINK)
 TASK_TOKENS = {t: f"<｜{t}｜>" for t in ("action", "query", "authority", "domain", "title", "read_url")}
 THINKING, CHAT = "thinking", "chat"
+CONTENT_OPEN, CONTENT_CLOSE = "\ud800", "\udfff"        # lone surrogates: never in valid text
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTENT = re.compile(f"{CONTENT_OPEN}(.*?){CONTENT_CLOSE}", re.DOTALL)
+_UNMARK = {ord(CONTENT_OPEN): None, ord(CONTENT_CLOSE): None}
 
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -79,16 +101,36 @@ def render_tools(tools: list[dict]) -> str:
     return TOOLS_TEMPLATE.format(dsml=DSML, think=THINK, end_think=END_THINK, schemas=schemas)
 
 
+def escape_name(name: str) -> str:
+    """A tool or parameter name as the DSML attribute holds it."""
+    return _UNSAFE.sub(lambda m: _ENTITIES.get(m.group(), f"&#{ord(m.group())};"), name)
+
+
+def unescape_name(text: str) -> str:
+    """`escape_name`'s inverse (other `&` text stays as written)."""
+    def one(m: re.Match) -> str:
+        ref = m.group(1)
+        if ref[0] != "#":
+            return _NAMED[ref]
+        return chr(int(ref[1:])) if int(ref[1:]) <= 0x10FFFF else m.group()
+    return _REFERENCE.sub(one, text)
+
+
+def render_parameter(name: str, value: Any) -> str:
+    """One DSML parameter: a string as is unless it holds the closing tag, anything else as JSON."""
+    raw = isinstance(value, str) and PARAM_CLOSE not in value
+    return (f'<{DSML}parameter name="{escape_name(name)}" string="{"true" if raw else "false"}">'
+            f'{value if raw else to_json(value)}{PARAM_CLOSE}')
+
+
 def render_arguments(arguments: str | dict | None) -> str:
     """A call's arguments (JSON text or a dict) as DSML parameters, one per line."""
     args = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else arguments
-    return "\n".join(
-        f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-        f'{v if isinstance(v, str) else to_json(v)}</{DSML}parameter>' for k, v in (args or {}).items())
+    return "\n".join(render_parameter(k, v) for k, v in (args or {}).items())
 
 
 def render_tool_calls(calls: list[dict]) -> str:
-    invokes = "\n".join(f'<{DSML}invoke name="{c["function"]["name"]}">\n'
+    invokes = "\n".join(f'<{DSML}invoke name="{escape_name(c["function"]["name"])}">\n'
                         f'{render_arguments(c["function"].get("arguments"))}\n</{DSML}invoke>' for c in calls)
     return f"\n\n{CALLS_OPEN}\n{invokes}\n{CALLS_CLOSE}"
 
@@ -152,8 +194,8 @@ def _with_tools_block(text: str, m: dict) -> str:
     return text
 
 
-def _render(i: int, messages: list[dict], mode: str, drop: bool, effort: str | None) -> str:
-    m, last = messages[i], _last_user(messages)
+def _render(i: int, messages: list[dict], mode: str, drop: bool, effort: str | None, last: int) -> str:
+    m = messages[i]
     role = m["role"]
     text = REASONING_EFFORT_MAX if i == 0 and mode == THINKING and effort == "max" else ""
     if role == "system":
@@ -188,9 +230,28 @@ def _render(i: int, messages: list[dict], mode: str, drop: bool, effort: str | N
 def encode_messages(messages: list[dict], mode: str = THINKING, reasoning_effort: str | None = None,
                     tools: list[dict] | None = None, add_bos: bool = True) -> str:
     """The prompt text of a conversation; `tools` (the request's) join the first system message."""
+    return _encode_marked(messages, mode, reasoning_effort, tools, add_bos).translate(_UNMARK)
+
+
+def encode_segments(messages: list[dict], mode: str = THINKING, reasoning_effort: str | None = None,
+                    tools: list[dict] | None = None, add_bos: bool = True) -> list[tuple[str, bool]]:
+    """`encode_messages`' text as (text, is_content) pieces in order, markup and content
+    alternating (the first and last are markup, possibly empty)."""
+    marked = _encode_marked(messages, mode, reasoning_effort, tools, add_bos)
+    out, pos = [], 0
+    for m in _CONTENT.finditer(marked):
+        out += [(marked[pos:m.start()], False), (m.group(1), True)]
+        pos = m.end()
+    return out + [(marked[pos:], False)]
+
+
+def _encode_marked(messages: list[dict], mode: str, reasoning_effort: str | None, tools: list[dict] | None,
+                   add_bos: bool) -> str:
+    """The prompt text with every piece of content between CONTENT_OPEN and CONTENT_CLOSE."""
     if mode not in (THINKING, CHAT):
         raise ValueError(f"mode must be {THINKING!r} or {CHAT!r}, got {mode!r}")
     messages = [_normalized(m) for m in messages]
+    tools = _content_tools(tools)
     if tools:
         if messages and messages[0]["role"] == "system":
             messages[0] = {**messages[0], "tools": tools}
@@ -200,15 +261,46 @@ def encode_messages(messages: list[dict], mode: str = THINKING, reasoning_effort
     drop = not any(m.get("tools") for m in messages)
     if mode == THINKING and drop:
         messages = _drop_reasoning(messages)
-    return (BOS if add_bos else "") + "".join(_render(i, messages, mode, drop, reasoning_effort)
+    last = _last_user(messages)
+    return (BOS if add_bos else "") + "".join(_render(i, messages, mode, drop, reasoning_effort, last)
                                               for i in range(len(messages)))
 
 
 def _normalized(m: dict) -> dict:
-    """OpenAI's spellings -> the encoder's: `reasoning_content` is `reasoning`, list content is text."""
+    """OpenAI's spellings -> the encoder's: `reasoning_content` is `reasoning`, list content is text;
+    what the client wrote marked as content (history calls' arguments parsed to do so)."""
     m = copy.copy(m)
     if m.get("reasoning") is None and m.get("reasoning_content") is not None:
         m["reasoning"] = m["reasoning_content"]
     if isinstance(m.get("content"), list):
         m["content"] = "".join(p["text"] for p in m["content"] if p.get("type") == "text")
+    for key in ("content", "reasoning", "response_format"):
+        m[key] = _content_tree(m.get(key))
+    m["tools"] = _content_tools(m.get("tools"))
+    if m.get("tool_calls"):
+        m["tool_calls"] = [{**c, "function": {**c["function"], "name": _content_tree(c["function"]["name"]),
+                                              "arguments": _content_tree(_arguments(c["function"]))}}
+                           for c in m["tool_calls"]]
     return m
+
+
+def _arguments(function: dict) -> dict | None:
+    args = function.get("arguments")
+    return json.loads(args) if isinstance(args, str) and args.strip() else args
+
+
+def _content_tools(tools: list[dict] | None) -> list[dict] | None:
+    return tools and [{**t, "function": _content_tree(t["function"])} for t in tools]
+
+
+def _content_tree(value: Any) -> Any:
+    """`value` with every non-empty string in it (JSON keys too) marked as content."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise ValueError("the text holds a lone surrogate code point, which is not valid Unicode")
+        return CONTENT_OPEN + value + CONTENT_CLOSE if value else value
+    if isinstance(value, dict):
+        return {_content_tree(k): _content_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_content_tree(v) for v in value]
+    return value

@@ -11,6 +11,10 @@ held back, so no `<think>`, `</think>` or DSML text ever reaches reasoning or co
 `finish()` ends the reply. Streamed and whole replies give the same result: the whole one is
 one `feed` and `finish`.
 
+Names are unescaped (dsv4_encode.escape_name's XML character references); a `string="true"`
+value is the text up to the first `</｜DSML｜parameter>` (it may hold `<`), a `string="false"`
+value is one JSON value, so a JSON string may hold the closing tag itself.
+
 Malformed DSML (an unknown shape, a `string="false"` value that is not JSON) is not a call:
 from the first malformed invoke on, the text is content, as the model wrote it. A block cut
 by the end of the reply (max_tokens) loses only its unfinished invoke.
@@ -21,10 +25,10 @@ import json
 import uuid
 from typing import NamedTuple
 
-from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, THINK
+from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, PARAM_CLOSE, THINK, unescape_name
 
 INVOKE_OPEN, INVOKE_CLOSE = f'<{DSML}invoke name="', f"</{DSML}invoke>"
-PARAM_OPEN, PARAM_CLOSE = f'<{DSML}parameter name="', f"</{DSML}parameter>"
+PARAM_OPEN = f'<{DSML}parameter name="'
 STRAY = (THINK, END_THINK)           # dropped wherever they appear in content
 
 
@@ -75,19 +79,28 @@ def _skip_space(s: str, p: int) -> int:
     return p
 
 
-def _value(raw: str, is_string: str):
+def _value(s: str, p: int, is_string: str) -> tuple[object, int]:
+    """The parameter value at s[p:] -> (value, index of its closing tag)."""
+    q = s.find(PARAM_CLOSE, p)
     if is_string == "true":
-        return raw
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise _Malformed from None
+        if q < 0:
+            raise _Partial
+        return s[p:q], q
+    inside = True                # no closing tag yet: the value may still come
+    while q >= 0:                # the first closing tag after a whole JSON value (a JSON string may hold one)
+        try:
+            return json.loads(s[p:q], strict=False), q    # xgrammar lets raw control characters into strings
+        except (ValueError, RecursionError) as e:
+            inside = getattr(e, "msg", "").startswith("Unterminated string")    # the tag sits in a string
+        q = s.find(PARAM_CLOSE, q + 1)
+    raise _Partial if inside else _Malformed
 
 
 def scan_invoke(s: str, p: int) -> tuple[str, dict, int]:
     """One `<｜DSML｜invoke …>…</｜DSML｜invoke>` at s[p:] -> (name, arguments, end)."""
     p = _expect(s, p, INVOKE_OPEN)
     name, p = _until(s, p, '">')
+    name = unescape_name(name)
     p = _skip_space(s, p)
     args: dict = {}
     while True:
@@ -98,13 +111,11 @@ def scan_invoke(s: str, p: int) -> tuple[str, dict, int]:
                 raise _Partial
             raise _Malformed
         key, p = _until(s, p + len(PARAM_OPEN), '" string="')
+        key = unescape_name(key)
         is_string, p = _until(s, p, '">')
         if is_string not in ("true", "false") or key in args:
             raise _Malformed
-        q = s.find(PARAM_CLOSE, p)
-        if q < 0:
-            raise _Partial
-        args[key] = _value(s[p:q], is_string)
+        args[key], q = _value(s, p, is_string)
         p = _skip_space(s, q + len(PARAM_CLOSE))
 
 
@@ -118,7 +129,7 @@ def argument_pieces(args: dict) -> tuple[str, ...]:
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a marker."""
-    for k in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+    for k in range(min(len(text), max((len(m) for m in markers), default=1) - 1), 0, -1):
         if any(m.startswith(text[-k:]) for m in markers):
             return k
     return 0
@@ -126,11 +137,13 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
 
 class ReplyParser:
     """One choice's reply. mode "thinking" starts in the reasoning; `tools`: parse DSML calls
-    (with none, DSML text is content); `parallel`: keep more than the first call."""
+    (with none, DSML text is content); `parallel`: keep more than the first call; `verbatim`:
+    content is kept as written, stray `<think>` text too (a grammar-guided JSON reply, whose
+    strings may hold it)."""
 
-    def __init__(self, mode: str, tools: bool, parallel: bool = True):
+    def __init__(self, mode: str, tools: bool, parallel: bool = True, verbatim: bool = False):
         self.state = "reasoning" if mode == "thinking" else "content"
-        self.tools, self.parallel = tools, parallel
+        self.tools, self.parallel, self.verbatim = tools, parallel, verbatim
         self.buf = ""
         self.calls: list[ToolCall] = []
         self._after_block = False
@@ -171,13 +184,14 @@ class ReplyParser:
         return out.replace(THINK, "")
 
     def _content(self, final: bool) -> str:
-        text = self._strip(self.buf)
-        q = text.find(CALLS_OPEN) if self.tools else -1
-        if q >= 0:
-            head = text[:q].rstrip(" \n")
-            self.buf, self.state, self._fresh = text[len(head):], "calls", True
+        q = self.buf.find(CALLS_OPEN) if self.tools else -1
+        if q >= 0:                   # the block is kept as written (its values may hold `</think>`)
+            before = self._strip(self.buf[:q])
+            head = before.rstrip(" \n")
+            self.buf, self.state, self._fresh = before[len(head):] + self.buf[q:], "calls", True
             return head
-        markers = STRAY + ((CALLS_OPEN,) if self.tools else ())
+        text = self._strip(self.buf)
+        markers = (() if self.verbatim else STRAY) + ((CALLS_OPEN,) if self.tools else ())
         keep = _held(text, markers)
         if final:                # a cut opener (it starts with a full-width bar, never prose) is dropped
             cut = self.tools and keep and text[len(text) - keep:].startswith(CALLS_OPEN[:2])
@@ -189,6 +203,8 @@ class ReplyParser:
         return text[:len(text) - keep]
 
     def _strip(self, text: str) -> str:
+        if self.verbatim:
+            return text
         for m in STRAY:
             text = text.replace(m, "")
         return text

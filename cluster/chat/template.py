@@ -43,19 +43,22 @@ def render_chat(template: str | None, messages: list[tuple[str, str]], add_gener
         add_generation_prompt=add_generation_prompt, **variables)
 
 
-def chat_prompt_ids(tokenizer, body) -> list[int]:
-    """A ChatCompletionRequest's prompt ids in the tokenizer's chat format; every refusal is a 400."""
+def chat_prompt_ids(tokenizer, body, special_in_content: bool = False) -> list[int]:
+    """A ChatCompletionRequest's prompt ids in the tokenizer's chat format; every refusal is a 400.
+    In V4's format the text of the messages is tokenized as text (a special token's string in it
+    stays text) unless `special_in_content` (ingress.allow_special_tokens_in_content)."""
     if tokenizer.chat_format == "dsv4":
         try:
             messages = [m.as_dict() for m in body.messages]
-            text = dsv4_encode.encode_messages(messages, body.thinking_mode, body.effort, body.offered_tools)
+            pieces = dsv4_encode.encode_segments(messages, body.thinking_mode, body.effort, body.offered_tools)
         except ValueError as e:      # a malformed message (InvalidRequestError names its field)
             field = getattr(e, "field", None)
             raise bad_request(str(e) if field else f"messages: {e}", field or "messages") from None
         if not body.add_generation_prompt:
-            text = text.removesuffix(dsv4_encode.THINK).removesuffix(dsv4_encode.END_THINK) \
+            end = pieces[-1][0].removesuffix(dsv4_encode.THINK).removesuffix(dsv4_encode.END_THINK) \
                 .removesuffix(dsv4_encode.ASSISTANT)
-        return tokenizer.encode_rendered(text)
+            pieces[-1] = (end, False)
+        return tokenizer.encode_segments(pieces, special_in_content)
     if body.tools and body.tool_choice != "none":
         raise bad_request("tools need a checkpoint in DeepSeek-V4's chat format (its tokenizer, no template)",
                           "tools")

@@ -59,6 +59,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                                help=text)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=IngressConfig.model_fields["model_name"].description + " (config key ingress.model_name)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
+                   help=IngressConfig.model_fields["allow_special_tokens_in_content"].description
+                   + " (config key ingress.allow_special_tokens_in_content)")
 
 
 def _config_key(name: str, pool: str) -> str:
@@ -116,4 +119,8 @@ def flag_overrides(args: argparse.Namespace, data: dict[str, Any], source: str) 
     if args.served_model_name is not None:
         _agree("--served-model-name", args.served_model_name, data, ["ingress.model_name"], source)
         out["ingress.model_name"] = args.served_model_name
+    if args.allow_special_tokens_in_content:
+        key = "ingress.allow_special_tokens_in_content"
+        _agree("--allow-special-tokens-in-content", True, data, [key], source)
+        out[key] = True
     return out

@@ -10,6 +10,7 @@ into OpenAI bodies or SSE events. The API key is one dependency on the whole app
 """
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -28,7 +29,7 @@ from cluster.errors import APIError, bad_request
 from cluster.openai.auth import ApiKeys, require_api_key
 from cluster.openai.limits import WorkerLimits, read_body
 from cluster.openai.protocol import package_version
-from cluster.openai.serving import ServedModel, ServingContext, error_response, to_api_error
+from cluster.openai.serving import PREPARE_THREADS, ServedModel, ServingContext, error_response, to_api_error
 from cluster.openai.serving_chat import ServingChat
 from cluster.openai.serving_completion import ServingCompletion
 from cluster.openai.serving_tokenize import ServingTokenize
@@ -88,7 +89,9 @@ class Ingress:
         self.ctx = ServingContext(
             model=ServedModel(config.ingress.model_name or model_dir.name, config.engine.model),
             tokenizer=load_tokenizer(model_dir), limits=WorkerLimits(config.mode, pools, locator),
-            dispatch=dispatch, metrics=metrics, retry_after_s=config.ingress.retry_after_s)
+            dispatch=dispatch, metrics=metrics, retry_after_s=config.ingress.retry_after_s,
+            special_in_content=config.ingress.allow_special_tokens_in_content,
+            prepare=ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare"))
         self.serving_completion = ServingCompletion(self.ctx)
         self.serving_chat = ServingChat(self.ctx)
         self.serving_tokenize = ServingTokenize(self.ctx)

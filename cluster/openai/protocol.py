@@ -119,10 +119,11 @@ class _Request(BaseModel):
             return None
         if f.type == "json_object":
             return ("json_object", "")
+        from cluster.chat.json_schema import check
         try:
-            return ("json_schema", check_schema(f.json_schema.schema_))
+            return ("json_schema", check_schema(check(f.json_schema.schema_, "response_format.json_schema.schema")))
         except InvalidRequestError as e:
-            raise bad_request(str(e), "response_format") from None
+            raise bad_request(str(e), e.field or "response_format") from None
 
     @property
     def num_sequences(self) -> int:
@@ -182,10 +183,38 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_.\-]+$"
+THINKING_KWARGS = ("thinking", "enable_thinking")      # the template switches; a real bool only
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_object_text(text: str | None) -> str | None:
+    """`text` if it is empty or the JSON text of an object (a call's arguments); else ValueError."""
+    if text is None or not text.strip():
+        return text
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("must be JSON text nested less deeply") from None
+    except ValueError:
+        raise ValueError("must be JSON text") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be the JSON text of an object, got {text.strip()[:20]}")
+    return text
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: str
-    arguments: str | None = None          # JSON text, as OpenAI sends it back
+    name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME)
+    arguments: str | None = None          # JSON text of an object, as OpenAI sends it back
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, v):
+        return json_object_text(v)
 
 
 class ToolCall(BaseModel):
@@ -215,11 +244,6 @@ class ChatMessage(BaseModel):
         """The message as DeepSeek-V4's encoder reads it (cluster/chat/dsv4_encode.py)."""
         out = {"role": self.role, "content": self.text, "reasoning": self.reasoning or self.reasoning_content}
         if self.tool_calls:
-            for c in self.tool_calls:
-                try:
-                    json.loads(c.function.arguments or "{}")
-                except ValueError:
-                    raise InvalidRequestError("must be JSON text", "messages.tool_calls.function.arguments") from None
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
@@ -228,7 +252,7 @@ class ChatMessage(BaseModel):
 
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
@@ -278,6 +302,10 @@ class ChatCompletionRequest(_Request):
         reserved = sorted(set(v or {}) & {"messages", "add_generation_prompt"})
         if reserved:
             raise ValueError(f"{reserved} cannot be set through chat_template_kwargs")
+        for key in THINKING_KWARGS:
+            if key in (v or {}) and not isinstance(v[key], bool):
+                raise InvalidRequestError(f"must be true or false, got {json.dumps(v[key])}",
+                                          f"chat_template_kwargs.{key}")
         return v
 
     @model_validator(mode="after")
@@ -302,7 +330,7 @@ class ChatCompletionRequest(_Request):
     def thinking_mode(self) -> str:
         """V4's mode: thinking unless a switch turns it off (V4 thinks by default, as DeepSeek's API does)."""
         kwargs = self.chat_template_kwargs or {}
-        off = [kwargs.get(k) is False for k in ("thinking", "enable_thinking")]
+        off = [kwargs.get(k) is False for k in THINKING_KWARGS]
         off += [self.thinking is not None and self.thinking.type == "disabled", self.reasoning_effort == "none"]
         return "chat" if any(off) else "thinking"
 
@@ -324,6 +352,8 @@ class ChatCompletionRequest(_Request):
         name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         try:
             return ("ebnf", tool_call_grammar(self.offered_tools, self.thinking_mode, self.parallel_tool_calls, name))
+        except InvalidRequestError as e:      # a schema the grammar cannot enforce exactly, or never satisfied
+            raise bad_request(str(e), e.field) from None
         except Exception as e:        # a parameter schema xgrammar cannot turn into a grammar
             raise bad_request(f"tools: a parameter schema cannot be compiled: {e}", "tools") from None
 
@@ -409,11 +439,12 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
             raise bad_request(f"missing required field `{param}`", param) from None
         msg = err["msg"].removeprefix("Value error, ")
         cause = (err.get("ctx") or {}).get("error")
-        if not param and isinstance(cause, InvalidRequestError):    # a model-level check names its field
+        if isinstance(cause, InvalidRequestError) and (cause.field or not param):   # the check names its field
             raise bad_request(msg, cause.field) from None
         raise bad_request(f"{param}: {msg}" if param else msg, param) from None
 
 
 def _is_union_tag(p) -> bool:
     # pydantic names union members in the error location ("str", "list[int]", "constrained-str")
-    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith(("constrained", "function")))
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p
+                                   or p.startswith(("constrained-", "function-")))

@@ -32,10 +32,12 @@ class Delta(NamedTuple):
 
 
 class ReplyFormat(NamedTuple):
-    """How chat replies are parsed: V4's thinking/chat mode, tool calls looked for, parallel kept."""
+    """How chat replies are parsed: V4's thinking/chat mode, tool calls looked for, parallel kept,
+    content verbatim (a response_format JSON reply)."""
     mode: str
     tools: bool
     parallel: bool = True
+    verbatim: bool = False
 
 
 class Choice:
@@ -43,7 +45,7 @@ class Choice:
                  stop_ids: frozenset[int] = frozenset(), fmt: ReplyFormat | None = None):
         self.index, self.echo, self.stop_ids = index, echo, stop_ids
         self.detok = Detokenizer(tokenizer.decode_markup if fmt else tokenizer.decode, stops)
-        self.parser = ReplyParser(fmt.mode, fmt.tools, fmt.parallel) if fmt else None
+        self.parser = ReplyParser(*fmt) if fmt else None
         self.reasoning, self.content = "", ""
         self.calls: list[ToolCall] = []
         self.token_ids: list[int] = []

@@ -6,6 +6,9 @@
 
 `OpenAIServing.serve` runs it for every endpoint; a subclass (serving_completion.py,
 serving_chat.py) says what its body is, how it becomes prompts and how a Reply is rendered.
+Parsing, rendering, tokenizing and checking a body (up to the GenRequests) run on the context's
+prepare threads, never on the event loop: a 1 MB chat body takes seconds to tokenize, and every
+other request of the replica would wait that long.
 Every 4xx is decided before the first chunk is in, so it is a status code; a failure after it
 is the status of a whole body, or the last event of a stream.
 """
@@ -15,8 +18,9 @@ import asyncio
 import logging
 import uuid
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, NamedTuple
+from typing import AsyncGenerator, AsyncIterator, Callable, NamedTuple, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray.serve.exceptions import BackPressureError
@@ -25,8 +29,8 @@ from workers.checkpoint.tokenizer import Tokenizer
 from workers.sampling.params import InvalidRequestError
 
 from cluster.errors import APIError, WorkerFailed, bad_request, model_not_found, overloaded
-from cluster.messages import Chunk
-from cluster.openai.limits import WorkerLimits
+from cluster.messages import Chunk, GenRequest
+from cluster.openai.limits import Limits, WorkerLimits
 from cluster.openai.protocol import parse_body
 from cluster.openai.responses import Choice, Delta, Reply, sse
 from cluster.openai.validate import Body, Prompts, gen_request
@@ -34,6 +38,8 @@ from cluster.serve.dispatch import RETRYABLE, Dispatcher
 from cluster.serve.metrics import Metrics, RequestTimer
 
 log = logging.getLogger(__name__)
+PREPARE_THREADS = 4      # bodies prepared at once per ingress replica; more wait their turn
+T = TypeVar("T")
 
 
 def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
@@ -81,6 +87,12 @@ class ServingContext:
     dispatch: Dispatcher
     metrics: Metrics
     retry_after_s: int             # the Retry-After of a 503 (overloaded, worker failed)
+    special_in_content: bool       # ingress.allow_special_tokens_in_content
+    prepare: ThreadPoolExecutor    # PREPARE_THREADS threads: the work on a body that is not I/O
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on a prepare thread; the event loop serves other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.prepare, fn, *args)
 
 
 def stop_ids(tokenizer: Tokenizer, body: Body) -> frozenset[int]:
@@ -133,21 +145,30 @@ class OpenAIServing(ABC):
         return await gen.whole()
 
     async def _start(self, raw: bytes, timer: RequestTimer) -> Generation:
-        """Parse, tokenize, check and dispatch; returns once the first chunk is in (an error
+        """Prepare (off the loop) and dispatch; returns once the first chunk is in (an error
         before the first token is still a status code)."""
+        body, prompts = await self.ctx.off_loop(self._parse, raw)
+        reply, reqs = await self.ctx.off_loop(self._requests, body, prompts, await self.ctx.limits.get())
+        chunks = merge([self.ctx.dispatch.stream(r) for r in reqs])
+        first = await chunks.__anext__()
+        return Generation(self, body, reply, first, chunks, timer)
+
+    def _parse(self, raw: bytes) -> tuple[Body, Prompts]:
+        """The body and its prompts as token ids, or a 400 (a 404 for another model)."""
         body = parse_body(raw, self.request_model)
         prompts = self.prompts(body)
         self.ctx.model.check(body.model)
+        return body, prompts
+
+    def _requests(self, body: Body, prompts: Prompts, limits: Limits) -> tuple[Reply, list[GenRequest]]:
+        """The Reply and a GenRequest per prompt, checked against the workers' limits (or a 400)."""
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        reqs = [gen_request(body, prompts, ids, f"{rid}-{i}", await self.ctx.limits.get())
-                for i, ids in enumerate(prompts.ids)]
+        reqs = [gen_request(body, prompts, ids, f"{rid}-{i}", limits) for i, ids in enumerate(prompts.ids)]
         tok = self.ctx.tokenizer
         reply = Reply(rid, self.ctx.model.name, tok, body.stop_strings, prompts.ids, body.num_sequences,
                       keep=body.n, echo=[tok.decode(p) for p in prompts.ids] if prompts.echo else None,
                       stop_ids=stop_ids(tok, body), fmt=prompts.fmt)
-        chunks = merge([self.ctx.dispatch.stream(r) for r in reqs])
-        first = await chunks.__anext__()
-        return Generation(self, body, reply, first, chunks, timer)
+        return reply, reqs
 
 
 class Generation:

@@ -20,14 +20,15 @@ class ServingChat(OpenAIServing):
 
     def prompts(self, body: ChatCompletionRequest) -> Prompts:
         """One prompt: the messages in the chat format (every refusal of a message is a 400)."""
-        ids = chat_prompt_ids(self.ctx.tokenizer, body)
+        ids = chat_prompt_ids(self.ctx.tokenizer, body, self.ctx.special_in_content)
         return Prompts([ids], body.token_limit, body.logprobs, field="messages", fmt=self.reply_format(body))
 
     def reply_format(self, body: ChatCompletionRequest) -> ReplyFormat | None:
         """Replies in V4's format are parsed into reasoning, content and tool calls; others are text."""
         if self.ctx.tokenizer.chat_format != "dsv4":
             return None
-        return ReplyFormat(body.thinking_mode, bool(body.offered_tools), body.parallel_tool_calls)
+        guided = body.response_format is not None and body.response_format.type != "text"
+        return ReplyFormat(body.thinking_mode, bool(body.offered_tools), body.parallel_tool_calls, guided)
 
     def render(self, reply: Reply, body: ChatCompletionRequest) -> dict:
         return reply.chat(body.logprobs, body.top_n, body.return_token_ids)

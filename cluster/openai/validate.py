@@ -7,6 +7,7 @@ decided here, before any worker sees the request (the body itself was checked by
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import NamedTuple
 
 from workers.sampling.grammar import check_schema_size
@@ -69,7 +70,11 @@ def _params(body: Body, prompts: Prompts, max_tokens: int, max_schema_bytes: int
                           "tools" if params.guide[0] == "ebnf" else "response_format")
     fmt = prompts.fmt
     if fmt and fmt.mode == "thinking" and params.guide and params.guide[0] != "ebnf":
-        params = dataclasses.replace(params, guide=after_reasoning(params.guide))
+        try:
+            params = dataclasses.replace(params, guide=after_reasoning(params.guide))
+        except RuntimeError as e:      # a schema xgrammar cannot turn into a grammar
+            cause = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).splitlines()[0])      # xgrammar's time and source line
+            raise InvalidRequestError(f"the schema cannot be compiled: {cause}", "response_format") from None
     if prompts.echo and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     params.validate()

@@ -198,7 +198,10 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
     config = serve_config(serve_args("--tensor-parallel-size", "2", "--enable-expert-parallel", "--kv-cache-dtype",
                                      "fp8", "--max-model-len", "4096", "--max-num-seqs", "8",
                                      "--decode-max-num-seqs", "32", "--prefill-tensor-parallel-size", "1",
-                                     "--served-model-name", "v4", "--data-parallel-size", "1"))
+                                     "--served-model-name", "v4", "--data-parallel-size", "1",
+                                     "--allow-special-tokens-in-content"))
+    assert config.ingress.allow_special_tokens_in_content
+    assert not serve_config(serve_args()).ingress.allow_special_tokens_in_content      # off by default
     prefill, decode = config.pool_engine(config.prefill), config.pool_engine(config.decode)
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (1, 2)
     assert prefill.enable_expert_parallel and decode.enable_expert_parallel
@@ -235,11 +238,14 @@ def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
     ("decode: {engine: {kv_cache_dtype: bfloat16}}", ["--kv-cache-dtype", "fp8"],
      ["--kv-cache-dtype fp8", "decode.engine.kv_cache_dtype: bfloat16"]),
     ("ingress: {model_name: flash}", ["--served-model-name", "pro"], ["--served-model-name pro", "ingress.model_name: flash"]),
+    ("ingress: {allow_special_tokens_in_content: false}", ["--allow-special-tokens-in-content"],
+     ["--allow-special-tokens-in-content disagrees", "ingress.allow_special_tokens_in_content: False"]),
     ("decode: {enable_expert_parallel: true}", ["--no-decode-enable-expert-parallel"],
      ["--no-decode-enable-expert-parallel disagrees", "decode.enable_expert_parallel: True"]),
     ("mode: colocated\ncolocated: {data_parallel_size: 4, enable_expert_parallel: true}", ["--data-parallel-size", "2"],
      ["--data-parallel-size 2", "colocated.data_parallel_size: 4"]),
-], ids=["pool_key", "inherited_engine_key", "pool_engine_key", "shared_key", "ingress_key", "bool", "data_parallel"])
+], ids=["pool_key", "inherited_engine_key", "pool_engine_key", "shared_key", "ingress_key", "ingress_switch", "bool",
+     "data_parallel"])
 def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tmp_path, capsys, yaml, argv, names):
     path = tmp_path / "kvmesh.yaml"
     path.write_text(yaml + "\n")

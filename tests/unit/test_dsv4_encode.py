@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from cluster.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from cluster.errors import APIError
+from cluster.openai.protocol import ChatCompletionRequest, TokenizeRequest, parse_body
 from cluster.chat.dsv4_encode import BOS, REASONING_EFFORT_MAX, encode_messages
 from cluster.chat.template import chat_prompt_ids
 from tests.helpers import V4_SPECIAL, write_v4_tokenizer
@@ -144,19 +145,22 @@ def test_a_template_still_wins_and_a_tokenizer_without_v4_turn_tokens_stays_plai
     assert load_tokenizer(plain).chat_format == "plain"        # BOS / EOS / pad only: the turns are bytes
 
 
-def test_bad_history_arguments_are_a_bad_request(v4_tokenizer):
-    b = ChatCompletionRequest.model_validate({"messages": [
+@pytest.mark.parametrize("arguments,says", [("{oops", "must be JSON text"), ("[1,2]", "of an object"),
+                                             ("1", "of an object"), ("true", "of an object"),
+                                             ('{"a": NaN}', "must be JSON text")])
+def test_bad_history_arguments_are_a_bad_request(arguments, says):
+    raw = json.dumps({"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                              "function": {"name": "f", "arguments": "{oops"}}]},
-        {"role": "user", "content": "y"}]})
-    with pytest.raises(Exception, match="must be JSON text") as e:
-        chat_prompt_ids(v4_tokenizer, b)
-    assert e.value.param == "messages.tool_calls.function.arguments"
+                                              "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "user", "content": "y"}]}).encode()
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        with pytest.raises(APIError, match=says) as e:
+            parse_body(raw, model)
+        assert e.value.status == 400 and e.value.param == "messages.1.tool_calls.0.function.arguments"
 
 
 def test_tokenize_refuses_what_the_chat_request_refuses_with_a_400():
-    from cluster.errors import APIError
     with pytest.raises(APIError) as e:
         TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                         "tool_choice": "required"}).as_chat()

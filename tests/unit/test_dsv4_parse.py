@@ -9,6 +9,10 @@ import json
 
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.chat.dsv4_encode import escape_name, render_tool_calls, unescape_name
 from cluster.chat.dsv4_parse import ReplyParser
 from cluster.messages import Chunk
 from cluster.openai.responses import Reply, ReplyFormat
@@ -161,3 +165,36 @@ def test_the_end_of_sequence_token_is_not_text_even_when_not_marked_special(tmp_
     for c in chunks(ids, 2, "length"):          # ignore_eos / max_tokens: the token is ordinary output
         r.feed(0, c)
     assert r.completion(None, False)["choices"][0]["text"] == "Hello!"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_any_name_escapes_to_attribute_text_and_back(name):
+    escaped = escape_name(name)
+    assert not any(c in escaped for c in '"<>\n') and unescape_name(escaped) == name
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+def test_names_and_values_of_any_characters_round_trip_through_the_encoder_and_the_parser(step):
+    """History re-rendered by the encoder reads back exactly, whole or streamed: names with markup
+    characters, a string holding `<` and `</think>` (as is), one holding the closing tag (as JSON),
+    a nested value holding it too."""
+    args = {'a<b\n"c&amp;': "x < y </z </think>", "k": "holds </｜DSML｜parameter> inside",
+            "&#10;": {"n": ["</｜DSML｜parameter>", 1]}, "e": ""}
+    text = render_tool_calls([{"function": {"name": "f", "arguments": json.dumps(args)}}])
+    assert 'string="false">"holds </｜DSML｜parameter> inside"' in text
+    parser = ReplyParser("chat", tools=True)
+    parsed = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
+    assert [json.loads(c.arguments) for p in parsed for c in p.calls] == [args]
+    assert "".join(p.content for p in parsed) == ""
+
+
+@pytest.mark.parametrize("step", [1, 5, 10_000])
+def test_a_guided_json_reply_keeps_think_text_in_its_strings(step):
+    """response_format content is parsed verbatim: `<think>` / `</think>` inside a JSON string stay
+    (unguided content drops them as stray markup)."""
+    text = 'why </th not</think>{"a": "<think>", "b": "x</think>"}'
+    parser = ReplyParser("thinking", tools=False, verbatim=True)
+    parsed = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
+    assert "".join(p.reasoning for p in parsed) == "why </th not"
+    assert json.loads("".join(p.content for p in parsed)) == {"a": "<think>", "b": "x</think>"}

@@ -42,7 +42,7 @@ def test_a_schema_over_the_size_limit_is_refused_before_any_compile(model_dir):
     with pytest.raises(InvalidRequestError, match="over the limit of 4096") as e:
         engine.add_request("big", SHORT, guided(wide(200)))
     assert e.value.field == "response_format"
-    assert engine.guides._worker is None and not engine.seqs      # nothing started, nothing queued
+    assert engine.guides._pool is None and not engine.seqs      # nothing started, nothing queued
     assert engine.generate([SHORT], GREEDY)[0].finish_reason == "length"
 
 
@@ -53,7 +53,7 @@ def test_a_compile_over_its_budget_is_stopped_and_the_engine_serves_on(model_dir
     t0 = time.monotonic()
     with pytest.raises(InvalidRequestError, match=what) as e:
         engine.add_request("wide", SHORT, guided(wide(500)))
-    assert e.value.field == "response_format" and engine.guides._worker.stopped == 1
+    assert e.value.field == "response_format" and engine.guides.stats().budget_kills == 1
     assert time.monotonic() - t0 < 30
     out = engine.generate([SHORT], guided(json.dumps(SMALL, sort_keys=True)))[0]    # a fresh compiler process
     assert json.loads(engine.tokenizer.decode(out.token_ids)) in ({"ok": True}, {"ok": False})
@@ -66,7 +66,9 @@ def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_di
     # memory budget is raised so it cannot end it first
     engine = AsyncEngine(engine=tiny_engine(model_dir, NAME, grammar_compile_timeout_s=3.0,
                                             grammar_compile_memory_bytes="8GiB"))
-    engine.engine.guides.compile(("json_schema", json.dumps(SMALL)))      # the compiler process is up
+    engine.engine.guides.compile(("json_schema", json.dumps(SMALL)))      # the compiler processes are up
+    while engine.engine.guides.stats().processes < engine.engine.guides._pool.size:
+        time.sleep(0.05)
 
     async def run(rid: str, params: SamplingParams) -> float:
         async for out in engine.generate(rid, SHORT, params):
@@ -75,6 +77,7 @@ def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_di
         return time.monotonic()
 
     async def both():
+        await run("warm", GREEDY)                  # the first (slow) step is over
         slow = asyncio.create_task(run("wide", guided(wide(1000))))
         await asyncio.sleep(0.2)
         plain = [await run(f"plain-{i}", GREEDY) for i in range(3)]

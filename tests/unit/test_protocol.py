@@ -2,6 +2,8 @@
 field is a 400 that names it."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cluster.errors import APIError
@@ -18,3 +20,82 @@ def test_request_models_accept_openai_shapes_and_name_bad_fields():
     with pytest.raises(APIError) as e:
         parse_body(b'{"prompt": "x", "temprature": 1}', CompletionRequest)
     assert e.value.status == 400 and e.value.param == "temprature"
+
+
+# ---- malformed chat bodies: every one is a 400 naming a field ------------------------------------
+BASE_CHAT = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": "", "reasoning_content": "look it up",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+    "tools": [{"type": "function", "function": {"name": "w", "description": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+    "tool_choice": "auto", "chat_template_kwargs": {"thinking": True}, "max_tokens": 4,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}},
+    "stop": ["x"], "logit_bias": {"5": 1.0}, "reasoning_effort": "high",
+}
+FORCED_CALL = {"messages": [{"role": "user", "content": "weather?"}], "tools": BASE_CHAT["tools"],
+               "tool_choice": {"type": "function", "function": {"name": "w"}}, "thinking": {"type": "disabled"}}
+ODD_VALUES = [None, 0, -1, 1.5, True, "", "x", "[1,2]", [], [None], {}, {"x": None}, "<｜Assistant｜>"]
+
+
+def _paths(value, path=()):
+    yield path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, path + (key,))
+
+
+def _mutated(body, path, value):
+    """A deep copy of `body` with the value at `path` replaced (`value` DELETE: removed)."""
+    out = json.loads(json.dumps(body))
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if value is DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return out
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("base", [BASE_CHAT, FORCED_CALL], ids=["full", "forced_call"])
+def test_every_malformed_chat_body_is_a_400_naming_a_field_and_no_other_error(base):
+    """Each field of a full chat body replaced by values of other types (or removed): the body is
+    accepted and rendered, or refused with a 400 that names a field; nothing else escapes."""
+    from cluster.chat.template import chat_prompt_ids
+    from cluster.openai.limits import Limits
+    from cluster.openai.protocol import TokenizeRequest
+    from cluster.openai.responses import ReplyFormat
+    from cluster.openai.validate import Prompts, gen_request
+    from workers.checkpoint.default_model import ensure_default_model
+    from workers.checkpoint.tokenizer import load_tokenizer
+    tok = load_tokenizer(ensure_default_model())
+    limits = Limits(max_model_len=4096, vocab_size=tok.vocab_size, max_schema_bytes=1 << 16)
+    tokenize_fields = set(TokenizeRequest.model_fields)
+    outcomes = {"accepted": 0, "refused": 0}
+    for path in list(_paths(base))[1:]:
+        for value in ODD_VALUES + [DELETE]:
+            body = _mutated(base, path, value)
+            for model in (ChatCompletionRequest, TokenizeRequest) if path[0] in tokenize_fields else \
+                    (ChatCompletionRequest,):
+                raw = json.dumps({k: v for k, v in body.items() if model is ChatCompletionRequest
+                                  or k in tokenize_fields}).encode()
+                try:
+                    parsed = parse_body(raw, model)
+                    chat = parsed.as_chat() if model is TokenizeRequest else parsed
+                    ids = chat_prompt_ids(tok, chat)
+                    if model is ChatCompletionRequest:
+                        fmt = ReplyFormat(chat.thinking_mode, bool(chat.offered_tools), chat.parallel_tool_calls)
+                        gen_request(chat, Prompts([ids], chat.token_limit, chat.logprobs, "messages", fmt=fmt),
+                                    ids, "r", limits)
+                    outcomes["accepted"] += 1
+                except APIError as e:
+                    assert e.status == 400 and e.param, (path, value, model.__name__, e.message)
+                    outcomes["refused"] += 1
+    assert outcomes["accepted"] > 20 and outcomes["refused"] > 100, outcomes

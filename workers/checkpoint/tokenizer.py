@@ -5,6 +5,14 @@ that ship none.
 these files: tokenizer.json's post-processor decides (transformers ignores tokenizer_config's
 `add_bos_token` / `add_eos_token` when a tokenizer.json exists).
 `encode_rendered(text)` adds nothing (a rendered chat template carries its own BOS).
+`encode_segments(pieces)` is `encode_rendered` of a prompt cut into markup and content: the
+tokenizer's added tokens (`<｜User｜>`, `</think>`, ...) are read in markup only, content is text
+through and through (llama.cpp's `parse_special=false`). Runs of text between markup's added
+tokens are encoded whole, so a prompt whose content holds no added token's string gets exactly
+the ids `encode_rendered` gives (added tokens are matched as written: a tokenizer whose added
+tokens set lstrip / rstrip / single_word would split differently; the default and test
+tokenizers set none). Encoding releases the GIL
+(`encode_batch_fast`): a long prompt tokenized on a worker thread leaves the event loop running.
 The chat template is `chat_template.jinja` or tokenizer_config.json's `chat_template`;
 generation ends on the tokenizer's EOS and generation_config.json's `eos_token_id`s.
 `chat_format` says how chat prompts are made: "template", "dsv4" (a DeepSeek-V4 checkpoint
@@ -13,7 +21,9 @@ defines, cluster/chat/dsv4_encode.py) or "plain".
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 BYTE_OFFSET = 3   # ids 0,1,2 = bos, eos, pad; byte b -> b + 3
@@ -34,6 +44,11 @@ class Tokenizer:
 
     def encode_rendered(self, text: str) -> list[int]:
         return self.encode(text)
+
+    def encode_segments(self, pieces: list[tuple[str, bool]], special_in_content: bool = False) -> list[int]:
+        """`encode_rendered` of the pieces joined, where a piece marked content (True) never yields
+        an added token's id unless `special_in_content` (DeepSeek's raw behaviour)."""
+        return self.encode_rendered("".join(text for text, _ in pieces))
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -83,6 +98,18 @@ class HFTokenizer(Tokenizer):
                          if i is not None}
         self.chat_format = "template" if self.chat_template else \
             "dsv4" if _model_type(path.parent) == "deepseek_v4" and self._has_v4_turns() else "plain"
+        self._added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))) \
+            if self._added else None
+
+    @functools.cached_property
+    def _text_only(self):
+        """A copy of the tokenizer that reads every string as text: no added tokens (BOS, turn
+        tokens, ...). Built on first use: only the ingress encodes segments."""
+        from tokenizers import Tokenizer as _Tok
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        return _Tok.from_str(json.dumps(spec))
 
     def _has_v4_turns(self) -> bool:
         return all(len(self._tok.encode(t, add_special_tokens=False).ids) == 1 for t in DSV4_TURN_TOKENS)
@@ -91,10 +118,30 @@ class HFTokenizer(Tokenizer):
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=True)[0].ids
 
     def encode_rendered(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    def encode_segments(self, pieces: list[tuple[str, bool]], special_in_content: bool = False) -> list[int]:
+        if special_in_content or self._added_re is None:
+            return super().encode_segments(pieces)
+        runs: list[list[str]] = [[]]         # text between markup's added tokens
+        specials: list[int] = []             # the added token after each run but the last
+        for text, content in pieces:
+            pos = 0
+            for m in () if content else self._added_re.finditer(text):
+                runs[-1].append(text[pos:m.start()])
+                specials.append(self._added[m.group()])
+                runs.append([])
+                pos = m.end()
+            runs[-1].append(text[pos:])
+        encoded = self._text_only.encode_batch_fast(["".join(r) for r in runs], add_special_tokens=False)
+        ids = list(encoded[0].ids)
+        for special, run in zip(specials, encoded[1:]):
+            ids.append(special)
+            ids += run.ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -4,12 +4,13 @@
     protocol.py    EngineProtocol: the API Engine and DataParallelEngine both offer (run_to_completion)
     builder.py     wiring the parts from an EngineConfig: model, cache, tiers, manager, runner
     output.py      sampling calls, stop checks, finishing / holding, n > 1 forks, RequestOutput
+    grammar_wait.py guided requests waiting for their grammar outside the batch
     scheduler.py   continuous batching under a token budget (decodes first, then prefill chunks)
     kv_manager.py  the only allocator of blocks and state slots (get_computed_blocks / allocate_slots)
     runner.py      a batch -> StepInput -> the model's forward (and the CUDA-graph decode path)
     cuda_graphs.py the fixed-shape decode path and its graphs
-    stats.py       EngineStats and its typed counters (EngineCounters, ReuseCounters, StoreCounters: the
-                   metrics surface), summed over data-parallel ranks; the queue-time histogram
+    stats.py       EngineStats and its typed counters (EngineCounters, ReuseCounters, StoreCounters,
+                   GrammarCounters: the metrics surface), summed over data-parallel ranks; the queue-time histogram
     async_engine.py the engine on a background thread, with async streams
     data_parallel.py data-parallel attention + expert parallelism: the front over N engines (open_engine)
     dp_rank.py     one DP rank: the tick messages and what each rank does with a tick

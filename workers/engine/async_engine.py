@@ -152,11 +152,11 @@ class AsyncEngine:
         params.validate()
         if request_id in self._streams:  # a second stream would steal (and abort) the first one's
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        if params.guide:    # compiled here, off the engine loop (bounded); the loop then finds it cached
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.guides.compile, params.guide)
+        if params.guide:    # compiled in the pool (bounded), off the loop: a bad schema raises here, a 400
+            await asyncio.wrap_future(self.engine.guides.compile_async(params.guide))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        kw = {"hold_kv": hold_kv, "resume": resume}
+        kw = {"hold_kv": hold_kv, "resume": resume, "wait": False}    # never a compile on the loop thread
         if rank is not None and isinstance(self.engine, DataParallelEngine):
             kw["rank"] = rank
         with self._lock:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 from kvstore.kv_transport import HandoffError, KVTransport, Offer, PortableLoad
@@ -59,7 +60,7 @@ from workers.sampling.params import InvalidRequestError, SamplingParams
 
 from .dp_rank import (Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
                       ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
-from .engine import Engine
+from .engine import GRAMMAR_POLL_S, Engine
 from .protocol import run_to_completion
 from .stats import EngineStats, summed
 
@@ -176,15 +177,23 @@ class DataParallelEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    hold_kv: bool = False, resume: Resume | None = None, rank: int | None = None) -> int:
+                    hold_kv: bool = False, resume: Resume | None = None, wait: bool = True,
+                    rank: int | None = None) -> int:
         """Queue a request on `rank` (the ingress saw that rank hold its prefix), else on the rank
         `route` picks; returns that rank. It starts there on the next step. `hold_kv` / `resume`:
-        Engine.add_request's, on that rank (a resume on rank j > 0 needs a PortableLoad)."""
+        Engine.add_request's, on that rank (a resume on rank j > 0 needs a PortableLoad).
+
+        `wait`: a grammar is compiled on rank 0 first, so a bad schema raises here (a 400);
+        False: the caller checked it already (AsyncEngine compiles it on rank 0 before adding).
+        The rank that runs the request compiles its own copy in its own pool and parks the
+        request until it is ready (engine/grammar_wait.py): no rank compiles inside the lockstep
+        step. A request routed off rank 0 thus compiles twice (each cached); shipping rank 0's
+        compiled grammar instead would put megabytes into every rank's tick."""
         if request_id in self.where or request_id in self.held_on:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         ids = self.local.prepare(prompt, params)
-        if params.guide:
-            self.local.guides.guide(params.guide)        # a bad schema is a 400 here, not on a rank
+        if params.guide and wait:
+            self.local.guides.compile(params.guide)
         if rank is not None and not 0 <= rank < self.size:
             raise InvalidRequestError(f"rank {rank}: this engine has data-parallel ranks 0..{self.size - 1}")
         rank = self.route(ids) if rank is None else rank
@@ -233,9 +242,16 @@ class DataParallelEngine:
     def step(self) -> list[RequestOutput]:
         """One tick on every rank (engine/dp_rank.py); every rank's outputs. RankFailed (within
         rank_timeout_s) when a rank died or stalled; the engine is unusable after it."""
+        if not any(self.new) and not any(self.aborts) and self._only_parked():
+            time.sleep(GRAMMAR_POLL_S)      # nothing to step until a grammar is ready: no busy ticks
         tick = Tick(tuple(map(tuple, self.new)), tuple(map(tuple, self.aborts)))
         self._clear()
         return self._tick(tick)
+
+    def _only_parked(self) -> bool:
+        """As of the last tick, no rank has a request to step, and some wait for their grammar."""
+        ranks = self.rank_stats
+        return all(s.running + s.waiting == 0 for s in ranks) and any(s.grammar.waiting for s in ranks)
 
     def flush(self) -> None:
         """Every rank's persisted blocks and checkpoints durable in the store (a flush tick)."""
@@ -289,7 +305,7 @@ class DataParallelEngine:
         """A rank's stats and load now. A held cache counts: it occupies its rank's memory until
         read, so a prefill replica spreads them over its ranks."""
         self.rank_stats[rank] = s
-        self.loads[rank] = s.running + s.waiting + s.held + sum(r.params.n for r in self.new[rank])
+        self.loads[rank] = s.load + s.held + sum(r.params.n for r in self.new[rank])
 
     # ---- handoffs (see the module docstring) ---------------------------------------------------
     def _call(self, rank: int | None, op) -> list[CallReply]:

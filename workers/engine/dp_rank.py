@@ -5,7 +5,9 @@ A tick is one `DataParallelEngine.step()`:
     rank 0:  send Tick ─ run_tick(its own part) ─ gather_objects(Reply) -> every rank's Reply
     rank k:  recv Tick ─ run_tick(its own part) ─ gather_objects(Reply)
 
-`run_tick` adds the rank's new requests, aborts, and runs exactly one `Engine.step()`: the ranks
+`run_tick` adds the rank's new requests (a guided one whose grammar is not compiled on this rank
+yet waits parked, outside the step, while the rank's pool compiles it), aborts, and runs exactly
+one `Engine.step()`: the ranks
 agree there whether anyone has a batch; one that has none runs an empty batch through every MoE
 exchange (Engine._step, Transformer.idle), so the model's collectives stay in lockstep. Ranks
 1..N-1 run `run_dp_rank` in their own process (LocalProcessLauncher(main=run_dp_rank)).
@@ -227,7 +229,8 @@ def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency, handof
     refused = []
     for r in tick.new[rank]:
         try:
-            engine.add_request(r.request_id, r.prompt, r.params, hold_kv=r.hold_kv, resume=handoff.resume(r))
+            engine.add_request(r.request_id, r.prompt, r.params, hold_kv=r.hold_kv, resume=handoff.resume(r),
+                               wait=False)    # a grammar compiles off the step: the request waits for it parked
         except Exception as e:      # checked by the front already; whatever is left fails the request only
             refused.append(RequestOutput(r.request_id, r.prompt, [], [], [], "", True, "error", len(r.prompt), 0,
                                          error=f"{type(e).__name__}: {e}"))

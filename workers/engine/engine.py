@@ -28,19 +28,21 @@ from workers.model.args import ConfigError
 from workers.parallel.collectives import Collectives, RankFailed
 from workers.parallel.replica import RankLauncher
 from workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
-from workers.sampling.grammar import GrammarLimits, GuideCompiler
+from workers.sampling.grammar import GrammarLimits, Guide, GuideCompiler
 from workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
 from workers.spec.mtp import MTPDrafter
 from workers.spec.speculative import Drafter, DraftLimits, Speculator
 
 from .builder import StoreUnavailable, build, start_ranks
+from .grammar_wait import GrammarWait
 from .output import OutputProcessor, RequestTable
 from .protocol import run_to_completion
 from .scheduler import Scheduler
-from .stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters
+from .stats import EngineCounters, EngineStats, GrammarCounters, Histogram, ReuseCounters, StoreCounters
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
+GRAMMAR_POLL_S = 0.01    # an engine with nothing to run but parked requests waits this long for a compile
 
 
 class Engine:
@@ -80,8 +82,9 @@ class Engine:
         eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size, sorted(eos),
                                     GrammarLimits(config.max_schema_bytes, config.grammar_compile_timeout_s,
-                                                  config.grammar_compile_memory_bytes))
-        self.outputs = OutputProcessor(self.tokenizer, eos, self.guides, self.table, self.scheduler, self.prefix,
+                                                  config.grammar_compile_memory_bytes, config.grammar_compile_workers))
+        self.grammar_wait = GrammarWait()
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.table, self.scheduler, self.prefix,
                                        self.counters)
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
             self.enable_decode_graphs()
@@ -152,24 +155,56 @@ class Engine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    hold_kv: bool = False, resume: Resume | None = None) -> Sequence:
+                    hold_kv: bool = False, resume: Resume | None = None, wait: bool = True) -> Sequence:
         """Queue a request. `hold_kv`: stop after the first token and keep its cache for a
         handoff (prefill role). `resume`: the prompt's cache comes from another engine and
-        decoding continues after `resume.first` (decode role)."""
+        decoding continues after `resume.first` (decode role). `wait`: a grammar not compiled
+        yet is compiled here first (its InvalidRequestError raises); False: the request waits
+        for it outside the batch (engine/grammar_wait.py) and a failed compile finishes it with
+        an error output, so a caller on the step's thread never waits for a compile."""
         if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         ids = self.prepare(prompt, params)
+        grammar = self.guides.compile_async(params.guide) if params.guide else None
+        if grammar is not None and wait:
+            grammar.result()
         seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic(),
                        hold_kv=hold_kv, resume=resume)
-        seq.guide = self.guides.guide(params.guide) if params.guide else None
-        if resume is not None:
-            self._resume_lead(seq, resume)
-        self.seqs[request_id] = seq
-        if params.n > 1 and not hold_kv:     # a held request forks on the decode worker
-            self.groups[request_id] = [seq]
-        self.scheduler.add(seq)
         self.counters.prompt_tokens += len(ids)
+        self.seqs[request_id] = seq
+        if grammar is not None and not grammar.done():
+            self.grammar_wait.park(seq, grammar)
+            return seq
+        try:
+            self._queue(seq, grammar.result() if grammar is not None else None)
+        except BaseException:
+            del self.seqs[request_id]
+            raise
         return seq
+
+    def _queue(self, seq: Sequence, grammar) -> None:
+        """Hand a checked request (its grammar compiled, or None) to the scheduler."""
+        seq.guide = Guide(grammar, self.args.vocab_size) if grammar is not None else None
+        if seq.resume is not None:
+            self._resume_lead(seq, seq.resume)
+        if seq.params.n > 1 and not seq.hold_kv:     # a held request forks on the decode worker
+            self.groups[seq.request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def _join_compiled(self) -> list[RequestOutput]:
+        """Queue the parked requests whose grammar is ready; error outputs for those whose
+        compile failed. With nothing else to run (and no data-parallel lockstep to keep), first
+        wait a little for a compile instead of spinning."""
+        if self.dp is None and self.grammar_wait and not self.scheduler.has_work():
+            self.grammar_wait.wait(GRAMMAR_POLL_S)
+        failed = []
+        for seq, grammar in self.grammar_wait.ready():
+            try:
+                self._queue(seq, grammar.result())
+            except Exception as e:      # InvalidRequestError: unusable or over budget; only this request fails
+                seq.status = Status.FINISHED
+                failed.append(self.outputs.failure(seq, e))
+        return failed
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids once the request is checked (InvalidRequestError /
@@ -206,6 +241,8 @@ class Engine:
         """Stop a request and free its cache, wherever it is: waiting, running, or already
         held for a handoff (a cancel can race the step that moves it to `held`)."""
         seq = self.seqs.pop(request_id, None)
+        if self.grammar_wait.drop(request_id):       # parked: never scheduled, holds nothing
+            seq = None
         for s in self.groups.pop(request_id, None) or ([seq] if seq is not None else []):
             if s.status != Status.FINISHED:
                 s.finish_reason = "abort"
@@ -213,7 +250,7 @@ class Engine:
         self.release_held(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.grammar_wait)
 
     def reap_landing(self) -> bool:
         """Take back the memory of handoffs given up while their transfer was in flight, where
@@ -303,7 +340,7 @@ class Engine:
             total_slots=self.slots.num_slots, preemptions=self.scheduler.preemptions,
             kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
-            reuse=reuse, store=stored)
+            reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()))
 
     @property
     def rank_stats(self) -> list[EngineStats]:
@@ -323,9 +360,10 @@ class Engine:
             raise
 
     def _step(self) -> list[RequestOutput]:
+        failed = self._join_compiled()
         t0 = time.perf_counter()
-        batch, failed = self.scheduler.schedule()    # admission restores prefixes here
-        failed = [self.outputs.failure(seq, e.__cause__ or e) for seq, e in failed]
+        batch, unloaded = self.scheduler.schedule()    # admission restores prefixes here
+        failed += [self.outputs.failure(seq, e.__cause__ or e) for seq, e in unloaded]
         spec = self.speculator
         k = spec.rule.for_batch(len(batch)) if spec is not None else 0    # the MTP passes after this step
         if self.dp is not None:     # every DP rank says whether it has a batch, and the k it wants: all use the largest

@@ -15,7 +15,6 @@ import torch
 
 from workers.request import FirstToken, RequestOutput, Sequence, Status
 from workers.reuse.prefix_cache import PrefixCache
-from workers.sampling.grammar import GuideCompiler
 from workers.sampling.params import SamplingParams, make_generator
 from workers.sampling.sampler import SampleRow, sample_batch
 from workers.spec.speculative import Speculator
@@ -56,9 +55,9 @@ class RequestTable:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos: frozenset[int], guides: GuideCompiler, table: RequestTable,
+    def __init__(self, tokenizer, eos: frozenset[int], table: RequestTable,
                  scheduler: Scheduler, prefix: PrefixCache, counters: EngineCounters):
-        self.tokenizer, self.eos, self.guides, self.table = tokenizer, eos, guides, table
+        self.tokenizer, self.eos, self.table = tokenizer, eos, table
         self.scheduler, self.prefix, self.counters = scheduler, prefix, counters
 
     # ---- sampling -------------------------------------------------------------------------
@@ -219,7 +218,7 @@ class OutputProcessor:
         child = Sequence(parent.request_id, parent.prompt, p, make_generator(p, index), arrival=parent.arrival)
         child.index, child.cached_tokens, child.chain = index, parent.cached_tokens, list(parent.chain)
         child.scheduled = True                   # its queue time is its parent's
-        child.guide = self.guides.guide(p.guide) if p.guide else None
+        child.guide = parent.guide.fresh() if parent.guide is not None else None
         return child
 
     def attach(self, parent: Sequence, child: Sequence) -> None:

@@ -54,8 +54,10 @@ class EngineProtocol(Protocol):
 
     # ---- requests and the step ----
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    hold_kv: bool = False, resume: Resume | None = None):
-        """Queue a request (InvalidRequestError / PromptTooLongError when it cannot run)."""
+                    hold_kv: bool = False, resume: Resume | None = None, wait: bool = True):
+        """Queue a request (InvalidRequestError / PromptTooLongError when it cannot run).
+        `wait` False: a grammar not compiled yet never blocks the call; the request waits for
+        it outside the batch (Engine.add_request)."""
 
     def abort(self, request_id: str) -> None: ...
 

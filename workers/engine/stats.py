@@ -86,7 +86,22 @@ class StoreCounters:
     scrub_last_pass_s: float = field(default=0.0, metadata=_metric("store_scrub_last_pass_s", shared=True))
 
 
-def exported(record: ReuseCounters | StoreCounters) -> dict[str, Any]:
+@dataclass(frozen=True)
+class GrammarCounters:
+    """Guided decoding's grammar compiles (workers.sampling.grammar.GrammarStats, plus the
+    requests parked for theirs): exported as `grammar_<name>`."""
+    PREFIX = "grammar_"
+    waiting: int = 0          # requests waiting outside the batch for their grammar
+    processes: int = 0        # compiler processes up now
+    running: int = 0          # compiles in a compiler process now
+    queued: int = 0           # compiles waiting for a compiler process
+    compiles: int = 0         # compiles ended since start
+    cache_hits: int = 0       # requests whose grammar was compiled already
+    coalesced: int = 0        # requests that joined an identical compile in progress
+    budget_kills: int = 0     # compiles stopped at their time or memory budget
+
+
+def exported(record: ReuseCounters | StoreCounters | GrammarCounters) -> dict[str, Any]:
     """A record's fields under their /metrics names (maps copied)."""
     out = {}
     for f in dataclasses.fields(record):
@@ -122,10 +137,12 @@ class EngineStats:
     queue_time: dict                # Histogram.snapshot() of arrival -> first scheduled
     reuse: ReuseCounters = field(default_factory=ReuseCounters)
     store: StoreCounters | None = None      # None without a shared store
+    grammar: GrammarCounters = field(default_factory=GrammarCounters)
 
     @property
     def load(self) -> int:
-        return self.running + self.waiting
+        """Requests running, waiting for admission, or waiting for their grammar."""
+        return self.running + self.waiting + self.grammar.waiting
 
     @property
     def free_kv(self) -> float:
@@ -141,10 +158,10 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         """One flat map (the WorkerStats message and the /metrics names)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("counters", "reuse", "store")}
+               if f.name not in ("counters", "reuse", "store", "grammar")}
         store = exported(self.store) if self.store is not None else {}
         return {**dataclasses.asdict(self.counters), **self.counters.speculation(), **out, **exported(self.reuse),
-                **store}
+                **store, **exported(self.grammar)}
 
 
 def summed(stats: list[EngineStats]) -> EngineStats:
@@ -161,7 +178,7 @@ def summed(stats: list[EngineStats]) -> EngineStats:
     stores = [s.store for s in stats if s.store is not None]
     return EngineStats(**counts, kv_cache_usage=usage, counters=added([s.counters for s in stats]),
                        queue_time=queue, reuse=added([s.reuse for s in stats]),
-                       store=added(stores) if stores else None)
+                       store=added(stores) if stores else None, grammar=added([s.grammar for s in stats]))
 
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -109,6 +109,9 @@ def rank_device(device: str, rank: int) -> str:
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
                   threads: int | None, main) -> None:
+    # daemonic so that rank 0's exit ends it (the parent's flag does that), yet a rank starts
+    # children of its own (a data-parallel rank's grammar compilers), which a daemon may not
+    multiprocessing.current_process().daemon = False
     if threads:
         torch.set_num_threads(threads)
     main(rank, world_size, init_method, config)

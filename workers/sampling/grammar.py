@@ -5,12 +5,14 @@ output is compact JSON (no free whitespace between tokens), so a model cannot st
 an endless run of blanks.
 
     compiler = GuideCompiler(tokenizer, vocab_size, eos_ids)
-    guide = compiler.guide(("json_schema", schema_json))    # or ("json_object", "")
+    guide = compiler.guide(("json_schema", schema_json))    # or ("json_object", ""); waits for the compile
+    future = compiler.compile_async(spec)                   # never blocks: Guide(future.result(), V) once done
     allowed = guide.allowed()        # bool [V]: the tokens the grammar accepts next
     guide.accept(token); guide.done  # True once the grammar is complete and a stop token was taken
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
@@ -18,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from .grammar_worker import CompileBudgetExceeded, CompileWorker
+from .compile_pool import CompilePool
+from .grammar_worker import CompileBudgetExceeded
 from .params import InvalidRequestError
 
 GUIDE_KINDS = ("json_object", "json_schema", "ebnf")      # ebnf: a grammar the API layer wrote (tool calls)
@@ -28,11 +31,16 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'     # what json_object compiles (vLLM 
 class Guide:
     """One sequence's position in a compiled grammar."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, grammar, vocab_size: int):
         import xgrammar as xgr
-        self.matcher, self.vocab_size = matcher, vocab_size
+        self.grammar, self.vocab_size = grammar, vocab_size
+        self.matcher = xgr.GrammarMatcher(grammar)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
+
+    def fresh(self) -> "Guide":
+        """The same grammar from its start (an n > 1 fork's own state; no compile, no cache)."""
+        return Guide(self.grammar, self.vocab_size)
 
     def allowed(self) -> torch.Tensor:
         self.matcher.fill_next_token_bitmask(self._bitmask, 0)
@@ -49,12 +57,25 @@ class Guide:
 
 
 class GrammarLimits(NamedTuple):
-    """What one request's schema may cost (EngineConfig: max_schema_bytes,
-    grammar_compile_timeout_s, grammar_compile_memory_bytes)."""
+    """What one request's schema may cost, and how many compile at once (EngineConfig:
+    max_schema_bytes, grammar_compile_timeout_s, grammar_compile_memory_bytes,
+    grammar_compile_workers)."""
 
     max_schema_bytes: int = 64 << 10
     compile_timeout_s: float = 10.0
     compile_memory_bytes: int = 2 << 30
+    compile_workers: int | None = None      # None: compile_pool.default_size()
+
+
+class GrammarStats(NamedTuple):
+    """The compiler's counters (workers.engine.stats.GrammarCounters exports them)."""
+    processes: int = 0        # compiler processes up now
+    running: int = 0          # compiles in a child process now
+    queued: int = 0           # compiles waiting for a child
+    compiles: int = 0         # compiles that ended since start
+    cache_hits: int = 0       # requests whose grammar was compiled already
+    coalesced: int = 0        # requests that joined an identical compile in progress
+    budget_kills: int = 0     # compiles stopped at their time or memory budget
 
 
 CACHE_ENTRIES = 64            # compiled grammars kept, least recently used dropped first
@@ -65,18 +86,24 @@ class GuideCompiler:
     """Compiles grammars for one tokenizer (lazily: xgrammar loads on the first guided request).
 
     A schema over `limits.max_schema_bytes` is refused before any work; the others compile in
-    a child process (workers.sampling.grammar_worker) inside the time and memory budget, so no
-    request can stall or exhaust the engine's process; over budget is an InvalidRequestError
-    naming `response_format` and the limit (a 400, never retried). Compiled grammars are kept
-    in a bounded LRU cache by spec. Thread-safe: the async engine compiles off its loop thread
-    and the loop then finds the grammar cached."""
+    a pool of child processes (workers.sampling.compile_pool: several at once, a small schema
+    never queued behind large ones) inside the time and memory budget, so no request can stall
+    or exhaust the engine's process; over budget is an InvalidRequestError naming
+    `response_format` and the limit (a 400, never retried). Compiled grammars are kept in a
+    bounded LRU cache keyed by (kind, text) (the API layer sends canonical JSON, see
+    check_schema), so a repeated schema does not compile again, and requests for a grammar
+    being compiled wait on that one compile. Thread-safe; `compile_async` never blocks on a
+    compile (the async engine and data-parallel ranks wait for its future off the step)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, limits: GrammarLimits = GrammarLimits()):
         self.tokenizer, self.vocab_size, self.eos, self.limits = tokenizer, vocab_size, list(eos_token_ids), limits
         self._info = None
-        self._worker: CompileWorker | None = None
+        self._info_lock = threading.Lock()
+        self._pool: CompilePool | None = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self._hits = self._coalesced = 0
 
     def _tokenizer_info(self):
         import xgrammar as xgr
@@ -89,14 +116,26 @@ class GuideCompiler:
         vocab = [b""] * BYTE_OFFSET + [bytes([b]) for b in range(256)]   # the byte tokenizer: raw bytes
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.eos)
 
-    def _started(self) -> None:
-        with self._lock:
+    def _info_json(self) -> str:
+        """xgrammar's TokenizerInfo, serialized (the pool calls this in its own thread: the
+        import and the vocabulary take seconds, which no engine step may wait for)."""
+        with self._info_lock:
             if self._info is None:
                 self._info = self._tokenizer_info()
-                self._worker = CompileWorker(self._info.serialize_json(), self.limits.compile_timeout_s,
-                                             self.limits.compile_memory_bytes)
+            return self._info.serialize_json()
 
-    def compile(self, spec: tuple[str, str]):
+    def _started(self) -> CompilePool:
+        with self._lock:
+            if self._pool is None:
+                lim = self.limits
+                self._pool = CompilePool(self._info_json, lim.compile_workers, lim.compile_timeout_s,
+                                         lim.compile_memory_bytes)
+            return self._pool
+
+    def compile_async(self, spec: tuple[str, str]) -> concurrent.futures.Future:
+        """A future of the compiled grammar of `spec` (done already when cached); it raises
+        InvalidRequestError when the grammar is unusable or over its budget. An unknown kind or
+        a schema over the size limit raises here, before any work."""
         kind, schema = spec
         if kind not in GUIDE_KINDS:
             raise InvalidRequestError(f"unknown type {kind!r}", "response_format")
@@ -104,44 +143,80 @@ class GuideCompiler:
         with self._lock:
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)
-                return self._compiled[spec]
-        self._started()
-        if kind == "json_object":      # a JSON *object*, as OpenAI's JSON mode promises (not any value)
-            schema = JSON_OBJECT_SCHEMA
+                self._hits += 1
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(self._compiled[spec])
+                return done
+            if spec in self._pending:
+                self._coalesced += 1
+                return self._pending[spec]
+            self._pending[spec] = out = concurrent.futures.Future()
+            out.set_running_or_notify_cancel()    # shared by every waiter: one leaving cannot cancel it
+        try:
+            text = JSON_OBJECT_SCHEMA if kind == "json_object" else schema   # JSON mode: an *object* (as vLLM)
+            raw = self._started().submit(text, "ebnf" if kind == "ebnf" else "json_schema")
+        except BaseException as e:
+            self._settle(spec, out, None, e)
+            raise
+        raw.add_done_callback(lambda f: self._finished(spec, f, out))
+        return out
+
+    def _finished(self, spec: tuple[str, str], raw: concurrent.futures.Future, out) -> None:
+        """A pool compile ended (in the pool's thread): deserialize, cache, answer every waiter."""
+        kind = spec[0]
         # an ebnf guide is written by the API layer: from `tools`, or `response_format` in thinking mode
         field, what = ((None, "the grammar of the request's tools / response_format") if kind == "ebnf"
                        else ("response_format", "the JSON schema"))
-        import xgrammar as xgr
         try:
-            compiled = self._worker.compile(schema, "ebnf" if kind == "ebnf" else "json_schema")
-            grammar = xgr.CompiledGrammar.deserialize_json(compiled, self._info)
+            import xgrammar as xgr
+            grammar, error = xgr.CompiledGrammar.deserialize_json(raw.result(), self._info), None
         except ValueError as e:
-            raise InvalidRequestError(f"{what} cannot be compiled: {e}", field) from None
+            grammar, error = None, InvalidRequestError(f"{what} cannot be compiled: {e}", field)
         except CompileBudgetExceeded as e:
-            raise InvalidRequestError(
+            grammar, error = None, InvalidRequestError(
                 f"compiling {what} exceeded its {e} (engine.grammar_compile_timeout_s / "
-                f"engine.grammar_compile_memory_bytes); simplify the schema", field) from None
-        self._remember(spec, grammar)
-        return grammar
+                f"engine.grammar_compile_memory_bytes); simplify the schema", field)
+        except BaseException as e:        # the pool closed under it
+            grammar, error = None, e
+        self._settle(spec, out, grammar, error)
+
+    def _settle(self, spec: tuple[str, str], out, grammar, error: BaseException | None) -> None:
+        with self._lock:
+            self._pending.pop(spec, None)
+            if error is None:
+                self._remember(spec, grammar)
+        out.set_result(grammar) if error is None else out.set_exception(error)
 
     def _remember(self, spec: tuple[str, str], grammar) -> None:
-        with self._lock:
-            self._compiled[spec] = grammar
-            while len(self._compiled) > CACHE_ENTRIES or (
-                    len(self._compiled) > 1 and sum(g.memory_size_bytes for g in self._compiled.values()) > CACHE_BYTES):
-                self._compiled.popitem(last=False)
+        """Cache `grammar` (the lock held), dropping the least recently used past the bounds."""
+        self._compiled[spec] = grammar
+        while len(self._compiled) > CACHE_ENTRIES or (
+                len(self._compiled) > 1 and sum(g.memory_size_bytes for g in self._compiled.values()) > CACHE_BYTES):
+            self._compiled.popitem(last=False)
+
+    def compile(self, spec: tuple[str, str]):
+        """The compiled grammar of `spec`, waiting for its compile (InvalidRequestError as above)."""
+        return self.compile_async(spec).result()
 
     def cached(self) -> int:
         with self._lock:
             return len(self._compiled)
 
     def guide(self, spec: tuple[str, str]) -> Guide:
-        import xgrammar as xgr
-        return Guide(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return Guide(self.compile(spec), self.vocab_size)
+
+    def stats(self) -> GrammarStats:
+        pool = self._pool.stats() if self._pool is not None else None
+        with self._lock:
+            hits, coalesced = self._hits, self._coalesced
+        if pool is None:
+            return GrammarStats(cache_hits=hits, coalesced=coalesced)
+        return GrammarStats(pool.processes, pool.running, pool.queued, pool.compiled, hits, coalesced,
+                            pool.budget_kills)
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        if self._pool is not None:
+            self._pool.close()
 
 
 def check_schema_size(schema: str, max_bytes: int, field: str | None = "response_format") -> None:

@@ -62,15 +62,28 @@ def resident_bytes(pid: int) -> int:
 
 
 class CompileWorker:
-    """One child process compiling one schema at a time (calls from several threads queue).
-    Thread-safe."""
+    """One child process compiling one schema at a time (calls from several threads queue;
+    workers.sampling.compile_pool runs several). Thread-safe; close() from another thread stops
+    a compile in progress (it raises RuntimeError)."""
 
     def __init__(self, tokenizer_info_json: str, timeout_s: float, memory_bytes: int):
         self._info, self.timeout_s, self.memory_bytes = tokenizer_info_json, timeout_s, memory_bytes
         self._lock = threading.Lock()
         self._proc = None
         self._conn = None
+        self._closed = False
         self.stopped = 0        # compiles killed for their budget (since construction)
+
+    def start(self) -> None:
+        """Start the child now (else the first compile does), so a compile waits for no import."""
+        with self._lock:
+            self._started()
+
+    @property
+    def alive(self) -> bool:
+        """The child is up (racy: for stats)."""
+        proc = self._proc
+        return proc is not None and proc.is_alive()
 
     def compile(self, text: str, kind: str = "json_schema") -> str:
         """The serialized compiled grammar of `text`, a JSON schema or (kind "ebnf") an EBNF
@@ -85,6 +98,8 @@ class CompileWorker:
         return payload
 
     def _started(self):
+        if self._closed:
+            raise RuntimeError("the grammar compiler was closed")
         if self._proc is None or not self._proc.is_alive():
             ctx = multiprocessing.get_context("spawn")     # never fork a process with threads
             parent, child = ctx.Pipe()
@@ -105,8 +120,12 @@ class CompileWorker:
                 over = f"time budget of {timeout_s:g} s"
             elif not self._proc.is_alive():
                 over = "budget: the compiler process died"
+            elif self._closed:
+                over = "the grammar compiler was closed"
             if over is not None:
                 self._stop()
+                if self._closed:
+                    raise RuntimeError(over)
                 if not budget:
                     raise RuntimeError(f"the grammar compiler process did not start: {over}")
                 self.stopped += 1
@@ -126,5 +145,6 @@ class CompileWorker:
         self._proc = self._conn = None
 
     def close(self) -> None:
+        self._closed = True
         with self._lock:
             self._stop()

@@ -1,0 +1,88 @@
+"""The grammar compile pool (issue 31): several compiles run at once, one child is kept for
+small schemas while large ones hold the others (a small one behind large ones is never queued
+behind them), a compile stopped at its budget kills its own child only (the others and the
+restarted one compile on), a repeated schema is a cache hit and identical compiles in flight
+are one compile. Real xgrammar in real child processes, on the byte tokenizer of the tiny
+checkpoints."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from workers.checkpoint.tokenizer import BYTE_OFFSET
+from workers.sampling.compile_pool import LARGE_TEXT_BYTES, CompilePool
+from workers.sampling.grammar import GrammarLimits, GuideCompiler
+from workers.sampling.grammar_worker import CompileBudgetExceeded
+
+VOCAB = BYTE_OFFSET + 256
+SMALL = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+BUDGET_S = 2.0
+
+
+def wide(n: int) -> str:
+    """n required string properties: 1,000 compile for far longer than BUDGET_S on any machine."""
+    return json.dumps({"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(n)},
+                       "required": [f"field_{i}" for i in range(n)]}, sort_keys=True)
+
+
+def byte_compiler(**limits) -> GuideCompiler:
+    return GuideCompiler(None, VOCAB, [0], GrammarLimits(**limits))
+
+
+def until(check, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_small_schema_compiles_beside_large_ones_and_a_budget_kill_stops_only_its_child():
+    pool = CompilePool(byte_compiler()._info_json, 2, BUDGET_S, 8 << 30)   # large compiles may hold one child of two
+    try:
+        until(lambda: pool.stats().processes == 2)
+        assert len(wide(1000).encode()) >= LARGE_TEXT_BYTES > len(SMALL.encode())
+        large = [pool.submit(wide(1000 + i)) for i in range(3)]
+        until(lambda: pool.stats().running == 1)
+        assert pool.stats().queued == 2                      # the other child is kept for small ones
+        json.loads(pool.submit(SMALL).result(timeout=30))    # compiled while a large one runs
+        assert not any(f.done() for f in large)
+        with pytest.raises(CompileBudgetExceeded, match=f"time budget of {BUDGET_S:g} s"):
+            large[0].result(timeout=60)
+        assert pool.stats().budget_kills == 1
+        json.loads(pool.submit(wide(20)).result(timeout=30))   # the kept child was not touched
+    finally:
+        pool.close()
+    for f in large[1:]:
+        with pytest.raises(RuntimeError, match="closed"):
+            f.result(timeout=30)
+
+
+def test_a_repeated_schema_is_cached_and_identical_compiles_in_flight_are_one():
+    compiler = byte_compiler(compile_workers=1)
+    try:
+        spec = ("json_schema", wide(40))
+        first, second = compiler.compile_async(spec), compiler.compile_async(spec)
+        assert second is first                           # joined the compile in flight
+        grammar = first.result(timeout=60)
+        again = compiler.compile_async(spec)
+        assert again.done() and again.result() is grammar    # from the cache, no compile
+        s = compiler.stats()
+        assert (s.compiles, s.coalesced, s.cache_hits) == (1, 1, 1)
+        assert compiler.guide(spec).grammar is grammar
+    finally:
+        compiler.close()
+
+
+def test_closing_the_compiler_fails_what_is_queued_and_stops_what_runs():
+    compiler = byte_compiler(compile_workers=1, compile_timeout_s=60.0, compile_memory_bytes=8 << 30)
+    running = compiler.compile_async(("json_schema", wide(1000)))
+    queued = compiler.compile_async(("json_schema", wide(1001)))
+    until(lambda: compiler.stats().running == 1)
+    t0 = time.monotonic()
+    compiler.close()
+    for f in (running, queued):
+        with pytest.raises(Exception, match="closed"):
+            f.result(timeout=30)
+    assert time.monotonic() - t0 < 10                      # not the 60 s budget

@@ -1,0 +1,177 @@
+"""A pool of grammar compiler processes, so no request's grammar waits behind another's.
+
+One compiler process compiles one grammar at a time, and xgrammar's compile time grows
+steeply with a schema's size (the tiny checkpoints' byte tokenizer, a loaded 2-core box: 50
+required properties 0.2 s, 200 in 2.4 s, 400 in 11 s), so behind one child a small schema waited for every large one queued before it
+(issue 31: 50 s behind three). Here `size` children (grammar_worker.CompileWorker, each with its
+own time and memory budget and kill-on-budget) compile side by side:
+
+    pool = CompilePool(tokenizer_info, size=None, timeout_s=10.0, memory_bytes=2 << 30)   # None: default_size()
+    future = pool.submit(schema_json, "json_schema")     # concurrent.futures.Future of the serialized grammar
+    future.result()                                      # or ValueError / CompileBudgetExceeded
+
+Which compile runs next: the cost of a compile is not known until it ends, so it is estimated
+by its text's length (what it grows with). A text of LARGE_TEXT_BYTES or more is *large*; large
+compiles may hold at most size - 1 children at once, so one child is always kept for small
+ones, and queued small compiles go before queued large ones (first come, first served within
+each). A small schema behind any number of large ones therefore waits only for the small
+compiles queued before it, never for a large one. The alternatives were weaker: a queue ordered by cost
+alone still lets large compiles take every child (a small one then waits up to a full time
+budget), and cancelling a running compile to make room wastes the work already done. A small
+text that is slow anyway (a short but pathological schema) holds the kept child only until its
+own time budget. With size 1 nothing can be kept: compiles run one at a time in that order.
+
+Children start with the pool, all at once and in the pool's threads (importing xgrammar takes
+seconds; `tokenizer_info()`, xgrammar's serialized TokenizerInfo, is called there once, so
+creating a pool never waits for an import: an engine may create it inside its step), and a
+child killed for its budget is restarted right away, before it takes the next compile (the
+restart counts in its compile's lane). Thread-safe.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from .grammar_worker import CompileWorker
+
+log = logging.getLogger(__name__)
+LARGE_TEXT_BYTES = 4 << 10     # byte tokenizer, loaded box: ~0.5-1 s at this size, 0.2 s at 2 KiB, ms below
+MAX_DEFAULT_SIZE = 4           # children by default at most (each holds ~300 MiB once xgrammar is imported)
+
+
+def default_size() -> int:
+    """Children when the config names none: the CPUs this process may run on, at most MAX_DEFAULT_SIZE."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_SIZE, cpus))
+
+
+class PoolStats(NamedTuple):
+    processes: int       # children up now
+    running: int         # compiles in a child now (or restarting it after a budget kill)
+    queued: int          # compiles waiting for a child
+    compiled: int        # compiles that ended (ok, unusable, or stopped) since start
+    budget_kills: int    # compiles stopped at their time or memory budget since start
+
+
+@dataclass
+class _Job:
+    kind: str
+    text: str
+    large: bool
+    future: concurrent.futures.Future
+
+
+class CompilePool:
+    def __init__(self, tokenizer_info: Callable[[], str], size: int | None, timeout_s: float, memory_bytes: int):
+        self.size = default_size() if size is None else max(1, size)
+        self.large_cap = max(1, self.size - 1)          # children large compiles may hold at once
+        self._tokenizer_info, self.timeout_s, self.memory_bytes = tokenizer_info, timeout_s, memory_bytes
+        self._info_json: str | None = None
+        self._info_lock = threading.Lock()
+        self._workers: list[CompileWorker | None] = [None] * self.size
+        self._cond = threading.Condition()
+        self._small: deque[_Job] = deque()
+        self._large: deque[_Job] = deque()
+        self._running = self._running_large = self._compiled = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"kvmesh-grammar-{i}", daemon=True)
+                         for i in range(self.size)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, text: str, kind: str = "json_schema") -> concurrent.futures.Future:
+        """Queue one compile; its future holds the serialized grammar, or raises ValueError
+        (unusable), CompileBudgetExceeded (stopped at its budget) or RuntimeError (pool closed)."""
+        job = _Job(kind, text, len(text.encode()) >= LARGE_TEXT_BYTES, concurrent.futures.Future())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the grammar compile pool is closed")
+            (self._large if job.large else self._small).append(job)
+            self._cond.notify()
+        return job.future
+
+    def _take(self) -> _Job | None:
+        """The next compile a free child may run (see the module docstring); None once closed."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._small:
+                    job = self._small.popleft()
+                elif self._large and self._running_large < self.large_cap:
+                    job = self._large.popleft()
+                else:
+                    self._cond.wait()
+                    continue
+                self._running += 1
+                self._running_large += job.large
+                return job
+
+    def _serve(self, index: int) -> None:
+        """One child's thread: start it, then run compiles until the pool closes. A child killed
+        for its budget restarts before its lane frees (so a large compile's restart never takes
+        the child kept for small ones)."""
+        try:
+            worker = CompileWorker(self._info(), self.timeout_s, self.memory_bytes)
+        except Exception:
+            log.exception("grammar compile pool: no tokenizer info; this child never starts")
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._workers[index] = worker
+        self._restart(worker)
+        while (job := self._take()) is not None:
+            stopped = worker.stopped
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_result(worker.compile(job.text, job.kind))
+            except Exception as e:          # ValueError / CompileBudgetExceeded / closed: the caller's to see
+                job.future.set_exception(e)
+            with self._cond:
+                self._compiled += 1
+            if worker.stopped != stopped:
+                self._restart(worker)
+            with self._cond:
+                self._running -= 1
+                self._running_large -= job.large
+                self._cond.notify_all()
+
+    def _info(self) -> str:
+        with self._info_lock:
+            if self._info_json is None:
+                self._info_json = self._tokenizer_info()
+            return self._info_json
+
+    def _restart(self, worker: CompileWorker) -> None:
+        try:
+            worker.start()
+        except Exception as e:             # closed, or it did not start: the next compile tries again
+            if not self._closed:
+                log.warning("grammar compiler process: %s", e)
+
+    def stats(self) -> PoolStats:
+        with self._cond:
+            workers = [w for w in self._workers if w is not None]
+            return PoolStats(sum(w.alive for w in workers), self._running, len(self._small) + len(self._large),
+                             self._compiled, sum(w.stopped for w in workers))
+
+    def close(self) -> None:
+        """Stop every child (a compile in progress raises) and fail what is queued."""
+        with self._cond:
+            self._closed = True
+            queued = [*self._small, *self._large]
+            self._small.clear()
+            self._large.clear()
+            workers = [w for w in self._workers if w is not None]
+            self._cond.notify_all()
+        for job in queued:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("the grammar compile pool is closed"))
+        for w in workers:
+            w.close()
