@@ -25,10 +25,19 @@ class GenRequest:
 class RouteHint:
     """What the pool router reads (the request itself is opaque to it).
 
-    prefix_blocks: worker id -> leading prompt blocks that worker holds in memory.
+    prefix_blocks: cache location (worker id, or `{worker id}/dp{rank}`) -> leading prompt blocks
+                   it holds in memory.
+    loads: cache location -> its queued tokens (prefill left + one per decoding sequence) as its KV
+           events last pushed them; empty without events (the router then reads each replica's
+           routing stats, in requests).
+    prompt_blocks, block_tokens: the prompt's whole blocks and their size, set with `loads`: a rank
+           is then scored by the tokens a request would wait for and compute there.
     require_worker: route only to this worker (a follow-up to state it holds)."""
     prefix_blocks: dict[str, int] = field(default_factory=dict)
     require_worker: str | None = None
+    loads: dict[str, float] = field(default_factory=dict)
+    prompt_blocks: int = 0
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)

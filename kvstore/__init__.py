@@ -27,6 +27,8 @@ The prefix index (DESIGN §4; a hint, rebuilt from the store):
     index_base.py     the PrefixIndex contract, LookupResult, IndexStats
     index.py          EmbeddedIndex (in-process) and make_index
     redis_index.py    RedisIndex: the cluster index in Redis, one server-side walk per lookup
+    kv_events.py      KV events: what each engine rank holds, pushed to the router's per-rank index
+    kv_event_stream.py  the events over a Redis stream (one per namespace)
 
 Transfers (prefill -> decode handoffs):
     kv_transport.py   the handoff interface, any transport
@@ -38,7 +40,8 @@ Policy and its cost:
     cost.py           the SWA-policy cost model: a trace replayed against a model of the store
 
 Layering: nothing here imports `workers` or `cluster`; inside, the store builds on hashing,
-mac, objects and store_fs, the index on index_base and hashing, transfers on cache_tensors,
+mac, objects and store_fs, the index on index_base and hashing (kv events on index_base, their
+stream on redis_index), transfers on cache_tensors,
 and cost on planner, layout and trace (tests/unit/test_layering.py fails on any import ring,
 module- or subpackage-level).
 """

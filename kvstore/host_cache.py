@@ -22,6 +22,7 @@ class HostCache(CacheTier):
         self.used = 0
         self._items: OrderedDict[Key, dict[str, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
+        self.evicted: list[Key] = []        # dropped keys, drained by the owner (kv events)
 
     def contains(self, kind: str, h: int) -> bool:
         return (kind, h) in self._items
@@ -37,6 +38,7 @@ class HostCache(CacheTier):
                 return None
             if expect is not None and shapes_of(item) != expect:
                 self.used -= nbytes(self._items.pop((kind, h)))
+                self.evicted.append((kind, h))
                 return None
             self._items.move_to_end((kind, h))
             return item
@@ -53,8 +55,9 @@ class HostCache(CacheTier):
             self._items[(kind, h)] = tensors
             self.used += size
             while self.used > self.capacity:
-                _, evicted = self._items.popitem(last=False)
+                key, evicted = self._items.popitem(last=False)
                 self.used -= nbytes(evicted)
+                self.evicted.append(key)
         return size
 
     def __contains__(self, key: Key) -> bool:

@@ -66,11 +66,13 @@ def prefill_budget_s(prompt_tokens: int, token_timeout_s: float, s_per_1k_tokens
 
 class Dispatcher:
     def __init__(self, mode: str, pools: dict, metrics: Metrics, token_timeout_s: float, max_retries: int,
-                 prefix_hint: Callable[[list[int]], RouteHint] | None = None, prefill_s_per_1k_tokens: float = 0.0):
+                 prefix_hint: Callable[[list[int]], RouteHint] | None = None, prefill_s_per_1k_tokens: float = 0.0,
+                 load_hint: Callable[[], RouteHint] | None = None):
         self.mode, self.pools, self.metrics = mode, pools, metrics
         self.token_timeout_s, self.max_retries = token_timeout_s, max_retries
         self.prefill_s_per_1k_tokens = prefill_s_per_1k_tokens
         self.prefix_hint = prefix_hint or (lambda _ids: RouteHint())
+        self.load_hint = load_hint or RouteHint     # decode: the ranks' pushed loads (no prefix)
         self.in_flight = {name: 0 for name in pools}
 
     async def stream(self, req: GenRequest) -> AsyncIterator[Chunk]:
@@ -117,7 +119,7 @@ class Dispatcher:
         for chunk in firsts if not held else []:
             yield chunk
         async for chunk in self._stream("decode", self.pools["decode"].options(stream=True)
-                                        .decode.remote(req, handoff, hint=RouteHint())):
+                                        .decode.remote(req, handoff, hint=self.load_hint())):
             for first in held:
                 yield first
             held = []

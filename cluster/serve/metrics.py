@@ -181,6 +181,38 @@ async def _await(response):
     return await response
 
 
+class RoutingCounters:
+    """A collector over the ingress's prefix locator, read at scrape time: how each hint was made
+    (`kvmesh_route_hints_total{source="events"|"index"}`: from the KV events in memory, or by an index
+    lookup) and the event index's counters (events applied, resyncs, snapshots, publishers expired,
+    publishers known)."""
+
+    def __init__(self):
+        self.locator = None
+
+    def attach(self, locator) -> None:
+        self.locator = locator
+
+    def collect(self):
+        if self.locator is None:
+            return
+        hints = CounterMetricFamily("kvmesh_route_hints", "routing hints by where they came from", labels=["source"])
+        for source, n in self.locator.hints.items():
+            hints.add_metric([source], n)
+        yield hints
+        events = self.locator.events
+        if events is None:
+            return
+        s = events.stats
+        for name, help_, value in (("kv_events", "KV events applied", s.events),
+                                   ("kv_event_resyncs", "publishers resynced (a gap or a late join)", s.gaps),
+                                   ("kv_event_snapshots", "snapshots applied", s.snapshots),
+                                   ("kv_event_expired", "publishers forgotten after silence", s.expired)):
+            yield CounterMetricFamily(f"kvmesh_{name}", help_, value=value)
+        yield GaugeMetricFamily("kvmesh_kv_event_publishers", "engine ranks the event index knows",
+                                value=len(events.loads()))
+
+
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -215,6 +247,8 @@ class Metrics:
         self.retries = Counter("kvmesh_retries", "requests re-run after a worker failed", registry=r)
         self.workers = WorkerSnapshots()
         r.register(self.workers)
+        self.routing = RoutingCounters()
+        r.register(self.routing)
         self._recent: deque[tuple[float, int]] = deque()
 
     def request(self, endpoint: str, status: int) -> None:

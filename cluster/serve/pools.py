@@ -220,9 +220,10 @@ class Decode(_Worker):
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings)
         first = True
+        rank = rank_hint(hint or NO_HINT, self.worker_id)      # data-parallel: the least queued rank (events)
         try:
             async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
-                                                   batched=True):
+                                                   batched=True, rank=rank):
                 failed = next((o for o in outs if o.error), None)
                 if failed is not None:      # the load raised at admission: the engine failed this request
                     raise HandoffError(f"request {req.request_id}: the cache could not be moved: {failed.error}")

@@ -1,24 +1,27 @@
 """Choosing a replica inside a pool: a Ray Serve request router, run in the caller.
 
-Prefill: the replica that holds the longest prefix of the prompt in memory (the
-ingress reads it from the prefix index and passes it as `hint=RouteHint(...)`), ties
-and misses broken by load. Decode: by load and free KV memory. A `require_worker`
-hint pins a follow-up call to the replica that holds the request's state.
+Every (replica, rank) is scored: the longest prefix of the prompt that rank holds in memory
+(the ingress passes it as `hint=RouteHint(...)`, read from the KV event index, else from the
+prefix index), then its load. A replica's score is its best rank's; ties and misses are broken
+by load and free KV memory. Decode: by its least loaded rank and free KV memory. A
+`require_worker` hint pins a follow-up call to the replica that holds the request's state.
 
 A worker id is its Serve replica's unique id, so identity needs no stats round trip;
 load and free KV come from each replica's `record_routing_stats()`:
     {"load": running + waiting requests, "free_kv": free fraction of blocks and slots,
      "rank_loads": each data-parallel rank's running + waiting (one entry without DP)}
+and, fresher, each rank's load pushed with its KV events (`RouteHint.loads`). Neither is polled
+per request.
 
-Data-parallel replicas: each rank is a cache location of its own in the index,
-`{worker_id}/dp{rank}` (workers/engine/dp_rank.py). The router scores a replica by the most
-blocks any of its ranks holds; the chosen replica reads the same hint and hands its front
-the rank that holds the most (`rank_hint`), or none, and the front routes by its own view
-(longest prefix in a rank's device pool, else the least loaded rank).
+Data-parallel replicas: each rank is a cache location of its own, `{worker_id}/dp{rank}`
+(workers/engine/dp_rank.py). The chosen replica reads the same hint and hands its front the
+rank that alone holds the longest prefix (`rank_hint`); on a tie or a miss the front breaks it
+by its own, live view (longest prefix in a rank's device pool, else the least loaded rank).
 """
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -34,23 +37,28 @@ def location(holder: str) -> tuple[str, int | None]:
     return (worker, int(rank)) if mark and rank.isdigit() else (holder, None)
 
 
-def replica_blocks(prefix_blocks: dict[str, int]) -> dict[str, int]:
-    """Worker id -> the most leading prompt blocks it (any of its ranks) holds in memory."""
-    out: dict[str, int] = {}
-    for holder, n in prefix_blocks.items():
-        worker = location(holder)[0]
-        out[worker] = max(out.get(worker, 0), n)
-    return out
-
-
 def rank_hint(hint: RouteHint, worker_id: str) -> int | None:
-    """The rank of `worker_id` that alone holds the longest prefix in memory; None when no rank
-    holds any, or several hold as much (the front then breaks the tie by load)."""
-    held = {r: n for holder, n in hint.prefix_blocks.items() if n > 0
-            for w, r in [location(holder)] if w == worker_id and r is not None}
-    best = max(held.values(), default=0)
-    top = [r for r, n in held.items() if n == best]
+    """The rank of `worker_id` to run on: with pushed loads, the one of least `rank_cost`; else the
+    one that alone holds the longest prefix in memory. None when no rank stands out (the front
+    then chooses by its own, live view)."""
+    ranks = {r for holder in {**hint.prefix_blocks, **hint.loads}
+             for w, r in [location(holder)] if w == worker_id and r is not None}
+    if hint.block_tokens and ranks:
+        score = {r: rank_cost(hint, f"{worker_id}{RANK_MARK}{r}", 0.0) for r in ranks}
+    else:
+        score = {r: -hint.prefix_blocks.get(f"{worker_id}{RANK_MARK}{r}", 0) for r in ranks}
+        score = {r: n for r, n in score.items() if n < 0}
+    best = min(score.values(), default=None)
+    top = [r for r, n in score.items() if n == best]
     return top[0] if len(top) == 1 else None
+
+
+def rank_cost(hint: RouteHint, loc: str, stats_load: float) -> float:
+    """Tokens a request would wait for and compute on rank `loc` (needs `hint.block_tokens`): its
+    queued tokens (pushed; a rank not heard from: `stats_load` requests of a block each) plus the
+    prompt blocks it does not hold."""
+    queued = hint.loads.get(loc, stats_load * hint.block_tokens)
+    return queued + (hint.prompt_blocks - hint.prefix_blocks.get(loc, 0)) * hint.block_tokens
 
 
 def route_hint(pending: PendingRequest | None) -> RouteHint:
@@ -62,17 +70,39 @@ def worker_id_of(replica: RunningReplica) -> str:
     return replica.replica_id.unique_id
 
 
-def rank_replicas(replicas: list[tuple[str, float, float]], hint: RouteHint, kv_weight: float
-                  ) -> list[str]:
-    """Order (worker_id, load, free_kv) best first: longest in-memory prefix, then the
-    lowest load + kv_weight * used KV fraction; equal scores in random order."""
-    shuffled = random.sample(replicas, len(replicas))
-    blocks = replica_blocks(hint.prefix_blocks)
+class Candidate(NamedTuple):
+    """A replica as the router sees it: its queue as a fraction of its room, its free KV
+    fraction, and each data-parallel rank's load from its routing stats (() without DP)."""
+    worker_id: str
+    load: float
+    free_kv: float
+    rank_loads: tuple[float, ...] = ()
 
-    def key(r):
-        wid, load, free_kv = r
-        return (-blocks.get(wid, 0), load + kv_weight * (1.0 - free_kv))
-    return [wid for wid, _, _ in sorted(shuffled, key=key)]
+
+def best_rank(c: Candidate, hint: RouteHint, room: float = 1.0) -> tuple[float, ...]:
+    """The sort key of `c`'s best rank, lowest first. With pushed loads (`hint.block_tokens`):
+    (`rank_cost`,). Else (-leading prompt blocks held, load / `room`), the load a rank's routing
+    stats' (a replica without DP: its queue fraction `c.load`)."""
+    if hint.block_tokens:
+        if len(c.rank_loads) <= 1:
+            return (rank_cost(hint, c.worker_id, c.load * room),)
+        return (min(rank_cost(hint, f"{c.worker_id}{RANK_MARK}{r}", n) for r, n in enumerate(c.rank_loads)),)
+    if len(c.rank_loads) <= 1:
+        return -hint.prefix_blocks.get(c.worker_id, 0), c.load
+    return min((-hint.prefix_blocks.get(f"{c.worker_id}{RANK_MARK}{r}", 0), n / room)
+               for r, n in enumerate(c.rank_loads))
+
+
+def rank_replicas(replicas: list[Candidate], hint: RouteHint, kv_weight: float, room: float = 1.0
+                  ) -> list[str]:
+    """Order replicas best first by their best rank (`best_rank`), then kv_weight * used KV
+    fraction (added to the load without pushed loads); equal scores in random order. `room`: a
+    replica's max ongoing requests (rank loads are counts)."""
+    def key(c: Candidate) -> tuple:
+        used = kv_weight * (1.0 - c.free_kv)
+        rank = best_rank(c, hint, room)
+        return (rank[0], used) if hint.block_tokens else (rank[0], rank[1] + used)
+    return [c.worker_id for _, _, c in sorted((key(c), random.random(), c) for c in replicas)]
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):
@@ -92,10 +122,12 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         by_id = {worker_id_of(r): r for r in candidate_replicas}
         if hint.require_worker in by_id:
             return [[by_id[hint.require_worker]]]
-        rows = []
+        rows, room = [], 1
         for wid, r in by_id.items():
             stats = r.routing_stats or {}
             queued = self._replica_queue_len_cache.get(r.replica_id)
             load = queued if queued is not None else stats.get("load", 0)
-            rows.append((wid, float(load) / max(1, r.max_ongoing_requests), float(stats.get("free_kv", 1.0))))
-        return [[by_id[wid]] for wid in rank_replicas(rows, hint, getattr(self, "kv_weight", 1.0))]
+            room = max(1, r.max_ongoing_requests)
+            rows.append(Candidate(wid, float(load) / room, float(stats.get("free_kv", 1.0)),
+                                  tuple(float(n) for n in stats.get("rank_loads", ()))))
+        return [[by_id[wid]] for wid in rank_replicas(rows, hint, getattr(self, "kv_weight", 1.0), room)]

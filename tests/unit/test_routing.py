@@ -3,21 +3,47 @@ free KV memory; a data-parallel rank (`{replica}/dp{rank}`) is a cache location 
 from __future__ import annotations
 
 from cluster.messages import RouteHint
-from cluster.serve.routing import location, rank_hint, rank_replicas
+from cluster.serve.routing import Candidate, best_rank, location, rank_cost, rank_hint, rank_replicas
 
 
 def test_longest_in_memory_prefix_wins_then_load_then_free_kv():
-    replicas = [("a", 0.5, 1.0), ("b", 0.0, 1.0), ("c", 0.0, 0.1)]
+    replicas = [Candidate("a", 0.5, 1.0), Candidate("b", 0.0, 1.0), Candidate("c", 0.0, 0.1)]
     assert rank_replicas(replicas, RouteHint(prefix_blocks={"a": 3, "c": 1}), 1.0) == ["a", "c", "b"]
     assert rank_replicas(replicas, RouteHint(), 1.0) == ["b", "a", "c"]      # c: little free KV
     assert rank_replicas(replicas, RouteHint(), 0.0)[-1] == "a"              # load alone
 
 
 def test_a_data_parallel_rank_is_a_cache_location_of_its_replica():
-    replicas = [("a", 0.0, 1.0), ("b", 0.0, 1.0)]
+    replicas = [Candidate("a", 0.0, 1.0, (0, 0)), Candidate("b", 0.0, 1.0, (0, 0))]
     hint = RouteHint(prefix_blocks={"a/dp0": 1, "b/dp1": 4, "b/dp0": 2})
     assert rank_replicas(replicas, hint, 1.0) == ["b", "a"]                  # b's best rank holds the most
     assert (rank_hint(hint, "b"), rank_hint(hint, "a"), rank_hint(hint, "c")) == (1, 0, None)
     assert rank_hint(RouteHint(prefix_blocks={"b/dp0": 3, "b/dp1": 3}), "b") is None   # a tie: the front decides
     assert rank_hint(RouteHint(prefix_blocks={"b": 3}), "b") is None         # not data-parallel
     assert location("x/y/dp12") == ("x/y", 12) and location("w") == ("w", None)
+
+
+def test_every_replica_and_rank_is_scored_by_its_best_rank_not_its_total():
+    """Without pushed loads: a replica's best rank (longest prefix, then its routing-stats load)."""
+    a = Candidate("a", 0.0, 1.0, (2, 0))            # rank 1 idle, holds nothing
+    b = Candidate("b", 0.0, 1.0, (5, 5))
+    hint = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3})
+    assert best_rank(a, hint) == (-3, 2.0) and best_rank(b, hint, room=5.0) == (-3, 1.0)
+    assert rank_replicas([a, b], hint, 1.0) == ["a", "b"]
+    miss = RouteHint()
+    assert rank_replicas([a, b], miss, 0.0) == ["a", "b"]          # a miss: the least loaded rank anywhere
+
+
+def test_with_pushed_loads_a_rank_costs_the_tokens_a_request_would_wait_for_and_compute():
+    """Queued tokens plus the prompt blocks a rank lacks: a holder deep in work loses to an idle
+    rank, so a prefix every request shares (a system prompt) cannot pull them all onto one rank."""
+    a = Candidate("a", 0.0, 1.0, (0, 0))
+    b = Candidate("b", 0.0, 1.0, (0, 0))
+    hint = RouteHint(prefix_blocks={"a/dp0": 3, "b/dp1": 3}, prompt_blocks=4, block_tokens=16,
+                     loads={"a/dp0": 900.0, "a/dp1": 0.0, "b/dp0": 50.0, "b/dp1": 10.0})
+    assert rank_cost(hint, "a/dp0", 0) == 916 and rank_cost(hint, "b/dp1", 0) == 26
+    assert best_rank(a, hint) == (64.0,) and best_rank(b, hint) == (26.0,)
+    assert rank_replicas([a, b], hint, 1.0) == ["b", "a"]
+    assert (rank_hint(hint, "a"), rank_hint(hint, "b")) == (1, 1)
+    quiet = RouteHint(prefix_blocks={"c/dp0": 2}, prompt_blocks=2, block_tokens=16)
+    assert rank_cost(quiet, "c/dp1", 3.0) == 3 * 16 + 2 * 16          # not heard from: its stats, a block each

@@ -21,6 +21,7 @@ from kvstore.cache_tensors import CacheTensors, size_pools
 from kvstore.hashing import PrefixHasher, model_fingerprint, store_namespace
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex, make_index
+from kvstore.kv_events import KvEventPublisher
 from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
 from kvstore.mac import StoreKey
 from kvstore.mirror import MirroredCache
@@ -136,7 +137,18 @@ def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cac
     scrub = (ScrubSchedule(Scrubber(store), config.store_scrub_interval_s, config.store_scrub_pass_bytes)
              if store is not None and config.store_scrub_interval_s else None)
     return PrefixCache(cache, blocks, hasher, config.policy, span, store, index, HostCache(config.host_cache_bytes),
-                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub)
+                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub,
+                       events=kv_events(config, index, worker))
+
+
+def kv_events(config: EngineConfig, index: PrefixIndex | None, worker: str) -> KvEventPublisher | None:
+    """This rank's KV event publisher, beating on its own thread: over the index's Redis (the
+    routers follow that stream); None with the embedded index or without prefix reuse."""
+    if index is None or config.index == "local" or not config.prefix_reuse:
+        return None
+    from kvstore.kv_event_stream import RedisEventStream  # lazy: embedded users need no redis
+
+    return KvEventPublisher(worker, RedisEventStream(config.index, index.namespace)).start()
 
 
 def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None

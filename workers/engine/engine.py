@@ -79,6 +79,8 @@ class Engine:
         self.counters = EngineCounters()
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.scheduler = Scheduler(self.kv, self.slots.num_slots, config.max_batched_tokens, on_admit=self._admit)
+        if self.prefix.events is not None:      # the load routers read with the KV events
+            self.prefix.events.load = self.queued_tokens
         eos = frozenset(a.eos_token_ids) | frozenset(self.tokenizer.stop_token_ids)   # config + end-of-turn
         self.guides = GuideCompiler(self.tokenizer, a.vocab_size, sorted(eos),
                                     GrammarLimits(config.max_schema_bytes, config.grammar_compile_timeout_s,
@@ -341,6 +343,11 @@ class Engine:
             kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
             reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()))
+
+    def queued_tokens(self) -> int:
+        """Tokens this engine has yet to run: prompts left to prefill, one per decoding sequence
+        (read racily from the event publisher's thread: copies, then sums)."""
+        return sum(s.remaining_prefill() for s in list(self.scheduler.waiting) + list(self.scheduler.running))
 
     @property
     def rank_stats(self) -> list[EngineStats]:

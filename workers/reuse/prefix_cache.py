@@ -20,6 +20,7 @@ from kvstore.cache_tensors import CacheTensors
 from kvstore.hashing import PrefixHasher
 from kvstore.host_cache import HostCache
 from kvstore.index import PrefixIndex
+from kvstore.kv_events import KvEventPublisher
 from kvstore.log_once import LogOnce
 from kvstore.persist import PutJob, WriteBehind
 from kvstore.scrub import ScrubSchedule
@@ -73,10 +74,11 @@ class PrefixCache:
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
                  worker_id: str, enabled: bool = True, auto: AutoPeriod | None = None,
-                 scrub: ScrubSchedule | None = None):
+                 scrub: ScrubSchedule | None = None, events: KvEventPublisher | None = None):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.enabled = enabled              # False: no restore, no persistence (baselines)
+        self.events = events                # pushes what the device pool and host cache hold (routing)
         self.auto = auto                    # adaptive auto policy: chooses the checkpoint period
         self._last_observed: str | None = None
         self.bt = hasher.block_tokens
@@ -262,6 +264,8 @@ class PrefixCache:
                 self.cache.load_blocks(ids, objs)
         for i in host + store:
             self.pool.set_hash(seq.blocks[i], found.hashes[i])
+        if self.events is not None:
+            self.events.stored("device", [found.hashes[i] for i in host + store])
         self.stats.blocks_from_store += len(store)
         self.stats.blocks_from_memory += len(found.hashes) - len(store)
         self.stats.blocks_from_host += len(host)
@@ -319,6 +323,8 @@ class PrefixCache:
             if self.index is not None:
                 self._index_call("publish", self.index.publish_memory, self.worker_id,
                                  hashes[seq.hashed_blocks:full], MEMORY_LEASE_S)
+            if self.events is not None:
+                self.events.stored("device", hashes[seq.hashed_blocks:full])
             seq.hashed_blocks = full
         if self.policy.checkpoints and seq.num_computed and seq.num_computed % self.bt == 0:
             pos = seq.num_computed
@@ -349,13 +355,18 @@ class PrefixCache:
         self._put("block", h, (i + 1) * self.bt, self.cache.block_state(block), parent=hashes[i - 1] if i else None)
 
     def _put(self, kind: str, h: int, tokens: int, tensors, parent: int | None = None) -> None:
-        self.host.put(kind, h, parent, tokens, tensors)
+        if self.host.put(kind, h, parent, tokens, tensors) and kind == "block" and self.events is not None:
+            self.events.stored("host", [h])
         if self.writer is not None:
             self.writer.submit(PutJob(kind, h, parent, tokens, tensors))
             self.stored.add((kind, h))
 
     def _renew_leases(self) -> None:
         evicted, self.pool.evicted_hashes = self.pool.evicted_hashes, []
+        left_host, self.host.evicted = self.host.evicted, []
+        if self.events is not None:
+            self.events.removed("device", evicted)
+            self.events.removed("host", [h for kind, h in left_host if kind == "block"])
         if self.index is None:
             return
         if evicted:
@@ -371,6 +382,8 @@ class PrefixCache:
             self.writer.flush()
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         if self.writer is not None:
             self.writer.close()
         if self.index is not None:
