@@ -1,6 +1,7 @@
 """`bench/engine.py --data-parallel-size N`: one replica of N ranks three ways, same run, same prompts.
 
     OMP_NUM_THREADS=1 python bench/engine.py --data-parallel-size 2 --concurrency 8,32 --max-tokens 16
+    OMP_NUM_THREADS=1 python bench/engine.py --data-parallel-size 2 --speculative 1 --concurrency 2,16   # k = 0 vs auto
 
 * one process (TP=1);
 * TP=N with expert parallelism: every rank holds the same cache, so the replica's KV capacity
@@ -152,4 +153,65 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
                                "moe_layers": rows[0][6] if rows else 0, "runs": raw,
                                "exchange_alone_ms": alone}, indent=2))
     print(f"\nwrote {out}")
+    return 0
+
+
+# ---- with and without speculation (--data-parallel-size N --speculative K) ---------------------------
+SPEC_KV_BYTES = 128 << 20      # per rank: the openings and their tokens fit many times over
+
+
+def drafted(engine) -> list[tuple[int, int]]:
+    """Each rank's (draft tokens, accepted) so far (a TP replica: rank 0's, for all)."""
+    return [(s.counters.draft_tokens, s.counters.accepted_draft_tokens) for s in engine.rank_stats]
+
+
+def spec_main(args, levels: list[int], size: int, run_kvmesh, openings: tuple[str, ...], median_run) -> int:
+    """TP=1, TP=N+EP and DP=N+EP, each without drafts (k = 0) and as served by default (the MTP
+    layer, speculative_tokens auto): per replica both engines are open at once and every round
+    runs them in turn (the order alternating), so load hits both alike; medians shown. The
+    prompts are the corpus-style openings (bench/engine.py --speculative); greedy tokens are
+    compared with TP=1, request by request."""
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    setups = {"TP=1": dict(), f"TP={size}+EP": dict(tensor_parallel_size=size, enable_expert_parallel=True),
+              f"DP={size}+EP": dict(data_parallel_size=size, enable_expert_parallel=True)}
+    lines, tokens, equal = [], {}, {}
+    for name, kw in setups.items():
+        engines = {k: open_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
+                                               max_batched_tokens=args.max_batched_tokens,
+                                               kv_cache_bytes=SPEC_KV_BYTES, prefix_reuse=False,
+                                               speculative_tokens=k, **kw),
+                                  launcher=LocalProcessLauncher(args.threads)) for k in (0, None)}
+        try:
+            for engine in engines.values():
+                run_kvmesh(engine, [engine.tokenizer.encode(o) for o in openings[:max(levels)]], args.max_tokens)  # warm-up
+            for c in levels:
+                runs = {k: [] for k in engines}
+                for rep in range(args.repeats):
+                    prompts = [engines[0].tokenizer.encode(openings[(i + rep) % len(openings)]) for i in range(c)]
+                    for k in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+                        before = drafted(engines[k])
+                        result, out = run_kvmesh(engines[k], prompts, args.max_tokens)
+                        runs[k].append((result, [(d - d0, a - a0) for (d, a), (d0, a0) in zip(drafted(engines[k]),
+                                                                                               before)]))
+                        ref = tokens.setdefault((c, rep), out)       # TP=1 runs first
+                        equal[name, c, k] = equal.get((name, c, k), 0) + sum(x == y for x, y in zip(out, ref))
+                        print(f"{name} k={k} c={c} #{rep}: {result.wall_s:.2f}s", file=sys.stderr)
+                base = median_run([r for r, _ in runs[0]])
+                for k, rs in runs.items():
+                    m = median_run([r for r, _ in rs])
+                    per_rank = [tuple(map(sum, zip(*(d[r] for _, d in rs)))) for r in range(len(rs[0][1]))]
+                    accept = " / ".join(f"{a / d:.2f}" if d else "-" for d, a in per_rank) if k is None else "-"
+                    lines.append(f"| {name} | {c} | {'auto' if k is None else k} | {m.ttft_mean_s * 1e3:.0f} | "
+                                 f"{m.decode_tok_s:.1f} | {m.e2e_tok_s:.1f} | {m.e2e_tok_s / base.e2e_tok_s:.2f}x | "
+                                 f"{accept} | {equal[name, c, k]}/{c * args.repeats} |")
+        finally:
+            for engine in engines.values():
+                engine.close()
+    print(f"model: {model_dir}, fp32; openings, max_tokens {args.max_tokens}, greedy; torch threads {args.threads} "
+          f"per rank; medians of {args.repeats} rounds; load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min)\n")
+    print("| replica | c | k | TTFT ms | decode tok/s | e2e tok/s | e2e vs k=0 | acceptance per rank | "
+          "greedy equal to TP=1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
     return 0

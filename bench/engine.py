@@ -354,14 +354,14 @@ OPENINGS = ("The king said to his servants,", "In the beginning", "And the LORD 
 
 
 def speculative_main(engine: Engine, levels: list[int], args) -> list[str]:
-    """The checkpoint's MTP layer as the draft, k = 0..K drafts per step, at each batch size:
+    """The checkpoint's MTP layer as the draft, k = 0..K drafts per step and auto, at each batch size:
     every (batch, k) is run once per round and the k alternate inside a round (their order
     rotating between rounds), so a burst of other load hits every k alike; the table shows
     medians. Greedy tokens of every k > 0 run are compared with the k = 0 run of its round."""
     from workers.spec.mtp import MTPDrafter
     if not len(engine.model.mtp):
         raise SystemExit("--speculative drafts with the checkpoint's MTP layer, and this one has none")
-    ks = list(range(args.speculative + 1))
+    ks = list(range(args.speculative + 1)) + ["auto"]      # auto: k by the batch (--speculative-auto's table)
     runs = {(c, k): [] for c in levels for k in ks}
     for r in range(args.repeats):
         for c in levels:
@@ -541,13 +541,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="only speculative decoding with the checkpoint's MTP layer: k = 0..K drafts per "
                              "step, alternated, at each --concurrency (no transformers reference)")
+    parser.add_argument("--speculative-auto", metavar="TABLE",
+                        help="with --speculative: the batch:k table the auto rows use (default: EngineConfig's)")
     parser.add_argument("--tensor-parallel-size", metavar="N,M",
                         help="compare kvmesh at these tensor-parallel sizes (e.g. 1,2) instead of transformers")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tensor-parallel-size: split routed experts by expert")
     parser.add_argument("--data-parallel-size", type=int, metavar="N",
                         help="compare one process, TP=N+EP and DP=N+EP (data-parallel attention) in one run: "
-                             "throughput, KV capacity, the MoE exchange's cost (bench/data_parallel.py)")
+                             "throughput, KV capacity, the MoE exchange's cost (bench/data_parallel.py); with "
+                             "--speculative: each with and without the MTP draft")
     parser.add_argument("--quantized", action="store_true",
                         help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
@@ -555,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.quantized:
         return quantized_main(args, levels)
+    if args.data_parallel_size and args.speculative:
+        from bench.data_parallel import spec_main
+        return spec_main(args, levels, args.data_parallel_size, run_kvmesh, OPENINGS, median_run)
     if args.data_parallel_size:
         from bench.data_parallel import dp_main
         return dp_main(args, levels, args.data_parallel_size, run_kvmesh, make_prompts, median_run, KV_CACHE_BYTES,
@@ -567,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                  max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
                                  prefix_reuse=not args.speculative,    # the k runs repeat their prompts
-                                 speculative_tokens=0))   # plain decoding; --speculative sets each k's drafter
+                                 speculative_tokens=0,    # plain decoding; --speculative sets each k's drafter
+                                 speculative_auto=args.speculative_auto or EngineConfig.speculative_auto))
     if args.speculative:
         run_kvmesh(engine, [engine.encode(o) for o in OPENINGS[:max(levels)]], args.max_tokens)   # warm-up
         lines = speculative_main(engine, levels, args)

@@ -18,11 +18,13 @@ from kvstore.planner import PolicyError, SwaPolicy
 from kvstore.redact import redact_url
 from kvstore.store import DEFAULT_READ_TIMEOUT_S
 from workers.model.args import ConfigError
+from workers.spec.speculative import DraftRule
 
 DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 INDEX_SCHEMES = ("redis://", "rediss://", "unix://")
+AUTO_DRAFTS = "1:2,16:1,32:0"    # speculative_tokens=auto: measured on this CPU (docs/benchmarks.md)
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -76,9 +78,12 @@ class EngineConfig:
     worker_id: str | None = setting(None, "name in the index's memory tier (default host:pid)", serve=False,
                                     cli=False)
     prefix_reuse: bool = setting(True, "restore and persist prefixes (false: never; baselines)")
-    speculative_tokens: int | None = setting(None, "drafts per decode step from the checkpoint's MTP layer "
-                                                   "(0 = off; default: 1 when the checkpoint has mtp.* weights and "
-                                                   "the engine is neither tensor- nor data-parallel, else 0)")
+    speculative_tokens: int | str | None = setting(None, "drafts per decode step from the checkpoint's MTP layer: "
+                                                         "K, or auto (by the batch: speculative_auto); 0 = off; "
+                                                         "default: auto when the checkpoint has mtp.* weights, else 0")
+    speculative_auto: str = setting(AUTO_DRAFTS, "speculative_tokens=auto: drafts per step by the number of "
+                                                 "sequences in the step, as batch:k pairs (1:2,16:1,32:0: k = 2 "
+                                                 "up to batch 15, 1 up to 31, none from 32)")
     store_key: str | None = setting(None, "MAC key (>= 16 bytes) for store objects; default: $KVMESH_STORE_KEY",
                                     cli=False, repr=False)
     require_store: bool = setting(False, "a store / index unusable at start-up is fatal (default: run "
@@ -123,7 +128,8 @@ class EngineConfig:
                     object.__setattr__(self, f.name, parse_bytes(getattr(self, f.name)))
                 except ValueError as e:
                     raise ConfigError(f"EngineConfig.{f.name}: {e}") from None
-        for check in (self._check_choices, self._check_sizes, self._check_places, self._check_parallel):
+        for check in (self._check_choices, self._check_sizes, self._check_places, self._check_parallel,
+                      self._check_drafts):
             check()
 
     def _check_choices(self) -> None:
@@ -148,7 +154,7 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}: must be a number, got {value!r}")
             if value is not None and not value > 0:
                 raise ConfigError(f"EngineConfig.{name}: must be > 0, got {value!r}")
-        for name in ("host_cache_bytes", "speculative_tokens", "store_scrub_interval_s"):
+        for name in ("host_cache_bytes", "store_scrub_interval_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"EngineConfig.{name}: must be >= 0, got {getattr(self, name)!r}")
 
@@ -176,9 +182,25 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig: tensor_parallel_size={self.tensor_parallel_size} with "
                               f"data_parallel_size={dp} (attention TP inside a DP rank) is not built yet; "
                               f"use one of them")
-        if self.speculative_tokens:
-            raise ConfigError(f"EngineConfig.speculative_tokens={self.speculative_tokens} with data_parallel_size={dp} "
-                              f"is not supported yet (the MTP layer's MoE would need its own exchange step)")
+
+    def _check_drafts(self) -> None:
+        k = self.speculative_tokens
+        if isinstance(k, str) and k.isdigit():          # "2" from a flag or an environment
+            object.__setattr__(self, "speculative_tokens", k := int(k))
+        if not (k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
+            raise ConfigError(f"EngineConfig.speculative_tokens: must be an int >= 0 or auto, got {k!r}")
+        try:
+            DraftRule.parse(self.speculative_auto)
+        except ValueError as e:
+            raise ConfigError(f"EngineConfig.speculative_auto: {e}") from None
+
+    def draft_rule(self, has_mtp: bool) -> DraftRule | None:
+        """Drafts per step as this config asks (None: off): K, auto, or by default auto when the
+        checkpoint has an MTP layer."""
+        k = self.speculative_tokens
+        if k == "auto" or (k is None and has_mtp):
+            return DraftRule.parse(self.speculative_auto)
+        return DraftRule.fixed(k) if k else None
 
     @property
     def policy(self) -> SwaPolicy:

@@ -79,6 +79,7 @@ def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
             results.setdefault(i, {"id": rid, "error": f"engine failed: {type(e).__name__}: {e}",
                                    "finish_reason": "error"})
     bar.close()
+    _report_drafts(engine)
     try:
         engine.flush()
         engine.close()
@@ -104,6 +105,14 @@ def _run(engine, order: dict[str, int], results: dict[int, dict], bar) -> None:
                     result["error"] = out.error or f"the request ended with finish_reason {out.finish_reason!r}"
                 results[order[out.request_id]] = result
                 bar.update(1)
+
+
+def _report_drafts(engine) -> None:
+    """One stderr line on speculative decoding (every rank's drafts), when the engine drafted."""
+    c = engine.stats().counters
+    if c.draft_tokens:
+        print(f"kvmesh generate: speculative decoding: {c.draft_tokens} draft tokens, "
+              f"{c.accepted_draft_tokens / c.draft_tokens:.0%} accepted", file=sys.stderr)
 
 
 def _maybe_id(line: str):
@@ -136,7 +145,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         text = meta.get("help", "")
         help = text if "default" in text else f"{text} (default: {_shown(f.default)})"
-        kind = next(t for t in (bool, int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
+        kind = next(t for t in (bool, str, int, float) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         elif meta.get("unit") == "bytes":

@@ -67,6 +67,24 @@ def test_generate_with_data_parallel_attention_equals_one_process(checkpoint, tm
     assert [r["id"] for r in results["dp2"]] == ["tokens", "text", "stopped"]
 
 
+@pytest.mark.slow     # gloo ranks
+def test_generate_with_data_parallel_attention_drafts_by_default_with_the_greedy_tokens_of_no_drafts(
+        tmp_path, capsys):
+    """The built-in model has an MTP layer: DP=2 + EP drafts with it unless --speculative-tokens 0."""
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(request(f"r{i}", prompt=p, max_tokens=16, temperature=0, ignore_eos=True) + "\n"
+                           for i, p in enumerate(["In the beginning", "And God said, Let there be"])))
+    results, errs = {}, {}
+    for name, flags in (("default", []), ("off", ["--speculative-tokens", "0"])):
+        dst = tmp_path / f"{name}.jsonl"
+        assert main(["generate", "--input", str(src), "--output", str(dst), "--kv-cache-bytes", "16MiB",
+                     "--data-parallel-size", "2", "--enable-expert-parallel", *flags]) == 0
+        results[name] = [json.loads(line)["token_ids"] for line in dst.read_text().splitlines()]
+        errs[name] = capsys.readouterr().err
+    assert results["default"] == results["off"]
+    assert "speculative decoding:" in errs["default"] and "speculative decoding:" not in errs["off"]
+
+
 def test_generate_completes_every_line_with_all_output_fields(checkpoint, tmp_path):
     # in-process through the same entry point as the console script (the subprocess path is
     # exercised by the mixed-batch test below)

@@ -221,16 +221,15 @@ def test_mtp_drafts_beside_chunked_prefills_leave_greedy_output_unchanged(mtp_ch
     assert stats.draft_tokens > 0
 
 
-def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_otherwise(tmp_path_factory):
-    """speculative_tokens unset: AUTO_SPECULATIVE_TOKENS drafts when the checkpoint has `mtp.*`
-    weights; none without them, none when set to 0 (tensor- and data-parallel engines: the next
-    test)."""
-    from workers.engine.engine import AUTO_SPECULATIVE_TOKENS
+def test_speculation_is_on_by_default_with_an_mtp_layer_and_off_otherwise(tmp_path_factory):
+    """speculative_tokens unset: `auto` drafts (k by the batch) when the checkpoint has `mtp.*`
+    weights; none without them, none when set to 0 (tensor- and data-parallel engines:
+    test_speculative_parallel.py)."""
     name = "swa_csa_hca"
     path = write_mtp_checkpoint(tmp_path_factory, name)
     plain = write_tiny_checkpoint(tmp_path_factory.mktemp("plain"), name)
     auto = tiny_engine(path, name)
-    assert AUTO_SPECULATIVE_TOKENS == auto.config.speculative_tokens == 1 and auto.speculator is not None
+    assert auto.config.speculative_tokens == "auto" and auto.speculator is not None
     out = auto.generate(prompts()[:2], GREEDY)
     assert auto.counters.draft_tokens > 0
     off = tiny_engine(path, name, speculative_tokens=0)
@@ -239,20 +238,33 @@ def test_speculation_is_on_by_default_with_an_mtp_layer_on_one_process_and_off_o
     assert tiny_engine(plain, name).speculator is None
 
 
-@pytest.mark.slow     # gloo ranks: rank 1 is a spawned process
-def test_speculation_is_off_by_default_on_tensor_and_data_parallel_engines(tmp_path_factory):
-    """With an MTP layer and speculative_tokens unset, tensor- and data-parallel engines do not
-    draft (they do not draft yet) and raise no error."""
-    name = "swa_csa_hca"
-    path = write_mtp_checkpoint(tmp_path_factory, name)
-    for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)):
-        engine = tiny_engine(path, name, **parallel)
-        try:
-            rank0 = getattr(engine, "local", engine)              # a DataParallelEngine's own rank
-            assert rank0.config.speculative_tokens == 0 and rank0.speculator is None, parallel
-            assert len(engine.generate(prompts()[:1], GREEDY)[0].token_ids) == MAX_TOKENS
-        finally:
-            engine.close()
+def test_a_draft_rule_picks_k_by_the_batch_and_a_bad_one_is_a_config_error():
+    from workers.model.args import ConfigError
+    from workers.spec.speculative import DraftRule
+    rule = DraftRule.parse("1:2,2:1,16:0")
+    assert [rule.for_batch(n) for n in (1, 2, 15, 16, 64)] == [2, 1, 1, 0, 0] and rule.k == 2
+    assert EngineConfig(speculative_tokens="3").speculative_tokens == 3                  # a flag's string
+    assert EngineConfig(speculative_tokens="auto").draft_rule(False) == DraftRule.parse(EngineConfig().speculative_auto)
+    assert EngineConfig().draft_rule(False) is None and EngineConfig(speculative_tokens=2).draft_rule(False).k == 2
+    for bad in (dict(speculative_tokens="many"), dict(speculative_tokens=-1), dict(speculative_auto="2:1"),
+                dict(speculative_auto="1:1,4"), dict(speculative_auto="1:1,8:2,4:0")):
+        with pytest.raises(ConfigError, match="speculative"):
+            EngineConfig(**bad)
+
+
+def test_auto_drafts_follow_the_batch_and_leave_greedy_output_unchanged(mtp_checkpoint):
+    """Three requests of different lengths: batch 3 drafts nothing (the MTP layer does not run),
+    batch 2 one token, batch 1 two; the layer's ring is masked where it did not run."""
+    block, path = mtp_checkpoint
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 18, 30)]
+
+    def run(spec):
+        e = Engine(EngineConfig(model=str(path), block_tokens=block, kv_cache_bytes=8 << 20,
+                                speculative_tokens=spec, speculative_auto="1:2,2:1,3:0"))
+        return [o.token_ids for o in e.generate(prompts(), params)], e
+    plain, _ = run(0)
+    auto, engine = run("auto")
+    assert auto == plain and engine.counters.draft_tokens > engine.counters.drafted_steps > 0
 
 
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):

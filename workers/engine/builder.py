@@ -35,7 +35,7 @@ from workers.checkpoint.sharding import check_sizes
 from workers.checkpoint.tokenizer import load_tokenizer
 from workers.checkpoint.weights_id import weights_identity
 from workers.engine_config import EngineConfig
-from workers.model.args import ConfigError, ModelArgs
+from workers.model.args import ModelArgs
 from workers.model.shard import SINGLE, Shard
 from workers.model.transformer import Transformer
 from workers.parallel.collectives import Collectives
@@ -80,9 +80,6 @@ def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | 
         return None
     check_sizes(ModelArgs.from_file(model_dir / "config.json"), config.tensor_parallel_size,
                 config.enable_expert_parallel)
-    if config.speculative_tokens:
-        raise ConfigError(f"speculative_tokens={config.speculative_tokens} (the MTP draft) is not supported "
-                          f"with tensor_parallel_size={config.tensor_parallel_size} yet")
     return Leader(config, launcher or LocalProcessLauncher())
 
 

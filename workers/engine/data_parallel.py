@@ -32,9 +32,13 @@ the request fails there (its memory freed once the READ is over, never before) a
 starts it again on rank j with the copy's tensors (`PortableLoad.fallback`); when there is no
 copy, the request fails with the HandoffError.
 
+Speculative decoding: each rank drafts for its own requests with the MTP layer, whose MoE goes
+through the same expert exchange (workers/spec/mtp.py: every rank makes k MTP passes whenever
+any rank stepped).
+
 Built: TP=1 inside each DP rank, on the CPU (gloo) or one CUDA device per rank (NCCL, untested
 here). Refused at start-up: DP without expert parallelism, TP x DP (attention TP inside a DP
-rank), speculative decoding (the MTP layer's MoE).
+rank).
 A rank that dies or stalls raises RankFailed within rank_timeout_s; the engine stays failed.
 """
 from __future__ import annotations

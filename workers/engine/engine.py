@@ -42,9 +42,6 @@ from .stats import EngineCounters, EngineStats, GrammarCounters, Histogram, Reus
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
-# Drafts per step by default with an MTP layer: on CPU k = 1 is 1.4x at batch 1 and the best k
-# at batch 8; more drafts pay more at batch 1 but lose at batch 8 and 32 (docs/benchmarks.md).
-AUTO_SPECULATIVE_TOKENS = 1
 GRAMMAR_POLL_S = 0.01    # an engine with nothing to run but parked requests waits this long for a compile
 
 
@@ -93,22 +90,16 @@ class Engine:
                                        self.counters)
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
             self.enable_decode_graphs()
-        self.config = config = dataclasses.replace(config, speculative_tokens=self._speculative_tokens(config))
+        self.rule = config.draft_rule(bool(len(self.model.mtp)))        # whatever the parallel sizes
+        self.config = config = dataclasses.replace(
+            config, speculative_tokens=(config.speculative_tokens or "auto") if self.rule is not None else 0)
         self.speculator: Speculator | None = None
-        if config.speculative_tokens > 0:
+        if self.rule is not None:
             if not len(self.model.mtp):
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
                                   f"layer, and {model_dir} has none (no mtp.* weights)")
-            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots))
-
-    def _speculative_tokens(self, config: EngineConfig) -> int:
-        """EngineConfig.speculative_tokens as given, or by default (None) AUTO_SPECULATIVE_TOKENS
-        when the checkpoint has an MTP layer (`mtp.*` weights) and this engine is one process:
-        drafts are not built for tensor- or data-parallel engines yet (asked for explicitly there,
-        start-up refuses them)."""
-        if config.speculative_tokens is not None:
-            return config.speculative_tokens
-        return AUTO_SPECULATIVE_TOKENS if len(self.model.mtp) and self.ranks is None and self.dp is None else 0
+            share = self.ranks.draft if self.ranks is not None else None     # TP: every rank runs the passes
+            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots, share))
 
     def enable_decode_graphs(self, capture: bool = True) -> None:
         """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
@@ -127,17 +118,17 @@ class Engine:
                                           *self.kv.reserve_scratch(),
                                           self.config.max_num_seqs, self.config.device, capture)
 
-    def set_drafter(self, drafter: Drafter | None, k: int | None = None) -> None:
-        """Speculative decoding with `drafter` proposing k tokens per step (default
-        config.speculative_tokens); None turns it off."""
-        k = self.config.speculative_tokens if k is None else k
-        if drafter is None or k <= 0:
+    def set_drafter(self, drafter: Drafter | None, k: int | str | None = None) -> None:
+        """Speculative decoding with `drafter` proposing k tokens per step, or by the batch with
+        "auto" (default: as the config says); None turns it off."""
+        rule = self.rule if k is None else dataclasses.replace(self.config, speculative_tokens=k).draft_rule(True)
+        if drafter is None or rule is None or rule.k == 0:
             self.speculator = None
             return
         a = self.args
         ratios = tuple(sorted({r for r in a.compress_ratios if r}))
         limits = DraftLimits(ratios, self.config.block_tokens, a.sliding_window)
-        self.speculator = Speculator(drafter, k, limits, self.cache)
+        self.speculator = Speculator(drafter, rule, limits, self.cache)
 
     def flush(self) -> None:
         """Wait until every persisted block and checkpoint is durable in the store."""
@@ -380,8 +371,14 @@ class Engine:
         t0 = time.perf_counter()
         batch, unloaded = self.scheduler.schedule()    # admission restores prefixes here
         failed += [self.outputs.failure(seq, e.__cause__ or e) for seq, e in unloaded]
-        if self.dp is not None and any(self.dp.all_counts(int(bool(batch)))) and not batch:
-            self.runner.idle()       # every DP rank said whether it has a batch; join the others' exchanges
+        spec = self.speculator
+        k = spec.rule.for_batch(len(batch)) if spec is not None else 0    # the MTP passes after this step
+        if self.dp is not None:     # every DP rank says whether it has a batch, and the k it wants: all use the largest
+            k = max(self.dp.all_counts(1 + k if batch else 0)) - 1
+            if k >= 0 and not batch:
+                self.runner.idle()                   # join the others' exchanges
+                if spec is not None:
+                    spec.drafter.idle(k)
         if not batch:
             return failed
         now = time.monotonic()
@@ -390,7 +387,6 @@ class Engine:
                 seq.scheduled = True
                 self.queue_time.observe(now - seq.arrival)
         t1 = time.perf_counter()
-        spec = self.speculator
         drafts = spec.propose(batch) if spec else {}
         saved = spec.save(batch, drafts) if drafts else None
         starts = [seq.num_computed for seq, _ in batch]
@@ -413,7 +409,7 @@ class Engine:
         else:
             outputs = self.outputs.sample(batch, logits, sampled)
         if observe:         # a model draft runs on what this step computed, for the next step
-            spec.drafter.observe(batch, starts, *self.runner.last, spec.k)
+            spec.drafter.observe(batch, starts, *self.runner.last, k)
         return failed + outputs
 
     # ---- convenience ------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class ModelRunner:
                 self.graphs = None
         step, sampled, extra = self.build(batch, drafts)
         if self.leader is not None:
-            self.leader.forward(step)
+            self.leader.forward(step, keep_streams)
         step = step.to(self.device)
         if keep_streams:
             logits, streams = self.model(step, self.cache, keep_streams=True)

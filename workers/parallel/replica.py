@@ -15,8 +15,12 @@ The copies stay identical because every write to the cache is either
   `MirroredCache`, which applies each such call and records it; the list goes to the other
   ranks with the next step, which apply it before running the forward.
 
-    rank 0:   schedule (restores: recorded) ─ send Step(ops, step) ─ forward ─ sample
-    rank k:                                   recv Step ─ apply ops ─ forward (its shard)
+    rank 0:   schedule (restores: recorded) ─ send Step(ops, step) ─ forward ─ sample ─ send Draft(plan) ─ MTP
+    rank k:                                   recv Step ─ apply ops ─ forward (its shard)   recv Draft ─ MTP
+
+With speculative decoding the step keeps its last streams (`Step.keep_streams`) and rank 0 sends
+the MTP layer's passes for the next step's drafts (`Draft`, workers/spec/mtp.py), which every rank
+runs on its shard of the layer and its own copy of the layer's ring.
 
 A rank that dies or stalls turns the next collective (or `RankLauncher.check`) into
 `RankFailed` within `rank_timeout_s`.
@@ -40,11 +44,12 @@ from workers.checkpoint.loader import load_model
 from workers.engine_config import EngineConfig
 from workers.model.shard import Shard
 from workers.model.step import StepInput
+from workers.spec.mtp import DraftPlan, MTPPasses
 
 from .collectives import Collectives, RankFailed, init_method
 
 __all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
-           "Leader", "Liveness"]
+           "Leader", "Liveness", "Draft"]
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +129,17 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward: first the cache calls rank 0 made since the last step, in order."""
+    """One forward: first the cache calls rank 0 made since the last step, in order.
+    `keep_streams`: keep the step and its last streams for the Draft that follows."""
     ops: list[tuple[str, tuple]]
     step: StepInput | None
+    keep_streams: bool = False
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The MTP layer's passes after the last step (speculative decoding), run on every rank."""
+    plan: DraftPlan
 
 
 @dataclass(frozen=True)
@@ -182,16 +195,22 @@ class Leader(Liveness):
         self.mirror = MirroredCache(cache)
         return self.mirror
 
-    def forward(self, step: StepInput) -> None:
+    def forward(self, step: StepInput, keep_streams: bool = False) -> None:
         """Before rank 0 runs `step` (CPU tensors): the other ranks get the pending cache calls
-        and the step."""
+        and the step (`keep_streams`: a Draft follows it)."""
+        self._send(Step(self.mirror.take(), step, keep_streams))
+
+    def draft(self, plan: DraftPlan) -> None:
+        """Before rank 0 runs the MTP passes of `plan`: the other ranks get it."""
+        self._send(Draft(plan))
+
+    def _send(self, message: Step | Draft) -> None:
         self.check()
         try:
-            self.comm.send(Step(self.mirror.take(), step))
+            self.comm.send(message)
         except RankFailed as e:
             self.dead = e
             raise
-
 
     def close(self, reason: str = "engine closed") -> None:
         if self.dead is None:
@@ -232,11 +251,21 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig)
 
 
 def follow(comm: Collectives, model, cache: CacheTensors, device: str) -> None:
+    """Run rank 0's steps and MTP passes (its own MTP ring, like rank 0's drafter's) until Stop."""
+    passes = MTPPasses(model, cache.num_slots) if len(model.mtp) else None
+    last = None                                      # (step, streams) a Draft runs on
     while True:
         msg = comm.recv()
         if isinstance(msg, Stop):
             return
+        if isinstance(msg, Draft):
+            passes.run(msg.plan, *last)
+            continue
         for name, args in msg.ops:
             getattr(cache, name)(*args)
         if msg.step is not None:
-            model(msg.step.to(device), cache)
+            step = msg.step.to(device)
+            if msg.keep_streams:
+                last = (step, model(step, cache, keep_streams=True)[1])
+            else:
+                model(step, cache)

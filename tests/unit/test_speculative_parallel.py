@@ -1,0 +1,104 @@
+"""MTP speculation in the parallel engines on the CPU (gloo): TP=2 and DP=2+EP engines draft
+with the checkpoint's MTP layer by default (the built-in model's: trained, so drafts are often
+right), give TP=1's greedy tokens without drafts,
+and draft and accept exactly what one process drafts and accepts on the same prompts: requests
+arriving while others decode, prompts prefilled in chunks beside drafted steps, a DP rank with no
+requests (it joins the MTP layer's expert exchanges with none), k = 1, 2 (chained passes) and auto
+(k by the batch; a DP rank's batches differ from one process's, so there only the tokens are compared).
+Each rank's acceptance is in `rank_stats` and /metrics (`kvmesh_rank_spec_acceptance_rate`)."""
+from __future__ import annotations
+
+import pytest
+
+from workers.engine import open_engine
+from workers.engine_config import EngineConfig
+from workers.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, saying,",
+           "Blessed are the poor in spirit: for theirs is the kingdom of heaven. Blessed are they",
+           "The earth was without form"]
+CHUNK = dict(max_batched_tokens=7)                     # prefill in chunks of 7 tokens beside verify rows
+DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+PARALLEL = {"tp2": dict(tensor_parallel_size=2),             # auto (the default): TP=1's batches, TP=1's k
+            "dp2": DP,                                        # auto: a rank's batches are not TP=1's
+            "dp2_k1": dict(DP, speculative_tokens=1), "dp2_k2": dict(DP, speculative_tokens=2)}
+
+
+def engine_with(**kw):
+    """An engine on the built-in model (it has an MTP layer), 16 MiB of KV cache per rank."""
+    return open_engine(EngineConfig(kv_cache_bytes=16 << 20, **kw))
+
+
+def staggered(engine) -> list[list[int]]:
+    """PROMPTS' greedy tokens, each request added after the previous one ran 3 steps."""
+    done = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+        for _ in range(3):
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def drafted(engine) -> tuple[int, int]:
+    """(draft tokens, accepted) over every rank."""
+    return (sum(s.counters.draft_tokens for s in engine.rank_stats),
+            sum(s.counters.accepted_draft_tokens for s in engine.rank_stats))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """TP=1: greedy tokens without drafts; (drafted, accepted) with k = 1, 2 and auto."""
+    plain = staggered(engine_with(speculative_tokens=0, **CHUNK))
+    counts = {}
+    for k in (1, 2, "auto"):
+        engine = engine_with(speculative_tokens=k, **CHUNK)
+        assert staggered(engine) == plain
+        counts[k] = drafted(engine)
+    return plain, counts
+
+
+@pytest.mark.parametrize("variant", sorted(PARALLEL))
+def test_parallel_engines_draft_with_mtp_and_equal_one_process(reference, variant):
+    plain, counts = reference
+    kw = PARALLEL[variant]
+    engine = engine_with(**kw, **CHUNK)
+    try:
+        rank0 = getattr(engine, "local", engine)                  # a DataParallelEngine's own rank
+        k = kw.get("speculative_tokens", "auto")                  # auto: the default with an MTP layer
+        assert rank0.config.speculative_tokens == k and rank0.speculator is not None
+        assert staggered(engine) == plain
+        total, accepted = drafted(engine)
+        assert 0 < accepted < total
+        if variant != "dp2":
+            assert (total, accepted) == counts[k]
+        else:
+            ranks = [s.counters.draft_tokens for s in engine.rank_stats]
+            assert all(ranks), ranks                              # both ranks drafted for their own requests
+            steps = [s.counters.steps for s in engine.rank_stats]
+            alone = engine.generate(PROMPTS[2:3], GREEDY)         # one request: the other rank only exchanges
+            assert alone[0].token_ids == plain[2]
+            ran = [s.counters.steps - b for s, b in zip(engine.rank_stats, steps)]
+            assert sorted(ran)[0] == 0 < sorted(ran)[1]
+    finally:
+        engine.close()
+
+
+def test_each_ranks_acceptance_is_in_rank_stats_and_metrics():
+    from cluster.messages import WorkerStats
+    from cluster.serve.metrics import WorkerSnapshots
+    engine = engine_with(**PARALLEL["dp2"])
+    try:
+        engine.generate(PROMPTS, GREEDY)
+        snapshots = WorkerSnapshots()
+        snapshots.update(WorkerStats("decode", "w0", engine.stats(), ranks=tuple(engine.rank_stats)))
+        exported = {(s.labels["rank"]): s.value for m in snapshots.collect()
+                    if m.name == "kvmesh_rank_spec_acceptance_rate" for s in m.samples}
+        want = {str(r): s.as_dict()["spec_acceptance_rate"] for r, s in enumerate(engine.rank_stats)}
+        assert exported == pytest.approx(want) and all(s.counters.draft_tokens for s in engine.rank_stats)
+    finally:
+        engine.close()
