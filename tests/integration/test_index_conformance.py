@@ -249,7 +249,8 @@ def test_redis_outage_is_a_miss_then_reuse_resumes(redis_process, caplog: pytest
                 index.remove_blocks(hs)
                 index.clear()
                 time.sleep(0.02)
-        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvstore.redis_index"]
+        assert len(warned) == 1     # another module's KV-event thread on the same Redis may warn too: not this index's
         assert not index.stats().healthy and index.stats().errors >= 1
     finally:
         redis_process.restart()
