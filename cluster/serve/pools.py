@@ -221,7 +221,7 @@ class Decode(_Worker):
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings)
         first = True
-        rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the least queued rank (events)
+        rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix, else the front picks
         try:
             async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
                                                    batched=True, rank=rank):

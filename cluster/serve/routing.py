@@ -38,21 +38,16 @@ def location(holder: str) -> tuple[str, int | None]:
 
 
 def rank_hint(hint: RouteHint, worker_id: str, ranks: int) -> int | None:
-    """The rank of `worker_id` (a replica of `ranks` data-parallel ranks) to run on: with pushed
-    loads from every one of its ranks, the one of least `rank_cost`; else the one that alone holds
-    the longest prefix in memory. None when no rank stands out (the front then chooses by its own,
-    live view): a rank not heard from yet cannot be scored, so it must not lose by default."""
+    """The rank of `worker_id` (a replica of `ranks` data-parallel ranks) that alone holds the
+    longest prefix in memory; None when no rank stands out: the front then chooses by its own,
+    live view of its ranks' loads, fresher than the loads pushed with KV events (a request that
+    just started on a rank shows there at once, in its pushed load only at its next event)."""
     if ranks <= 1:
         return None
-    locations = {r: f"{worker_id}{RANK_MARK}{r}" for r in range(ranks)}
-    if hint.block_tokens and all(loc in hint.loads for loc in locations.values()):
-        score = {r: rank_cost(hint, loc, 0.0) for r, loc in locations.items()}
-    else:
-        score = {r: -hint.prefix_blocks.get(loc, 0) for r, loc in locations.items()}
-        score = {r: n for r, n in score.items() if n < 0}
-    best = min(score.values(), default=None)
+    score = {r: hint.prefix_blocks.get(f"{worker_id}{RANK_MARK}{r}", 0) for r in range(ranks)}
+    best = max(score.values())
     top = [r for r, n in score.items() if n == best]
-    return top[0] if len(top) == 1 else None
+    return top[0] if best > 0 and len(top) == 1 else None
 
 
 def rank_cost(hint: RouteHint, loc: str, stats_load: float) -> float:

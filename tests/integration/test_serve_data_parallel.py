@@ -148,13 +148,17 @@ def test_concurrent_prompts_take_different_ranks_and_a_repeat_goes_to_the_rank_t
     locator.configure(info["fingerprint"], BT, info["index_namespace"])
     for prompt, answer in zip(prompts, answers):      # idle ranks: a tie would go to rank 0 for both
         rank = next(r for r, n in took.items() if n == len(prompt))
-        assert locator.hint(prompt).prefix_blocks == {f"{info['worker_id']}/dp{rank}": len(prompt) // BT}
+        want, deadline = {f"{info['worker_id']}/dp{rank}": len(prompt) // BT}, time.monotonic() + 10
+        while (got := locator.hint(prompt).prefix_blocks) != want and time.monotonic() < deadline:
+            time.sleep(0.2)     # a new locator follows the KV events: heard from, then synced by a snapshot
+        assert got == want
         hits = per_rank(url, "prefix_hit_tokens", tier="device")
         again = complete(url, prompt, 40)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BT
         assert again["choices"][0]["token_ids"] == answer["choices"][0]["token_ids"][:40]
         gained = {r: v - hits.get(r, 0) for r, v in per_rank(url, "prefix_hit_tokens", tier="device").items()}
         assert gained[rank] >= 6 * BT and all(v == 0 for r, v in gained.items() if r != rank), gained
+    locator.close()
 
 
 def test_n2_forks_stay_on_one_rank(url, offline):

@@ -44,11 +44,9 @@ def test_with_pushed_loads_a_rank_costs_the_tokens_a_request_would_wait_for_and_
     assert rank_cost(hint, "a/dp0", 0) == 916 and rank_cost(hint, "b/dp1", 0) == 26
     assert best_rank(a, hint) == (64.0,) and best_rank(b, hint) == (26.0,)
     assert rank_replicas([a, b], hint, 1.0) == ["b", "a"]
-    assert (rank_hint(hint, "a", 2), rank_hint(hint, "b", 2)) == (1, 1)
-    # a rank not heard from yet is not scored as idle or as busy: the front decides (live loads)
-    partial = RouteHint(prompt_blocks=4, block_tokens=16, loads={"a/dp0": 1.0})
-    assert rank_hint(partial, "a", 2) is None
-    assert rank_hint(RouteHint(prefix_blocks={"a/dp0": 2}, prompt_blocks=4, block_tokens=16,
-                               loads={"a/dp0": 1.0}), "a", 2) == 0      # ... but a prefix still counts
+    # inside the chosen replica the rank holding the prefix alone is named; loads are the front's
+    # (live), not the pushed ones: a rank not heard from, or a tie, is the front's to decide
+    assert (rank_hint(hint, "a", 2), rank_hint(hint, "b", 2)) == (0, 1)
+    assert rank_hint(RouteHint(prompt_blocks=4, block_tokens=16, loads={"a/dp0": 1.0}), "a", 2) is None
     quiet = RouteHint(prefix_blocks={"c/dp0": 2}, prompt_blocks=2, block_tokens=16)
     assert rank_cost(quiet, "c/dp1", 3.0) == 3 * 16 + 2 * 16          # not heard from: its stats, a block each
