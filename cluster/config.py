@@ -194,8 +194,8 @@ class PoolConfig(_Strict):
         if self.nodes > 1:
             raise ValueError(f"data_parallel_size_local {local} with data_parallel_size {dp} asks for a replica "
                              f"over {self.nodes} nodes: multi-node replicas are not served yet (a replica is one "
-                             "placement group packed on one node, STRICT_PACK); set data_parallel_size_local "
-                             f"to {dp} or leave it out (`kvmesh plan --nodes` sizes them)")
+                             "placement group packed on one node, STRICT_PACK); keep the replica on one node "
+                             f"(data_parallel_size_local {dp}, or leave it out)")
         return self
 
     @property
