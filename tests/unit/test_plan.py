@@ -15,6 +15,7 @@ from workers.checkpoint.released import RELEASED_CONFIGS
 from workers.checkpoint.sizing import (
     GiB,
     SizingError,
+    format_plan,
     parallel_problems,
     parse_nodes,
     plan,
@@ -188,6 +189,10 @@ def test_tiny_replicas_over_several_nodes_by_hand():
     # auto: something fits on one node, so one node's rows only
     assert plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", nodes=None).fits == \
         plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero").fits
+    # auto where nothing fits on 1 or 2 nodes (4 experts: 2 nodes of 2 at most): one node's rows, and says so
+    none = plan(a, split, 0.0001, 2, block_tokens=16, swa_policy="zero", nodes=None)
+    assert none.nodes == 2 and all(f.nodes == 1 and not f.fits for f in none.fits)
+    assert "no size fits on one node, nor over up to 2 nodes of 2" in format_plan(none, "tiny")
 
 
 @pytest.fixture(scope="module")

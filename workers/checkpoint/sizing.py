@@ -370,7 +370,7 @@ def format_plan(p: Plan, label: str) -> str:
 def _notes(p: Plan) -> list[str]:
     """Under the table: how far the node search went, and which fitting sizes are planned, not served."""
     notes = [""]
-    if p.nodes > 1:
+    if any(f.nodes > 1 for f in p.fits):
         notes.append(f"nodes > 1: one DP + EP replica over whole nodes, {p.gpus} ranks on each "
                      "(data_parallel_size_local = DP / nodes), routed experts split over all its ranks")
     if p.auto_nodes and not any(f.fits for f in p.fits):
