@@ -62,7 +62,7 @@ def prefill(src, rid: str, prompt: list[int], rank: int | None):
 
 
 def counters() -> dict:
-    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
+    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "handoff_reused_blocks": 0, "handoff_saved_bytes": 0}
 
 
 def decode(dst, rid, prompt, first, offer, rng_state, rank, kinds):
@@ -156,9 +156,9 @@ def test_a_failed_read_on_a_rank_falls_back_to_a_ray_copy_or_fails_only_that_req
         "no-such-agent", b"not metadata", "10.255.255.1", "DRAM", offer.location.descs)})
     fetched = []
 
-    def fetch_ray(o: Offer) -> Offer:               # what Decode asks the prefill worker for (Prefill.export)
+    def fetch_ray(o: Offer, reused: int) -> Offer:  # what Decode asks the prefill worker for (Prefill.export)
         fetched.append(o.request_id)
-        return src[0].offer_held(rid, src[2])
+        return src[0].offer_held(rid, src[2], reused)
     c = counters()
     loader = Loader(bad, {"nixl": nixl, "ray": ray_t}, fetch_ray if copy else None, c)
     engine.add_request(rid, prompt, GREEDY, resume=Resume(first.first, loader, first.cached_tokens, held.rng_state),

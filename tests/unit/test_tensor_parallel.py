@@ -106,7 +106,7 @@ def _handoff(prefill, decode, prompt, rid):
     payload = prefill.export_held(rid)
     prefill.release_held(rid)
     resume = Resume(first.first,
-                    lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens)
+                    lambda cache, blocks, slot, reused: cache.scatter(blocks[reused:], slot, cache.skip_blocks(payload, reused)), first.cached_tokens)
     decode.add_request(rid, prompt, GREEDY, resume=resume)
     return [o for o in _run(decode) if o.finished][-1]
 
