@@ -119,13 +119,38 @@ def test_a_handoff_between_any_ranks_equals_a_cold_tp1_run_and_frees_the_holding
         engine.release_held(rid)                  # a Ray copy is a copy: prefill frees at once (pools._export)
     done, loader = decode(dst, rid, prompt, first, offer, held.rng_state, dst_rank, [transport])
     assert done.token_ids == cold.token_ids and done.finish_reason == "length"
-    assert loader.report.transport == transport and loader.report.nbytes == offer.nbytes > 0
-    assert loader.counters[f"{transport}_bytes"] == offer.nbytes and loader.counters["fallbacks"] == 0
+    report = loader.report
+    # the cold run left its 7 whole blocks in tp1's pool: decode reuses them (a Ray copy still travels whole)
+    assert report.reused_blocks == (7 if dst_key == "tp1" else 0)
+    moved = offer.nbytes - (report.saved_bytes if transport == "nixl" else 0)
+    assert report.transport == transport and report.nbytes == moved > 0
+    assert loader.counters[f"{transport}_bytes"] == moved and loader.counters["fallbacks"] == 0
     if transport == "nixl":
         released(src, rid)
     after = holder_stats(engine, src_rank)
     assert after.held == 0 and after.free_blocks == after.total_blocks
     assert holder_stats(dst[0], dst_rank).held == 0
+
+
+@pytest.mark.parametrize("transport", ["nixl", "ray"])
+def test_a_decode_rank_holding_the_prefix_reuses_it_and_reads_only_the_rest(engines, transport):
+    src, dst = engines["dp_prefill"], engines["dp_decode"]
+    prompt = random_prompt(7 * BLOCK_TOKENS[NAME] + 5, seed=300 + (transport == "ray"))
+    cold = engines["tp1"][0].generate([prompt], GREEDY)[0]
+    dst[0].add_request("warm" + transport, prompt[:-3], GREEDY, rank=1)      # rank 1 now holds the 7 whole blocks
+    run(dst[0])
+    rid = f"reuse-{transport}"
+    first = prefill(src, rid, prompt, 0)
+    held = src[0].held_handle(rid)
+    offer = src[0].offer_held(rid, src[1] if transport == "nixl" else src[2])
+    if transport == "ray":
+        src[0].release_held(rid)
+    done, loader = decode(dst, rid, prompt, first, offer, held.rng_state, 1, [transport])
+    assert done.token_ids == cold.token_ids
+    assert loader.report.reused_blocks == 7 and loader.counters["handoff_reused_blocks"] == 7
+    assert loader.report.nbytes == offer.nbytes - (loader.report.saved_bytes if transport == "nixl" else 0)
+    if transport == "nixl":
+        released(src, rid)
 
 
 def test_an_offer_from_another_engine_is_refused_before_a_rank_allocates(engines):

@@ -131,7 +131,7 @@ def test_an_offer_past_its_readable_time_is_not_read_and_a_read_ends_before_it()
     reads = []
     agent.read = lambda remote, regions, notif, timeout_s: reads.append(timeout_s) or 0
     soon = Offer(**{**offer.__dict__, "readable_until": time.time() + 3.0})
-    transports(agent)["nixl"]._read(soon, dst, DST_BLOCKS, DST_SLOT)
+    transports(agent)["nixl"]._read(soon, dst, DST_BLOCKS, DST_SLOT, 0)
     assert reads and reads[0] <= 3.0 - 1.0        # the READ's deadline falls before the source may free
     agent.close()
     source.close()
