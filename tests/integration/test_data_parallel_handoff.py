@@ -200,3 +200,29 @@ def test_a_failed_read_on_a_rank_falls_back_to_a_ray_copy_or_fails_only_that_req
     assert outs[f"fine{copy}"].token_ids == cold.token_ids
     after = holder_stats(engine, 1)
     assert after.load == 0 and after.free_slots == after.total_slots
+
+
+def test_a_failed_read_into_a_decode_engine_holding_the_prefix_fetches_a_copy_without_those_blocks(engines):
+    """The Loader's own fallback (a single engine, or DP rank 0): prefill's Ray copy is asked
+    for without the blocks decode holds (`Prefill.export(skip=)`), so it carries only the rest."""
+    src, (engine, nixl, ray_t) = engines["dp_prefill"], engines["tp1"]
+    prompt = random_prompt(6 * BLOCK_TOKENS[NAME] + 3, seed=400)
+    cold = engine.generate([prompt], GREEDY)[0]                # tp1 now holds the 6 whole blocks
+    first = prefill(src, "skip", prompt, 1)
+    held = src[0].held_handle("skip")
+    offer = src[0].offer_held("skip", src[1])
+    bad = Offer(**{**offer.__dict__, "location": type(offer.location)(
+        "no-such-agent", b"not metadata", "10.255.255.1", "DRAM", offer.location.descs)})
+    asked = []
+
+    def fetch_ray(o: Offer, reused: int) -> Offer:
+        asked.append(reused)
+        return src[0].offer_held("skip", src[2], reused)
+    loader = Loader(bad, {"nixl": nixl, "ray": ray_t}, fetch_ray, counters())
+    engine.add_request("skip", prompt, GREEDY, resume=Resume(first.first, loader, first.cached_tokens, held.rng_state))
+    done = [o for o in run(engine) if o.request_id == "skip" and o.finished][-1]
+    src[0].release_held("skip")
+    assert done.token_ids == cold.token_ids and asked == [6]
+    report = loader.report
+    assert (report.transport, report.fallback_reason, report.reused_blocks) == ("ray", "read_failed", 6)
+    assert report.nbytes == offer.nbytes - report.saved_bytes > 0        # the copy left the 6 blocks out
