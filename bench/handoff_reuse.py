@@ -89,7 +89,8 @@ def main() -> None:
     print(f"\nDecode-side reuse, built-in model, NIXL UCX loopback on CPU; medians of {args.repeats} rounds; "
           f"the next turn = prompt + {args.extra} tokens; load average {load} (1, 5, 15 min); greedy tokens equal "
           f"a full handoff's\n")
-    print("| turn-1 tokens | next turn's handoff | blocks reused | MB READ | READ ms | to first decode token ms | MB vs full |")
+    print("| turn-1 tokens | next turn's handoff | blocks reused | MB READ | READ ms | to first decode token ms "
+          "| MB vs full |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for i, (size, name, nbytes, seconds, to_first, blocks) in enumerate(rows):
         base = rows[i - i % 2][2]

@@ -69,11 +69,12 @@ class RayTransport(GatheredTransport):
 
 class Loader(PortableLoad):
     """The decode side of one handoff. The loader itself is the engine's Resume hook
-    (`load(cache, block_ids, slot)`), run on the engine thread: it loads `offer` with the
-    transport of its kind, and when a NIXL READ fails, a Ray copy that `fetch_ray(offer)` asks
-    the prefill worker for (`fetch_ray(offer, reused)`: without the blocks decode holds). It raises HandoffError only (the engine then fails this request
-    alone); `report` says how it went. A data-parallel engine placing the request on rank j > 0
-    takes `portable()` instead and `settle`s with that rank's report."""
+    (`load(cache, block_ids, slot, reused)`), run on the engine thread: it loads `offer` with
+    the transport of its kind, and when a NIXL READ fails, a Ray copy that `fetch_ray(offer,
+    reused)` asks the prefill worker for (without the `reused` blocks decode holds). It raises
+    HandoffError only (the engine then fails this request alone); `report` says how it went. A
+    data-parallel engine placing the request on rank j > 0 takes `portable()` instead and
+    `settle`s with that rank's report."""
 
     def __init__(self, offer: Offer, transports: dict[str, KVTransport],
                  fetch_ray: Callable[[Offer, int], Offer] | None,

@@ -21,6 +21,11 @@ def engine(model_dir, **kw) -> Engine:
     return tiny_engine(model_dir, "swa_csa_hca", **kw)
 
 
+def scatter(payload):
+    """A Resume.load of a gathered payload into the blocks the decode engine lacks + the slot."""
+    return lambda cache, blocks, slot, reused: cache.scatter(blocks[reused:], slot, cache.skip_blocks(payload, reused))
+
+
 def run(e: Engine):
     outs = []
     while e.has_unfinished():
@@ -35,8 +40,7 @@ def handoff(prefill: Engine, decode: Engine, prompt, params):
     held = prefill.held_handle("r")
     payload = prefill.export_held("r")
     prefill.release_held("r")
-    resume = Resume(first.first, lambda cache, blocks, slot, reused: cache.scatter(blocks[reused:], slot, cache.skip_blocks(payload, reused)),
-                    first.cached_tokens, held.rng_state)
+    resume = Resume(first.first, scatter(payload), first.cached_tokens, held.rng_state)
     decode.add_request("r", prompt, params, resume=resume)
     return [o for o in run(decode) if o.finished][-1]
 
@@ -82,8 +86,7 @@ def held_forks(prefill: Engine, prompt, params):
     payload = prefill.export_held("f") if first.finish_reason == "held" else None
     rng = prefill.held_handle("f").rng_state if payload is not None else None
     prefill.release_held("f")
-    return first, Resume(first.first, lambda cache, blocks, slot, reused: cache.scatter(blocks[reused:], slot, cache.skip_blocks(payload, reused)),
-                         first.cached_tokens, rng, tuple(first.siblings))
+    return first, Resume(first.first, scatter(payload), first.cached_tokens, rng, tuple(first.siblings))
 
 
 def test_n_forks_happen_on_the_decode_engine_after_one_prefill(model_dir):

@@ -139,7 +139,8 @@ def test_a_handed_off_cache_is_loaded_into_exactly_its_blocks_and_the_slot():
     p = make_parts(num_blocks=8)
     got = []
     seq = request(prompt_of(2, extra=0))     # block-aligned: the first decode token needs one more block
-    seq.resume = Resume(FirstToken(7, -0.5), lambda cache, blocks, slot, reused: got.append((list(blocks), slot, reused)))
+    seq.resume = Resume(FirstToken(7, -0.5),
+                        lambda cache, blocks, slot, reused: got.append((list(blocks), slot, reused)))
     hit = p.kv.get_computed_blocks(seq)
     assert hit.num_tokens == 2 * BT and hit.handoff is seq.resume
     assert p.kv.allocate_slots(seq, 1, hit)
