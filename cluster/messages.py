@@ -49,6 +49,8 @@ class WorkerStats:
     ray_bytes: int = 0              # bytes moved as Ray objects (the fallback)
     fallbacks: int = 0
     held_timeouts: int = 0          # prefill: held caches released because decode never read them
+    handoff_reused_blocks: int = 0  # decode: prompt blocks it already held, so no handoff moved them
+    handoff_saved_bytes: int = 0    # decode: their bytes
     ranks: tuple[EngineStats, ...] = ()     # data-parallel: each rank's, in rank order
 
 

@@ -342,6 +342,29 @@ class CacheTensors:
             out += [(i, r * row, row) for r in (block_ids if kind == "block" else [slot])]
         return out
 
+    def region_picks(self, num_blocks: int, skip: int) -> list[int]:
+        """Which of `block_regions(ids, slot)` (`num_blocks` ids) cover blocks [skip:] and the slot,
+        in order: a destination that holds the first `skip` blocks reads only those.
+
+            block_regions: | t0: b0 .. b(n-1) | t1: slot | t2: b0 .. b(n-1) | ...
+            picks (skip=2):|        b2 .. b(n-1) | slot |         b2 .. b(n-1) | ..."""
+        picks, at = [], 0
+        for _, kind, _ in self.named_tensors():
+            rows = num_blocks if kind == "block" else 1
+            picks += range(at + (skip if kind == "block" else 0), at + rows)
+            at += rows
+        return picks
+
+    def skip_blocks(self, tensors: dict[str, torch.Tensor], skip: int) -> dict[str, torch.Tensor]:
+        """A `gather` payload without its first `skip` blocks (the slot's tensors as they are)."""
+        return {name: tensors[name][skip:] if kind == "block" else tensors[name]
+                for name, kind, _ in self.named_tensors()}
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every block tensor (what a handoff moves per block)."""
+        return sum(t.stride(0) * t.element_size() for _, kind, t in self.named_tensors() if kind == "block")
+
     def gather(self, block_ids: list[int], slot: int) -> dict[str, torch.Tensor]:
         """CPU copies of the blocks and the whole state slot (the Ray-object handoff payload)."""
         idx = torch.tensor(block_ids, dtype=torch.long)

@@ -1,14 +1,17 @@
 """The prefill -> decode handoff of one request's cache: one interface, any transport.
 
     source (prefill engine thread)            destination (decode engine thread)
-    offer = transport.offer(held, cache) ───▶ report = transport.load(offer, cache, block_ids, slot)
+    offer = transport.offer(held, cache) ───▶ report = transport.load(offer, cache, block_ids, slot, reused)
       ... blocks + slot stay held until the destination has read them (or a timeout) ...
 
 An `Offer` is plain data (it travels in the cluster's Handoff message): which request, the
 source engine's fingerprint, how many blocks, and where the bytes are (a NIXL remote
 description, a Ray object, ...). `load` fills blocks + a state slot the destination has
 allocated, exactly `CacheTensors.block_regions(block_ids, slot)` / `gather(block_ids, slot)`,
-so the state slot always travels with the blocks. Both methods raise `HandoffError` and
+so the state slot always travels with the blocks. A destination that already holds the first
+`reused` blocks (its prefix cache: the same prefix hashes) moves only the rest + the slot: a
+NIXL READ of those regions only; a gathered copy made with `offer(..., skip=k)` leaves the
+first k blocks out of the copy itself (k <= reused). Both methods raise `HandoffError` and
 nothing else; a destination whose engine fingerprint differs refuses the offer. A load that
 gave up while its bytes may still arrive raises `TransferInFlight`: its blocks + slot stay
 out of use until the transfer is over.
@@ -67,6 +70,7 @@ class Offer:
     location: Any                   # nixl: RemoteKV; ray: [ObjectRef] (a list, so the ref travels unresolved),
                                     # or the gathered tensors themselves (GatheredTransport)
     fallback_reason: str | None = None   # set when the preferred transport could not be used
+    skipped: int = 0                # leading blocks left out of `location` (the destination holds them)
     # wall-clock time (time.time()) after which the source may free and reuse the memory: a
     # one-sided READ must be over by then, or it reads another request's cache
     readable_until: float | None = None
@@ -79,6 +83,8 @@ class TransferReport:
     nbytes: int
     seconds: float
     fallback_reason: str | None = None   # set when NIXL was wanted but the Ray path was used
+    reused_blocks: int = 0          # leading blocks the destination already held: not moved
+    saved_bytes: int = 0            # their bytes
 
 
 class KVTransport(ABC):
@@ -93,16 +99,22 @@ class KVTransport(ABC):
         self.fingerprint = fingerprint
 
     @abstractmethod
-    def offer(self, held: HeldKV, cache: CacheTensors) -> Offer:
-        """Source side: make `held`'s blocks + slot readable by a destination."""
+    def offer(self, held: HeldKV, cache: CacheTensors, skip: int = 0) -> Offer:
+        """Source side: make `held`'s blocks + slot readable by a destination (all but the
+        first `skip` blocks, which the destination holds)."""
 
     @abstractmethod
-    def _read(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int) -> int:
-        """Fill block_ids + slot from `offer`; returns the bytes moved."""
+    def _read(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int, reused: int) -> int:
+        """Fill block_ids[reused:] + slot from `offer`; returns the bytes moved."""
 
-    def load(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int) -> TransferReport:
-        """Destination side: fill the freshly allocated `block_ids` + `slot` from `offer`."""
+    def load(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int,
+             reused: int = 0) -> TransferReport:
+        """Destination side: fill the freshly allocated `block_ids` + `slot` from `offer`;
+        `block_ids[:reused]` already hold the first `reused` blocks (nothing moves for them)."""
         self.check(offer)
+        if not offer.skipped <= reused <= offer.num_blocks:
+            raise HandoffError(f"request {offer.request_id}: the destination holds {reused} of the "
+                               f"{offer.num_blocks} blocks and the offer leaves out the first {offer.skipped}")
         if offer.transport != self.name:
             raise HandoffError(f"request {offer.request_id}: a {offer.transport} offer reached the {self.name} "
                                f"transport")
@@ -111,12 +123,13 @@ class KVTransport(ABC):
                                f"{offer.num_blocks} offered")
         start = time.monotonic()
         try:
-            nbytes = self._read(offer, cache, block_ids, slot)
+            nbytes = self._read(offer, cache, block_ids, slot, reused)
         except HandoffError:
             raise
         except Exception as e:
             raise HandoffError(f"request {offer.request_id}: {self.name} load failed: {type(e).__name__}: {e}") from e
-        return TransferReport(self.name, nbytes, time.monotonic() - start, offer.fallback_reason)
+        return TransferReport(self.name, nbytes, time.monotonic() - start, offer.fallback_reason, reused,
+                              reused * cache.block_nbytes)
 
     def check(self, offer: Offer) -> None:
         """Refuse an offer from an engine with another fingerprint (model, weights, dtypes, layout)."""
@@ -145,18 +158,18 @@ class GatheredTransport(KVTransport):
     moving the tensors over the replica's channel (RayTransport.relay, Loader.portable)."""
     name = "ray"
 
-    def offer(self, held: HeldKV, cache: CacheTensors) -> Offer:
-        tensors = cache.gather(held.block_ids, held.slot)
+    def offer(self, held: HeldKV, cache: CacheTensors, skip: int = 0) -> Offer:
+        tensors = cache.gather(held.block_ids[skip:], held.slot)
         return Offer(held.request_id, self.fingerprint, len(held.block_ids), tensor_bytes(tensors), self.name,
-                     tensors)
+                     tensors, skipped=skip)
 
     def tensors(self, offer: Offer) -> dict[str, torch.Tensor]:
         """The offer's gathered tensors."""
         return offer.location
 
-    def _read(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int) -> int:
+    def _read(self, offer: Offer, cache: CacheTensors, block_ids: list[int], slot: int, reused: int) -> int:
         tensors = self.tensors(offer)
-        cache.scatter(block_ids, slot, tensors)
+        cache.scatter(block_ids[reused:], slot, cache.skip_blocks(tensors, reused - offer.skipped))
         return tensor_bytes(tensors)
 
 
@@ -167,8 +180,8 @@ class PortableLoad(ABC):
     report comes back to `settle`. Called itself, it loads here (`load(cache, block_ids, slot)`)."""
 
     @abstractmethod
-    def __call__(self, cache: CacheTensors, block_ids: list[int], slot: int) -> TransferReport:
-        """Load here, with this process's transports and fallbacks."""
+    def __call__(self, cache: CacheTensors, block_ids: list[int], slot: int, reused: int = 0) -> TransferReport:
+        """Load here, with this process's transports and fallbacks (`reused`: KVTransport.load)."""
 
     @abstractmethod
     def portable(self) -> Offer:

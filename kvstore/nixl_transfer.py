@@ -16,6 +16,7 @@ fall back to another transport.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -221,20 +222,24 @@ class NixlTransport(KVTransport):
         super().__init__(fingerprint)
         self.agent, self.timeout_s = agent, timeout_s
 
-    def offer(self, held: HeldKV, cache) -> Offer:
+    def offer(self, held: HeldKV, cache, skip: int = 0) -> Offer:
         """The source frees the regions `timeout_s` after this at the earliest (unless read)."""
-        remote = self.agent.describe(cache.block_regions(held.block_ids, held.slot))
+        remote = self.agent.describe(cache.block_regions(held.block_ids[skip:], held.slot))
         return Offer(held.request_id, self.fingerprint, len(held.block_ids), remote.nbytes, self.name, remote,
-                     readable_until=time.time() + self.timeout_s)
+                     skipped=skip, readable_until=time.time() + self.timeout_s)
 
-    def _read(self, offer: Offer, cache, block_ids: list[int], slot: int) -> int:
+    def _read(self, offer: Offer, cache, block_ids: list[int], slot: int, reused: int) -> int:
         timeout_s = self.timeout_s
         if offer.readable_until is not None:     # end before the source may reuse the memory
             timeout_s = min(timeout_s, offer.readable_until - time.time() - min(EXPIRY_MARGIN_S, self.timeout_s / 4))
             if timeout_s <= 0:
                 raise HandoffError(f"request {offer.request_id}: its offer expired before the READ could start "
                                    f"(the source may have freed the memory)")
-        return self.agent.read(offer.location, cache.block_regions(block_ids, slot),
+        remote = offer.location
+        if reused > offer.skipped:      # this side holds more leading blocks: READ the others + the slot
+            picks = cache.region_picks(offer.num_blocks - offer.skipped, reused - offer.skipped)
+            remote = dataclasses.replace(remote, descs=tuple(remote.descs[i] for i in picks))
+        return self.agent.read(remote, cache.block_regions(block_ids[reused:], slot),
                                RELEASE_PREFIX + offer.request_id.encode(), timeout_s)
 
     def released(self) -> list[str]:

@@ -120,9 +120,10 @@ class Sequence:
 class Resume(NamedTuple):
     """Decode side: continue a request another engine prefilled.
 
-    `load(cache, block_ids, slot)` runs on the engine thread and fills the freshly
+    `load(cache, block_ids, slot, reused)` runs on the engine thread and fills the freshly
     allocated blocks and slot (a KVTransport.load, or CacheTensors.scatter of a payload);
-    whatever it raises fails this request only."""
+    `block_ids[:reused]` already hold the prompt's first `reused` blocks (this engine's prefix
+    cache had them) and must not be written. Whatever it raises fails this request only."""
     first: FirstToken                       # sequence 0's (n > 1: it may have ended there, the others go on)
     load: Callable
     cached_tokens: int = 0

@@ -74,7 +74,9 @@ class WorkerSnapshots:
         yield self._scrubbed(workers)
         yield from _numeric_gauges("kvmesh_worker_", "worker counter", ["pool", "worker"], [
             ([w.pool, w.worker_id], {**w.engine.as_dict(), "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes,
-                                     "fallbacks": w.fallbacks, "held_timeouts": w.held_timeouts}) for w in workers])
+                                     "fallbacks": w.fallbacks, "held_timeouts": w.held_timeouts,
+                                     "handoff_reused_blocks": w.handoff_reused_blocks,
+                                     "handoff_saved_bytes": w.handoff_saved_bytes}) for w in workers])
         ranks = [([w.pool, w.worker_id, str(r)], engine) for w in workers for r, engine in enumerate(w.ranks)]
         if not ranks:
             return

@@ -50,7 +50,8 @@ class _Worker:
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
         engine_config = config.pool_engine(pool, self.worker_id)
         self.engine = AsyncEngine(engine_config, launcher=self.launcher)
-        self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "held_timeouts": 0}
+        self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "held_timeouts": 0,
+                         "handoff_reused_blocks": 0, "handoff_saved_bytes": 0}
         self.ray = RayTransport(self.engine.fingerprint, config.handoff.release_timeout_s)
 
     def _nixl(self) -> tuple[NixlTransport | None, str | None]:
@@ -158,20 +159,21 @@ class Prefill(_Worker):
             self._held_changed = asyncio.Event()
             self._reaper = asyncio.create_task(self._release_loop())
 
-    async def export(self, request_id: str, hint: RouteHint | None = None) -> Offer:
-        """The held cache as a Ray-object offer (decode's fallback after a failed READ); releases it."""
+    async def export(self, request_id: str, hint: RouteHint | None = None, skip: int = 0) -> Offer:
+        """The held cache as a Ray-object offer (decode's fallback after a failed READ), without
+        the first `skip` blocks (decode holds them); releases it."""
         if not self.engine.is_held(request_id):
             raise HandoffError(f"prefill worker {self.worker_id} does not hold request {request_id}")
         self.held.pop(request_id, None)
-        return await self._export(request_id)
+        return await self._export(request_id, skip)
 
     async def release(self, request_id: str, hint: RouteHint | None = None) -> None:
         self.held.pop(request_id, None)
         await self.engine.release_held(request_id)
 
-    async def _export(self, request_id: str) -> Offer:
+    async def _export(self, request_id: str, skip: int = 0) -> Offer:
         try:
-            offer = await self.engine.offer_held(request_id, self.ray)
+            offer = await self.engine.offer_held(request_id, self.ray, skip)
         finally:
             await self.engine.release_held(request_id)
         self.counters["ray_bytes"] += offer.nbytes
@@ -216,7 +218,7 @@ class Decode(_Worker):
         if offer is None:
             raise HandoffError(f"request {req.request_id}: prefill finished it, there is no cache to continue")
         self.ray.check(offer)       # another model / layout: refused before anything is allocated
-        loader = Loader(offer, self.transports, lambda _: self._fetch_export(handoff), self.counters)
+        loader = Loader(offer, self.transports, lambda _, reused: self._fetch_export(handoff, reused), self.counters)
         if offer.transport not in self.transports:
             await loader.prefetch(self._fetch_export_async(handoff))
         resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings)
@@ -234,10 +236,11 @@ class Decode(_Worker):
             if offer.transport == "nixl" and loader.give_back():
                 self.prefill.release.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))
 
-    def _fetch_export(self, handoff: Handoff) -> Offer:
-        """From the engine thread: ask the prefill worker holding `handoff` for a Ray copy."""
-        return self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id)
-                                          ).result(timeout_s=self.config.handoff.release_timeout_s)
+    def _fetch_export(self, handoff: Handoff, reused: int) -> Offer:
+        """From the engine thread: ask the prefill worker holding `handoff` for a Ray copy
+        (without the `reused` blocks this worker holds)."""
+        return self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id),
+                                          skip=reused).result(timeout_s=self.config.handoff.release_timeout_s)
 
     async def _fetch_export_async(self, handoff: Handoff) -> Offer:
         return await self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))

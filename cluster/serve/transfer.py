@@ -1,13 +1,20 @@
 """The handoff's transports in the cluster: NIXL (kvstore.nixl_transfer) and Ray objects.
 
     prefill worker                                   decode worker
-    offer = await engine.offer_held(rid, transport)  ──▶ Loader(offer, ...).load(cache, block_ids, slot)
+    offer = await engine.offer_held(rid, transport)  ──▶ Loader(offer, ...).load(cache, block_ids, slot, reused)
 
 Order of preference on the decode side: a NIXL READ straight from the prefill worker's
 registered memory (which also notifies it to release); else the Ray-object copy of the same
 tensors (the offer itself when prefill had no NIXL, or one fetched from the prefill worker
 after a failed READ; never after a READ that timed out, whose bytes may still land). Every
 failure is a HandoffError (kvstore.kv_transport).
+
+Decode-side reuse: the decode engine passes `reused`, the leading prompt blocks its own device
+pool already holds (same prefix hashes); the READ moves only the others + the state slot, and
+the Ray copy fetched after a failed READ leaves them out too (`fetch_ray(offer, reused)`). A
+Ray offer made before decode was known (prefill without NIXL, or decode without NIXL) carries
+every block: decode writes only the ones it lacks. Each report says how many blocks were
+reused and their bytes (/metrics `kvmesh_worker_handoff_reused_blocks`, `..._saved_bytes`).
 
 With a data-parallel engine the cache sits on one rank of the replica, and the ranks may not be
 Ray workers (offline they are plain spawned processes), so Ray objects stay on rank 0, the
@@ -47,8 +54,8 @@ class RayTransport(GatheredTransport):
         super().__init__(fingerprint)
         self.timeout_s = timeout_s
 
-    def offer(self, held, cache) -> Offer:
-        return self.relay(super().offer(held, cache))
+    def offer(self, held, cache, skip: int = 0) -> Offer:
+        return self.relay(super().offer(held, cache, skip))
 
     def relay(self, offer: Offer) -> Offer:
         """A gathered offer (a data-parallel rank's) as a Ray object."""
@@ -62,13 +69,15 @@ class RayTransport(GatheredTransport):
 
 class Loader(PortableLoad):
     """The decode side of one handoff. The loader itself is the engine's Resume hook
-    (`load(cache, block_ids, slot)`), run on the engine thread: it loads `offer` with the
-    transport of its kind, and when a NIXL READ fails, a Ray copy that `fetch_ray(offer)` asks
-    the prefill worker for. It raises HandoffError only (the engine then fails this request
-    alone); `report` says how it went. A data-parallel engine placing the request on rank j > 0
-    takes `portable()` instead and `settle`s with that rank's report."""
+    (`load(cache, block_ids, slot, reused)`), run on the engine thread: it loads `offer` with
+    the transport of its kind, and when a NIXL READ fails, a Ray copy that `fetch_ray(offer,
+    reused)` asks the prefill worker for (without the `reused` blocks decode holds). It raises
+    HandoffError only (the engine then fails this request alone); `report` says how it went. A
+    data-parallel engine placing the request on rank j > 0 takes `portable()` instead and
+    `settle`s with that rank's report."""
 
-    def __init__(self, offer: Offer, transports: dict[str, KVTransport], fetch_ray: Callable[[Offer], Offer] | None,
+    def __init__(self, offer: Offer, transports: dict[str, KVTransport],
+                 fetch_ray: Callable[[Offer, int], Offer] | None,
                  counters: dict):
         self.offer, self.transports, self.fetch_ray, self.counters = offer, transports, fetch_ray, counters
         self.report: TransferReport | None = None
@@ -109,10 +118,10 @@ class Loader(PortableLoad):
             raise HandoffError(f"request {self.offer.request_id}: no Ray copy to fall back to")
         return self._gathered(self._fetch(self.offer, "on a data-parallel rank"))
 
-    def _fetch(self, offer: Offer, why) -> Offer:
-        """Prefill's Ray copy of `offer` after a READ failed (`why`)."""
+    def _fetch(self, offer: Offer, why, reused: int = 0) -> Offer:
+        """Prefill's Ray copy of `offer` after a READ failed (`why`), without the first `reused` blocks."""
         try:
-            return dataclasses.replace(self.fetch_ray(offer), fallback_reason=READ_FAILED)
+            return dataclasses.replace(self.fetch_ray(offer, reused), fallback_reason=READ_FAILED)
         except Exception as e:
             raise HandoffError(f"request {offer.request_id}: NIXL READ failed ({why}) and no Ray copy came from "
                                f"prefill: {type(e).__name__}: {e}") from e
@@ -127,19 +136,21 @@ class Loader(PortableLoad):
     def settle(self, report: TransferReport) -> None:
         self.counters[f"{report.transport}_bytes"] += report.nbytes
         self.counters["fallbacks"] += report.fallback_reason is not None
+        self.counters["handoff_reused_blocks"] += report.reused_blocks
+        self.counters["handoff_saved_bytes"] += report.saved_bytes
         self.report = report
 
-    def load(self, cache, block_ids: list[int], slot: int) -> TransferReport:
+    def load(self, cache, block_ids: list[int], slot: int, reused: int = 0) -> TransferReport:
         offer = self._claim()
         try:
-            report = self._transport(offer).load(offer, cache, block_ids, slot)
+            report = self._transport(offer).load(offer, cache, block_ids, slot, reused)
         except HandoffError as e:
             # a READ still in flight may yet write these blocks: a Ray copy there would be overwritten
             if offer.transport != "nixl" or self.fetch_ray is None or isinstance(e, TransferInFlight):
                 raise
             log.warning("request %s: NIXL READ failed, using a Ray copy: %s", offer.request_id, e)
-            offer = self._fetch(offer, e)
-            report = self._transport(offer).load(offer, cache, block_ids, slot)
+            offer = self._fetch(offer, e, reused)
+            report = self._transport(offer).load(offer, cache, block_ids, slot, reused)
         self.settle(report)
         return report
 

@@ -62,7 +62,7 @@ def prefill(src, rid: str, prompt: list[int], rank: int | None):
 
 
 def counters() -> dict:
-    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
+    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "handoff_reused_blocks": 0, "handoff_saved_bytes": 0}
 
 
 def decode(dst, rid, prompt, first, offer, rng_state, rank, kinds):
@@ -119,13 +119,38 @@ def test_a_handoff_between_any_ranks_equals_a_cold_tp1_run_and_frees_the_holding
         engine.release_held(rid)                  # a Ray copy is a copy: prefill frees at once (pools._export)
     done, loader = decode(dst, rid, prompt, first, offer, held.rng_state, dst_rank, [transport])
     assert done.token_ids == cold.token_ids and done.finish_reason == "length"
-    assert loader.report.transport == transport and loader.report.nbytes == offer.nbytes > 0
-    assert loader.counters[f"{transport}_bytes"] == offer.nbytes and loader.counters["fallbacks"] == 0
+    report = loader.report
+    # the cold run left its 7 whole blocks in tp1's pool: decode reuses them (a Ray copy still travels whole)
+    assert report.reused_blocks == (7 if dst_key == "tp1" else 0)
+    moved = offer.nbytes - (report.saved_bytes if transport == "nixl" else 0)
+    assert report.transport == transport and report.nbytes == moved > 0
+    assert loader.counters[f"{transport}_bytes"] == moved and loader.counters["fallbacks"] == 0
     if transport == "nixl":
         released(src, rid)
     after = holder_stats(engine, src_rank)
     assert after.held == 0 and after.free_blocks == after.total_blocks
     assert holder_stats(dst[0], dst_rank).held == 0
+
+
+@pytest.mark.parametrize("transport", ["nixl", "ray"])
+def test_a_decode_rank_holding_the_prefix_reuses_it_and_reads_only_the_rest(engines, transport):
+    src, dst = engines["dp_prefill"], engines["dp_decode"]
+    prompt = random_prompt(7 * BLOCK_TOKENS[NAME] + 5, seed=300 + (transport == "ray"))
+    cold = engines["tp1"][0].generate([prompt], GREEDY)[0]
+    dst[0].add_request("warm" + transport, prompt[:-3], GREEDY, rank=1)      # rank 1 now holds the 7 whole blocks
+    run(dst[0])
+    rid = f"reuse-{transport}"
+    first = prefill(src, rid, prompt, 0)
+    held = src[0].held_handle(rid)
+    offer = src[0].offer_held(rid, src[1] if transport == "nixl" else src[2])
+    if transport == "ray":
+        src[0].release_held(rid)
+    done, loader = decode(dst, rid, prompt, first, offer, held.rng_state, 1, [transport])
+    assert done.token_ids == cold.token_ids
+    assert loader.report.reused_blocks == 7 and loader.counters["handoff_reused_blocks"] == 7
+    assert loader.report.nbytes == offer.nbytes - (loader.report.saved_bytes if transport == "nixl" else 0)
+    if transport == "nixl":
+        released(src, rid)
 
 
 def test_an_offer_from_another_engine_is_refused_before_a_rank_allocates(engines):
@@ -156,9 +181,9 @@ def test_a_failed_read_on_a_rank_falls_back_to_a_ray_copy_or_fails_only_that_req
         "no-such-agent", b"not metadata", "10.255.255.1", "DRAM", offer.location.descs)})
     fetched = []
 
-    def fetch_ray(o: Offer) -> Offer:               # what Decode asks the prefill worker for (Prefill.export)
+    def fetch_ray(o: Offer, reused: int) -> Offer:  # what Decode asks the prefill worker for (Prefill.export)
         fetched.append(o.request_id)
-        return src[0].offer_held(rid, src[2])
+        return src[0].offer_held(rid, src[2], reused)
     c = counters()
     loader = Loader(bad, {"nixl": nixl, "ray": ray_t}, fetch_ray if copy else None, c)
     engine.add_request(rid, prompt, GREEDY, resume=Resume(first.first, loader, first.cached_tokens, held.rng_state),
@@ -175,3 +200,29 @@ def test_a_failed_read_on_a_rank_falls_back_to_a_ray_copy_or_fails_only_that_req
     assert outs[f"fine{copy}"].token_ids == cold.token_ids
     after = holder_stats(engine, 1)
     assert after.load == 0 and after.free_slots == after.total_slots
+
+
+def test_a_failed_read_into_a_decode_engine_holding_the_prefix_fetches_a_copy_without_those_blocks(engines):
+    """The Loader's own fallback (a single engine, or DP rank 0): prefill's Ray copy is asked
+    for without the blocks decode holds (`Prefill.export(skip=)`), so it carries only the rest."""
+    src, (engine, nixl, ray_t) = engines["dp_prefill"], engines["tp1"]
+    prompt = random_prompt(6 * BLOCK_TOKENS[NAME] + 3, seed=400)
+    cold = engine.generate([prompt], GREEDY)[0]                # tp1 now holds the 6 whole blocks
+    first = prefill(src, "skip", prompt, 1)
+    held = src[0].held_handle("skip")
+    offer = src[0].offer_held("skip", src[1])
+    bad = Offer(**{**offer.__dict__, "location": type(offer.location)(
+        "no-such-agent", b"not metadata", "10.255.255.1", "DRAM", offer.location.descs)})
+    asked = []
+
+    def fetch_ray(o: Offer, reused: int) -> Offer:
+        asked.append(reused)
+        return src[0].offer_held("skip", src[2], reused)
+    loader = Loader(bad, {"nixl": nixl, "ray": ray_t}, fetch_ray, counters())
+    engine.add_request("skip", prompt, GREEDY, resume=Resume(first.first, loader, first.cached_tokens, held.rng_state))
+    done = [o for o in run(engine) if o.request_id == "skip" and o.finished][-1]
+    src[0].release_held("skip")
+    assert done.token_ids == cold.token_ids and asked == [6]
+    report = loader.report
+    assert (report.transport, report.fallback_reason, report.reused_blocks) == ("ray", "read_failed", 6)
+    assert report.nbytes == offer.nbytes - report.saved_bytes > 0        # the copy left the 6 blocks out

@@ -96,11 +96,11 @@ def test_fp8_handoff_equals_a_single_engine_fp8_run(model_dir, cold, transport):
         dst = KVTransferAgent("fp8-decode", decode.cache.all_tensors())
         agents = [src, dst]
         remote = src.describe(prefill.cache.block_regions(held.block_ids, held.slot))
-        load = lambda cache, blocks, slot: dst.read(remote, cache.block_regions(blocks, slot))  # noqa: E731
+        load = lambda cache, blocks, slot, reused: dst.read(remote, cache.block_regions(blocks, slot))  # noqa: E731
     else:
         payload = prefill.export_held("r")
         assert payload["1.comp"].dtype == torch.uint8
-        load = lambda cache, blocks, slot: cache.scatter(blocks, slot, payload)  # noqa: E731
+        load = lambda cache, blocks, slot, reused: cache.scatter(blocks, slot, payload)  # noqa: E731  (cold: reused 0)
     try:
         decode.add_request("r", prompt, GREEDY, resume=Resume(first.first, load, first.cached_tokens,
                                                               held.rng_state))

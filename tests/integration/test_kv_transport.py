@@ -1,8 +1,10 @@
 """One KV transport interface, two implementations (NIXL, Ray objects): `offer(held, cache)`
-then `load(offer, cache, block_ids, slot)` moves blocks + the state slot exactly, every
-failure is a HandoffError, and an offer from an engine with another fingerprint is refused."""
+then `load(offer, cache, block_ids, slot)` moves blocks + the state slot exactly (a destination
+that holds the leading blocks moves only the rest), every failure is a HandoffError, and an
+offer from an engine with another fingerprint is refused."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import pickle
 
@@ -63,6 +65,26 @@ def test_each_transport_moves_the_blocks_and_the_state_slot(kind):
     b.close()
 
 
+@pytest.mark.parametrize("kind,skip", [("nixl", 0), ("nixl", 1), ("ray", 0), ("ray", 1)])
+def test_a_destination_holding_the_first_block_moves_only_the_rest_and_the_slot(kind, skip):
+    src, a, dst, b = pair(kind)
+    kept = dst.gather(DST_BLOCKS[:1], DST_SLOT)
+    offer = a.offer(HELD, src, skip=skip)           # skip=1: a copy made knowing what the destination holds
+    report = b.load(offer, dst, DST_BLOCKS, DST_SLOT, reused=1)
+    moved = LAYOUT.block_bytes + LAYOUT.slot_bytes
+    assert (report.nbytes, report.reused_blocks, report.saved_bytes) == (
+        moved if kind == "nixl" or skip else moved + LAYOUT.block_bytes, 1, LAYOUT.block_bytes)
+    want, got = src.gather(SRC_BLOCKS[1:], SRC_SLOT), dst.gather(DST_BLOCKS[1:], DST_SLOT)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    after = dst.gather(DST_BLOCKS[:1], DST_SLOT)
+    blocks = [name for name, kind_, _ in dst.named_tensors() if kind_ == "block"]
+    assert all(torch.equal(kept[k], after[k]) for k in blocks)                  # the block held stays as it was
+    with pytest.raises(HandoffError, match="holds 0 of the 2 blocks") if skip else contextlib.nullcontext():
+        b.load(offer, dst, DST_BLOCKS, DST_SLOT, reused=0)     # a copy without a block the destination lacks
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("kind", ["nixl", "ray"])
 def test_an_offer_from_an_engine_with_another_fingerprint_is_refused_before_any_copy(kind):
     src, a, dst, b = pair(kind, dst_fingerprint=OTHER_FP)
@@ -118,8 +140,8 @@ def test_engines_hand_off_over_nixl_through_the_interface_and_a_foreign_engine_r
     for i, (engine, name) in enumerate(((foreign, "foreign"), (decode, "decode"))):
         sink = NixlTransport(KVTransferAgent(f"test-engine-{name}", engine.kv_tensors()), engine.fingerprint)
         engine.add_request("r", prompt, params, resume=Resume(
-            first.first, lambda cache, blocks, slot, sink=sink: sink.load(
-                offer, cache, blocks, slot), first.cached_tokens))
+            first.first, lambda cache, blocks, slot, reused, sink=sink: sink.load(
+                offer, cache, blocks, slot, reused), first.cached_tokens))
         done = [o for o in run(engine) if o.finished][-1]
         if engine is foreign:
             assert done.finish_reason == "error" and "HandoffError" in done.error and "fingerprint" in done.error
@@ -128,5 +150,21 @@ def test_engines_hand_off_over_nixl_through_the_interface_and_a_foreign_engine_r
         sink.close()
     assert source.released() == ["r"]          # decode's READ told the source it may free the cache
     prefill.release_held("r")
+    # decode now holds the prompt's blocks: a prompt sharing 4 of them READs only the others + the slot
+    again = prompt[:64] + random_prompt(40, seed=9)
+    prefill.add_request("again", again, params, hold_kv=True)
+    first = run(prefill)[-1]
+    offer = prefill.offer_held("again", source)
+    sink = NixlTransport(KVTransferAgent("test-engine-decode-again", decode.kv_tensors()), decode.fingerprint)
+    reports = []
+    decode.add_request("again", again, params, resume=Resume(
+        first.first, lambda cache, blocks, slot, reused: reports.append(sink.load(offer, cache, blocks, slot, reused)),
+        first.cached_tokens))
+    done = [o for o in run(decode) if o.finished][-1]
+    assert done.token_ids == tiny_engine(model_dir, "swa_csa_hca").generate([again], params)[0].token_ids
+    assert reports[0].reused_blocks == 4 and reports[0].nbytes == offer.nbytes - 4 * decode.cache.block_nbytes
+    assert source.released() == ["again"]
+    prefill.release_held("again")
+    sink.close()
     assert prefill.stats().idle and decode.stats().idle and foreign.stats().idle
     source.close()

@@ -48,7 +48,7 @@ def transports(agent: KVTransferAgent | None = None) -> dict:
 
 
 def counters() -> dict:
-    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0}
+    return {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "handoff_reused_blocks": 0, "handoff_saved_bytes": 0}
 
 
 def assert_moved(src: CacheTensors, dst: CacheTensors) -> None:
@@ -64,7 +64,7 @@ def test_failed_read_fetches_a_ray_copy_and_counts_a_fallback():
                            tuple((0, n, 0) for _, _, n in src.block_regions(SRC_BLOCKS, SRC_SLOT)))
     fetched = []
 
-    def fetch_export(offer):
+    def fetch_export(offer, reused):
         fetched.append(offer.request_id)
         return ray_offer(src)
     c = counters()
@@ -97,7 +97,7 @@ def test_configured_ray_transport_is_not_a_fallback():
 def test_a_failed_load_raises_one_error_type_naming_the_cause():
     dst = random_cache(6)
 
-    def fetch_export(offer):
+    def fetch_export(offer, reused):
         raise RuntimeError("prefill worker is gone")
     unreachable = RemoteKV("gone", b"x", "10.255.255.1", "DRAM", ((0, 1, 0),))
     agent = KVTransferAgent("test-fallback-decode-2", dst.all_tensors())
@@ -131,7 +131,7 @@ def test_an_offer_past_its_readable_time_is_not_read_and_a_read_ends_before_it()
     reads = []
     agent.read = lambda remote, regions, notif, timeout_s: reads.append(timeout_s) or 0
     soon = Offer(**{**offer.__dict__, "readable_until": time.time() + 3.0})
-    transports(agent)["nixl"]._read(soon, dst, DST_BLOCKS, DST_SLOT)
+    transports(agent)["nixl"]._read(soon, dst, DST_BLOCKS, DST_SLOT, 0)
     assert reads and reads[0] <= 3.0 - 1.0        # the READ's deadline falls before the source may free
     agent.close()
     source.close()

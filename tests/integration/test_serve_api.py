@@ -15,7 +15,7 @@ import pytest
 from cluster.chat.dsv4_encode import CHAT as CHAT_MODE
 from cluster.chat.dsv4_encode import END_THINK, THINKING, encode_messages
 from scripts.default_chat_data import TOOLS
-from tests.helpers import sse_events
+from tests.helpers import random_prompt, sse_events
 from tests.local_serve import small_config
 from workers.checkpoint.default_model import default_model_dir
 from workers.checkpoint.tokenizer import load_tokenizer
@@ -245,10 +245,28 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
     assert prefill_metric(*timeouts) == before + 1          # the timeout release shows in /metrics
 
 
-def prefill_metric(url: str, name: str) -> float:
+def prefill_metric(url: str, name: str, pool: str = "prefill") -> float:
     text = httpx.get(url, timeout=60).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and 'pool="prefill"' in line)
+               if line.startswith(name + "{") and f'pool="{pool}"' in line)
+
+
+def test_a_pd_repeat_moves_only_the_blocks_decode_lacks(urls, client, offline):
+    """Issue 30: decode keeps the prompt's blocks in its prefix cache; the repeat's READ moves the
+    rest (the partial last block) + the state slot, and the tokens are the same."""
+    url, names = urls["disaggregated"], ("nixl_bytes", "handoff_reused_blocks", "handoff_saved_bytes")
+    prompt = random_prompt(3 * 128 + 40, seed=30)       # 3 whole blocks of 128 tokens + a partial one
+    want = greedy(offline, prompt, 4).token_ids
+    seen = [{n: prefill_metric(f"{url}/metrics", f"kvmesh_worker_{n}", "decode") for n in names}]
+    for _ in range(2):
+        r = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                        "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+        seen.append({n: prefill_metric(f"{url}/metrics", f"kvmesh_worker_{n}", "decode") for n in names})
+    first, again = ({n: b[n] - a[n] for n in names} for a, b in zip(seen, seen[1:]))
+    assert (first["handoff_reused_blocks"], again["handoff_reused_blocks"]) == (0, 3)
+    assert again["handoff_saved_bytes"] == 3 * offline.cache.block_nbytes
+    assert again["nixl_bytes"] == first["nixl_bytes"] - again["handoff_saved_bytes"] > 0
 
 
 def test_the_issues_1_4_mb_schema_is_a_400_naming_response_format_and_serving_goes_on(urls, client):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
+from kvstore.kv_transport import GatheredTransport
+from tests.helpers import BLOCK_TOKENS, random_prompt, tiny_engine, write_tiny_checkpoint
 from workers.engine import Engine
 from workers.request import FirstToken, Resume
 from workers.sampling.params import SamplingParams
@@ -18,6 +19,11 @@ def model_dir(tmp_path_factory):
 
 def engine(model_dir, **kw) -> Engine:
     return tiny_engine(model_dir, "swa_csa_hca", **kw)
+
+
+def scatter(payload):
+    """A Resume.load of a gathered payload into the blocks the decode engine lacks + the slot."""
+    return lambda cache, blocks, slot, reused: cache.scatter(blocks[reused:], slot, cache.skip_blocks(payload, reused))
 
 
 def run(e: Engine):
@@ -34,8 +40,7 @@ def handoff(prefill: Engine, decode: Engine, prompt, params):
     held = prefill.held_handle("r")
     payload = prefill.export_held("r")
     prefill.release_held("r")
-    resume = Resume(first.first, lambda cache, blocks, slot: cache.scatter(blocks, slot, payload),
-                    first.cached_tokens, held.rng_state)
+    resume = Resume(first.first, scatter(payload), first.cached_tokens, held.rng_state)
     decode.add_request("r", prompt, params, resume=resume)
     return [o for o in run(decode) if o.finished][-1]
 
@@ -56,7 +61,7 @@ def test_a_cache_that_fails_to_load_fails_only_its_request(model_dir):
     e = engine(model_dir)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    def broken(cache, blocks, slot):
+    def broken(cache, blocks, slot, reused):
         raise OSError("transfer failed")
 
     e.add_request("bad", random_prompt(20), params, resume=Resume(FirstToken(5, -1.0), broken))
@@ -81,8 +86,7 @@ def held_forks(prefill: Engine, prompt, params):
     payload = prefill.export_held("f") if first.finish_reason == "held" else None
     rng = prefill.held_handle("f").rng_state if payload is not None else None
     prefill.release_held("f")
-    return first, Resume(first.first, lambda cache, blocks, slot: cache.scatter(blocks, slot, payload),
-                         first.cached_tokens, rng, tuple(first.siblings))
+    return first, Resume(first.first, scatter(payload), first.cached_tokens, rng, tuple(first.siblings))
 
 
 def test_n_forks_happen_on_the_decode_engine_after_one_prefill(model_dir):
@@ -124,3 +128,68 @@ def test_a_held_request_has_the_held_status_and_is_counted_until_released(model_
     assert e.held["h"].status.name == "HELD" and e.stats().held == 1 and not e.stats().idle
     e.release_held("h")
     assert e.stats().held == 0 and e.stats().idle
+
+
+# ---- decode-side reuse: a decode engine that holds the prompt's leading blocks --------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, model_dir):
+    made = {"swa_csa_hca": model_dir}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = write_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
+        return made[name]
+    return get
+
+
+def copy_on_demand(prefill: Engine, rid: str, reports: list):
+    """A Resume.load that asks prefill for a copy of only the blocks the decode engine lacks
+    (the path of Prefill.export(skip=...) after a failed READ), and keeps the transfer report."""
+    transport = GatheredTransport(prefill.fingerprint)
+
+    def load(cache, blocks, slot, reused):
+        reports.append(transport.load(prefill.offer_held(rid, transport, skip=reused), cache, blocks, slot, reused))
+    return load
+
+
+def hand_over(prefill: Engine, decode: Engine, rid: str, prompt, params):
+    """Prefill `prompt` on `prefill`, continue it on `decode`: (the final output, the transfer report)."""
+    prefill.add_request(rid, prompt, params, hold_kv=True)
+    first = [o for o in run(prefill) if o.request_id == rid][-1]
+    reports = []
+    decode.add_request(rid, prompt, params, resume=Resume(first.first, copy_on_demand(prefill, rid, reports),
+                                                          first.cached_tokens, prefill.held_handle(rid).rng_state))
+    done = [o for o in run(decode) if o.finished][-1]
+    prefill.release_held(rid)
+    return done, reports[0]
+
+
+def slot_nbytes(e: Engine) -> int:
+    return sum(t[0].numel() * t.element_size() for _, kind, t in e.cache.named_tensors() if kind == "slot")
+
+
+# the policy decides what a block holds (`full`: its SWA K=V too; periodic and zero: compressed entries only)
+@pytest.mark.parametrize("name,policy", [("swa_csa_hca", "full"), ("swa_csa_hca", "zero"),
+                                         ("csa_hca_odd_window", "full"), ("hca_yarn_wide_window", "periodic:64")])
+def test_a_decode_engine_holding_the_prefix_moves_only_the_missing_blocks_and_decodes_the_same(checkpoints, name,
+                                                                                             policy):
+    path, bt = checkpoints(name), BLOCK_TOKENS[name]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    shared = random_prompt(5 * bt, seed=11)
+    earlier, prompt = shared + random_prompt(bt + 3, seed=12), shared + random_prompt(3 * bt + 5, seed=13)
+    make = lambda: tiny_engine(path, name, swa_policy=policy)  # noqa: E731
+    prefill, warm, cold = make(), make(), make()
+    full, full_report = hand_over(prefill, cold, "full", prompt, params)
+    hand_over(prefill, warm, "earlier", earlier, params)        # warm now holds the shared 5 blocks
+    reused, report = hand_over(prefill, warm, "again", prompt, params)
+    assert reused.token_ids == full.token_ids
+    blocks = -(-len(prompt) // bt)
+    assert (full_report.reused_blocks, report.reused_blocks) == (0, 5)
+    assert full_report.nbytes == blocks * warm.cache.block_nbytes + slot_nbytes(warm)
+    assert report.nbytes == (blocks - 5) * warm.cache.block_nbytes + slot_nbytes(warm)
+    assert report.saved_bytes == 5 * warm.cache.block_nbytes
+    # a repeat of the same prompt: every full block is there, only the partial last one + the slot move
+    repeat, again = hand_over(prefill, warm, "repeat", prompt, params)
+    assert repeat.token_ids == full.token_ids and again.reused_blocks == len(prompt) // bt
+    assert warm.blocks.num_used == 0 and warm.slots.num_free == warm.slots.num_slots
+

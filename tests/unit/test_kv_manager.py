@@ -139,11 +139,12 @@ def test_a_handed_off_cache_is_loaded_into_exactly_its_blocks_and_the_slot():
     p = make_parts(num_blocks=8)
     got = []
     seq = request(prompt_of(2, extra=0))     # block-aligned: the first decode token needs one more block
-    seq.resume = Resume(FirstToken(7, -0.5), lambda cache, blocks, slot: got.append((list(blocks), slot)))
+    seq.resume = Resume(FirstToken(7, -0.5),
+                        lambda cache, blocks, slot, reused: got.append((list(blocks), slot, reused)))
     hit = p.kv.get_computed_blocks(seq)
     assert hit.num_tokens == 2 * BT and hit.handoff is seq.resume
     assert p.kv.allocate_slots(seq, 1, hit)
-    assert got == [(seq.blocks[:2], seq.slot)] and len(seq.blocks) == 3
+    assert got == [(seq.blocks[:2], seq.slot, 0)] and len(seq.blocks) == 3
     assert seq.num_computed == 2 * BT
 
 
@@ -151,7 +152,7 @@ def test_a_handoff_that_fails_to_load_raises_and_holds_nothing():
     p = make_parts(num_blocks=8)
     seq = request(prompt_of(2))
 
-    def broken(cache, blocks, slot):
+    def broken(cache, blocks, slot, reused):
         raise OSError("transfer failed")
 
     seq.resume = Resume(FirstToken(7, -0.5), broken)
@@ -168,7 +169,7 @@ def test_a_handoff_given_up_in_flight_keeps_its_blocks_and_slot_until_the_transf
     seq = request(prompt_of(2))
     over = []
 
-    def timed_out(cache, blocks, slot):
+    def timed_out(cache, blocks, slot, reused):
         raise TransferInFlight("READ timed out", lambda: bool(over))
 
     seq.resume = Resume(FirstToken(7, -0.5), timed_out)

@@ -109,7 +109,7 @@ def test_quantized_handoff_over_nixl_equals_a_single_engine_run(dense_dir, tmp_p
         held = prefill.held_handle("r")
         remote = src.describe(prefill.cache.block_regions(held.block_ids, held.slot))
         resume = Resume(first.first,
-                        lambda cache, blocks, slot: dst.read(remote, cache.block_regions(blocks, slot)),
+                        lambda cache, blocks, slot, reused: dst.read(remote, cache.block_regions(blocks, slot)),
                         first.cached_tokens, held.rng_state)
         decode.add_request("r", prompt, GREEDY, resume=resume)
         moved = [o for o in _run(decode) if o.finished][-1]

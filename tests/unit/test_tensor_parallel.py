@@ -99,15 +99,18 @@ def test_tp2_forks_and_speculative_rollback_equal_tp1(tp2):
     assert_same_outputs(spec, refs["B"])
 
 
-def _handoff(prefill, decode, prompt, rid):
+def _handoff(prefill, decode, prompt, rid, reused=None):
+    """Hand `prompt` over; `reused` (a list) gets how many leading blocks decode already held."""
     prefill.add_request(rid, prompt, GREEDY, hold_kv=True)
     first = [o for o in _run(prefill) if o.request_id == rid][-1]
     assert first.finish_reason == "held"
     payload = prefill.export_held(rid)
     prefill.release_held(rid)
-    resume = Resume(first.first,
-                    lambda cache, blocks, slot: cache.scatter(blocks, slot, payload), first.cached_tokens)
-    decode.add_request(rid, prompt, GREEDY, resume=resume)
+
+    def load(cache, blocks, slot, held):
+        (reused if reused is not None else []).append(held)
+        cache.scatter(blocks[held:], slot, cache.skip_blocks(payload, held))
+    decode.add_request(rid, prompt, GREEDY, resume=Resume(first.first, load, first.cached_tokens))
     return [o for o in _run(decode) if o.finished][-1]
 
 
@@ -123,6 +126,10 @@ def test_handoff_from_tp2_to_tp1_and_back_equals_tp1(tp2):
     ps, tp1 = prompts(name), tiny_engine(path, name, swa_policy=engine.config.swa_policy)   # same layout
     assert _handoff(engine, tp1, ps["B"][0], "to-tp1").token_ids == refs["B"][0].token_ids
     assert _handoff(tp1, engine, ps["B"][1], "to-tp2").token_ids == refs["B"][1].token_ids
+    # TP=2 decode now holds B[1]'s blocks on both ranks: a repeat loads (and mirrors) only the rest + the slot
+    reused = []
+    assert _handoff(tp1, engine, ps["B"][1], "to-tp2-again", reused).token_ids == refs["B"][1].token_ids
+    assert reused == [len(ps["B"][1]) // engine.config.block_tokens] and reused[0] > 0
 
 
 # ---- start-up errors (no ranks are started for these) --------------------------------------------

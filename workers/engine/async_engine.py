@@ -110,8 +110,8 @@ class AsyncEngine:
     async def held_handle(self, request_id: str) -> HeldKV:
         return await asyncio.wrap_future(self.call(self.engine.held_handle, request_id))
 
-    async def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
-        return await asyncio.wrap_future(self.call(self.engine.offer_held, request_id, transport))
+    async def offer_held(self, request_id: str, transport: KVTransport, skip: int = 0) -> Offer:
+        return await asyncio.wrap_future(self.call(self.engine.offer_held, request_id, transport, skip))
 
     def is_held(self, request_id: str) -> bool:
         return self.engine.is_held(request_id)

@@ -340,13 +340,13 @@ class DataParallelEngine:
         rank = self._holder(request_id)
         return self._call(rank, HeldHandle(request_id))[rank].value
 
-    def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
+    def offer_held(self, request_id: str, transport: KVTransport, skip: int = 0) -> Offer:
         """The holding rank offers its cache with its own transport of `transport`'s kind (NIXL:
         its agent; Ray: its gathered tensors, which `transport` relays here)."""
         rank = self._holder(request_id)
         if rank == 0:
-            return self.local.offer_held(request_id, transport)
-        return transport.relay(self._call(rank, OfferHeld(request_id, transport.name))[rank].value)
+            return self.local.offer_held(request_id, transport, skip)
+        return transport.relay(self._call(rank, OfferHeld(request_id, transport.name, skip))[rank].value)
 
     def release_held(self, request_id: str) -> None:
         rank = self.held_on.pop(request_id, None)

@@ -101,6 +101,7 @@ class OfferHeld:
     """The holding rank: offer a held cache with its own transport of kind `transport`."""
     request_id: str
     transport: str
+    skip: int = 0           # leading blocks the destination holds: left out of the offer
 
 
 @dataclass(frozen=True)
@@ -174,9 +175,9 @@ class RankHandoff:
         if r.offer is None:                                # rank 0: the caller's load (its Ray fallback too)
             return r.resume._replace(load=self.kept.pop(r.request_id))
 
-        def load(cache, block_ids: list[int], slot: int) -> TransferReport:
+        def load(cache, block_ids: list[int], slot: int, reused: int = 0) -> TransferReport:
             try:
-                report = self.transport(r.offer.transport).load(r.offer, cache, block_ids, slot)
+                report = self.transport(r.offer.transport).load(r.offer, cache, block_ids, slot, reused)
             except HandoffError as e:    # over (not in flight): the front may start it again from a Ray copy
                 if r.offer.transport == "nixl" and not isinstance(e, TransferInFlight):
                     self.unread.append(r.request_id)
@@ -200,7 +201,7 @@ class RankHandoff:
         if isinstance(op, HeldHandle):
             return e.held_handle(op.request_id)
         if isinstance(op, OfferHeld):
-            return e.offer_held(op.request_id, self.transport(op.transport))
+            return e.offer_held(op.request_id, self.transport(op.transport), op.skip)
         e.release_held(op.request_id)
 
     def close(self) -> None:

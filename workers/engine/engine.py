@@ -294,11 +294,12 @@ class Engine:
         seq = self.held[request_id]
         return self.cache.gather(seq.blocks, seq.slot)
 
-    def offer_held(self, request_id: str, transport: KVTransport) -> Offer:
-        """Make a held request's blocks + slot readable through `transport` (HandoffError if not held)."""
+    def offer_held(self, request_id: str, transport: KVTransport, skip: int = 0) -> Offer:
+        """Make a held request's blocks + slot readable through `transport`, all but the first
+        `skip` blocks (the destination holds them); HandoffError if not held."""
         if request_id not in self.held:
             raise HandoffError(f"this engine does not hold request {request_id}")
-        return transport.offer(self.held_handle(request_id), self.cache)
+        return transport.offer(self.held_handle(request_id), self.cache, skip)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every cache tensor (blocks and slots), for a transport to register once."""

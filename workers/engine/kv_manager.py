@@ -11,7 +11,9 @@
 The scheduler sees only this (vLLM v1's `get_computed_blocks` + `allocate_slots`). Where a
 hit comes from is the prefix cache's business: it *finds* one across its tiers (device pool,
 host cache, store) and *fills* the blocks given here. A cache handed off by a prefill engine
-(decode role) is a hit too: it covers the whole prompt and its `Resume.load` fills it.
+(decode role) is a hit too: it covers the whole prompt and its `Resume.load` fills it, all but
+the leading full blocks this engine's device pool already holds (the same prefix hashes: shared
+by refcount like any resident hit, and not moved).
 
 What mutates: `allocate_slots`, `fork` and `free` change the pools (refcounts, free lists) and
 the sequence's `blocks`, `slot` and restore fields (`num_computed`, `cached_tokens`,
@@ -76,7 +78,8 @@ class KVCacheManager:
         """The longest prefix of a waiting seq whose cache need not be computed."""
         if seq.resume is not None:
             n = len(seq.prompt)
-            return ComputedBlocks(n, (None,) * self.blocks_for(n), handoff=seq.resume)
+            held = self.prefix.resident_prefix(seq, n // self.block_tokens)
+            return ComputedBlocks(n, (*held, *(None,) * (self.blocks_for(n) - len(held))), handoff=seq.resume)
         found = self.prefix.find(seq)
         if found is None:
             return NO_HIT
@@ -120,10 +123,11 @@ class KVCacheManager:
 
     def _load_handoff(self, seq: Sequence, hit: ComputedBlocks) -> None:
         blocks = seq.blocks[:len(hit.resident)]
+        reused = next((i for i, b in enumerate(hit.resident) if b is None), len(hit.resident))
         try:
-            hit.handoff.load(self.cache.real, blocks, seq.slot)
+            hit.handoff.load(self.cache.real, blocks, seq.slot, reused)
             # a NIXL READ writes rank 0's memory only: under TP the other ranks get the bytes
-            self.cache.resync(blocks, seq.slot)
+            self.cache.resync(blocks[reused:], seq.slot)
         except Exception as e:     # the transfer's failure, whatever its type, ends only this request
             if isinstance(e, TransferInFlight):
                 self._landing.append((seq.blocks, seq.slot, e.settled))
@@ -131,7 +135,7 @@ class KVCacheManager:
             else:
                 self.free(seq)
             raise KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}") from e
-        seq.num_computed = hit.num_tokens
+        seq.num_computed, seq.hashed_blocks = hit.num_tokens, reused
 
     @property
     def landing(self) -> int:

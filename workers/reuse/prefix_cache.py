@@ -115,6 +115,19 @@ class PrefixCache:
             hashes.append(self.hasher.next_hash(hashes[-1] if hashes else None, block))
         return hashes[:blocks]
 
+    def resident_prefix(self, seq: Sequence, blocks: int) -> list[int]:
+        """The device blocks holding seq's first full blocks (at most `blocks`), up to the first one
+        the pool lacks: what a handed-off request need not move (decode-side reuse)."""
+        if not self.enabled:
+            return []
+        held = []
+        for h in self.chain(seq, blocks):
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            held.append(b)
+        return held
+
     # ---- admission: find a hit, fill it in -------------------------------------------------------------------
     def _reseed_after_outage(self) -> None:
         """A Redis that came back may have lost its entries: republish the store's objects."""
