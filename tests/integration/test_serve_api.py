@@ -252,7 +252,8 @@ def prefill_metric(url: str, name: str, pool: str = "prefill") -> float:
                if line.startswith(name + "{") and f'pool="{pool}"' in line)
 
 
-SPEC_METRICS = ("kvmesh_worker_handoff_draft_tokens", "kvmesh_worker_draft_tokens", "kvmesh_worker_accepted_draft_tokens")
+SPEC_METRICS = ("kvmesh_worker_handoff_draft_tokens", "kvmesh_worker_draft_tokens",
+                "kvmesh_worker_accepted_draft_tokens")
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "fallback"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_mtp_checkpoint, write_tiny_checkpoint
+from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_mtp_checkpoint,
+                           write_tiny_checkpoint)
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.request import FirstToken, Resume
