@@ -169,14 +169,15 @@ def test_after_a_restored_prefix_decode_drafts_like_a_colocated_run_that_restore
     MTP layer runs from there on, and decode's drafts equal those of a colocated engine that
     restored the same prefix."""
     config = EngineConfig(kv_cache_bytes=16 << 20)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first = random_prompt(300, seed=12)
     second = first[:256] + random_prompt(40, seed=13)
     colocated, prefill, decode = Engine(config), Engine(config), Engine(config)
-    colocated.generate([first], params)
+    one = SamplingParams(max_tokens=1, temperature=0.0)      # only its cache matters
+    colocated.generate([first], one)
     before = drafting(colocated)
     alone = colocated.generate([second], params)[0]
-    prefill.generate([first], params)
+    prefill.generate([first], one)
     moved = handoff(prefill, decode, second, params)
     assert alone.cached_tokens == moved.cached_tokens == 256
     assert moved.token_ids == alone.token_ids
