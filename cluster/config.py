@@ -3,8 +3,8 @@
     mode: disaggregated | colocated
     engine:    what every worker runs: workers.engine_config.EngineConfig's fields
     prefill / decode / colocated:  one pool each (replicas or autoscaling, resources, parallel
-               sizes — tensor_parallel_size or data_parallel_size, enable_expert_parallel —
-               `engine` overrides for that pool)
+               sizes — tensor_parallel_size or data_parallel_size (+ data_parallel_size_local),
+               enable_expert_parallel — `engine` overrides for that pool)
     ingress:   the OpenAI front end
     handoff:   prefill -> decode transport (nixl, or ray objects)
 
@@ -161,6 +161,10 @@ class PoolConfig(_Strict):
         "data-parallel attention ranks per replica: N whole attention engines (the replica plus N-1 rank "
         "actors, one bundle each, packed on one node), routed experts split across them; needs "
         "enable_expert_parallel; any pool (prefill and decode hand off rank to rank)"))
+    data_parallel_size_local: int | None = Field(None, ge=1, description=(
+        "data-parallel ranks per node (vLLM's name): divides data_parallel_size; a replica spans "
+        "data_parallel_size / data_parallel_size_local nodes (default: all on one node). Only one node "
+        "is served yet: a smaller value is refused at start-up"))
     enable_expert_parallel: bool = Field(False, description="split the routed experts whole across the ranks")
 
     @model_validator(mode="before")
@@ -178,6 +182,26 @@ class PoolConfig(_Strict):
             raise ValueError(f"{key} {getattr(self, key)} places one rank per bundle: "
                              "give the pool num_cpus, num_gpus or resources > 0 so a bundle is not empty")
         return self
+
+    @model_validator(mode="after")
+    def _one_node(self):
+        local, dp = self.data_parallel_size_local, self.data_parallel_size
+        if local is None:
+            return self
+        if dp % local:
+            raise ValueError(f"data_parallel_size_local {local} does not divide data_parallel_size {dp} "
+                             "(every node of a replica holds the same number of ranks)")
+        if self.nodes > 1:
+            raise ValueError(f"data_parallel_size_local {local} with data_parallel_size {dp} asks for a replica "
+                             f"over {self.nodes} nodes: multi-node replicas are not served yet (a replica is one "
+                             "placement group packed on one node, STRICT_PACK); keep the replica on one node "
+                             f"(data_parallel_size_local {dp}, or leave it out)")
+        return self
+
+    @property
+    def nodes(self) -> int:
+        """Nodes one replica spans: data_parallel_size / data_parallel_size_local."""
+        return self.data_parallel_size // (self.data_parallel_size_local or self.data_parallel_size)
 
     @property
     def ranks(self) -> int:

@@ -25,9 +25,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-import torch
+if TYPE_CHECKING:     # types only: the ingress reads offers and reports without torch
+    import torch
 
-if TYPE_CHECKING:
     from kvstore.cache_tensors import CacheTensors
 
 

@@ -65,7 +65,7 @@ from kvstore.quarantine import QUARANTINE_FILE, Quarantine
 from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
                               read_whole, resolve_uri, write_atomic)
 from kvstore.tiers import CacheTier, RowTensors, Shapes, shapes_of
-from kvstore.timed_io import IoTimeoutError, TimedRunner
+from kvstore.timed_io import DEFAULT_READ_TIMEOUT_S, IoTimeoutError, TimedRunner
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ OBJECT_SUFFIX = ".kv"
 FINGERPRINT_FILE = "FINGERPRINT"
 OBJECT_RE = re.compile(r"^([0-9a-f]{16})\.kv$")
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{%d,}$" % FINGERPRINT_MIN_CHARS)
-DEFAULT_READ_TIMEOUT_S = 10.0
 _trust_warned = False
 
 

@@ -12,6 +12,8 @@ import threading
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+# a store read slower than this is a miss (the engine's `store_read_timeout_s` default)
+DEFAULT_READ_TIMEOUT_S = 10.0
 
 
 class IoTimeoutError(TimeoutError):

@@ -2,6 +2,7 @@
 
     request.py        Sequence, Status, RequestOutput, Resume: the leaf every part imports
     engine_config.py  EngineConfig: every engine setting, its default and its validation, once
+    errors.py         EngineDeadError, RankFailed: what the serving layer retries, torch-free
     model/            DeepSeek-V4 in torch (args, transformer, attention, moe, quant, shard, step)
     checkpoint/       loading, quantized formats, sharding, tokenizer, built-in model, sizing
     engine/           loop, builder, output processing, scheduler, KV-cache manager, runner, stats

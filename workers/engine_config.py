@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from kvstore.mac import MIN_KEY_BYTES
 from kvstore.planner import PolicyError, SwaPolicy
 from kvstore.redact import redact_url
-from kvstore.store import DEFAULT_READ_TIMEOUT_S
+from kvstore.timed_io import DEFAULT_READ_TIMEOUT_S
 from workers.model.args import ConfigError
-from workers.spec.speculative import DraftRule
+from workers.spec.draft_rule import DraftRule
 
 DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")

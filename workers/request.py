@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from kvstore.kv_transport import HeldKV
 from workers.sampling.params import SamplingParams
+
+if TYPE_CHECKING:     # types only: the API layer builds requests without torch
+    import torch
 
 __all__ = ["FirstToken", "HeldKV", "MTPHandoff", "RequestOutput", "Resume", "Sequence", "Status"]
 

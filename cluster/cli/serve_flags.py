@@ -11,13 +11,15 @@ becomes one config key (`prefill.tensor_parallel_size`, `decode.engine.max_num_s
 overrides the config file: where the file sets that key (or the `engine` key a pool inherits) to
 another value, it is an error naming both. `--data-parallel-size` N > 1 serves every pool the mode
 runs data-parallel (it needs `--enable-expert-parallel`); prefill and decode pools hand off rank to
-rank (engine/data_parallel.py).
+rank (engine/data_parallel.py). `--data-parallel-size-local` N (ranks per node) is checked as the
+config key is; a value that would spread a replica over several nodes is refused, as it is not
+served yet.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, get_args
 
 from workers.engine_config import EngineConfig
 
@@ -25,7 +27,7 @@ from cluster.config import ConfigFileError, IngressConfig, PoolConfig
 
 POOLS = ("prefill", "decode")
 # PoolConfig's: they size the placement group
-POOL_KEYS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")
+POOL_KEYS = ("tensor_parallel_size", "data_parallel_size", "data_parallel_size_local", "enable_expert_parallel")
 PER_POOL_ENGINE_KEYS = ("max_model_len", "max_num_seqs")               # EngineConfig's, a pool may differ
 SHARED_ENGINE_KEYS = ("kv_cache_dtype",)    # part of the cache layout: prefill and decode must agree to hand off
 
@@ -44,7 +46,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     for name in POOL_KEYS + PER_POOL_ENGINE_KEYS + SHARED_ENGINE_KEYS:
         if name in POOL_KEYS:
             field = PoolConfig.model_fields[name]
-            kind, help_, choices = field.annotation, field.description.split(":")[0], None
+            kind = next((t for t in get_args(field.annotation) if t is not type(None)), field.annotation)
+            help_, choices = field.description.split(":")[0], None
         else:
             kind = int if name in PER_POOL_ENGINE_KEYS else str
             help_, choices = engine[name].metadata["help"], engine[name].metadata.get("choices")

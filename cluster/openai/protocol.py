@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from workers.sampling.grammar import check_schema
+from workers.sampling.params import check_schema
 from workers.sampling.params import MAX_N, InvalidRequestError, SamplingParams
 
 from cluster.errors import APIError, bad_request

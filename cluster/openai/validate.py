@@ -10,7 +10,7 @@ import dataclasses
 import re
 from typing import NamedTuple
 
-from workers.sampling.grammar import check_schema_size
+from workers.sampling.params import check_schema_size
 from workers.sampling.params import InvalidRequestError, SamplingParams
 
 from cluster.chat.dsv4_grammar import after_reasoning

@@ -21,8 +21,7 @@ from typing import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 
-from workers.engine.async_engine import EngineDeadError
-from workers.parallel.collectives import RankFailed
+from workers.errors import EngineDeadError, RankFailed
 
 from cluster.messages import Chunk, GenRequest, Handoff, RouteHint
 from cluster.serve.metrics import Metrics

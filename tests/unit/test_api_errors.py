@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 
 from cluster.errors import WorkerFailed
 from cluster.openai.ingress import _unhandled, to_api_error
-from workers.engine.async_engine import EngineDeadError
+from workers.errors import EngineDeadError
 from workers.sampling.params import InvalidRequestError
 
 

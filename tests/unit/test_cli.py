@@ -212,7 +212,9 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
     assert "placement_group_bundles" not in config.prefill.deployment_options("prefill")
     colocated = serve_config(serve_args("--mode", "colocated", "--max-num-seqs", "4"))
     assert colocated.pool_engine(colocated.colocated).max_num_seqs == 4
-    dp = serve_config(serve_args("--mode", "colocated", "--data-parallel-size", "2", "--enable-expert-parallel"))
+    dp = serve_config(serve_args("--mode", "colocated", "--data-parallel-size", "2", "--enable-expert-parallel",
+                                 "--data-parallel-size-local", "2"))         # every rank on one node: served
+    assert dp.colocated.data_parallel_size_local == 2 and dp.colocated.nodes == 1
     engine = dp.pool_engine(dp.colocated)
     assert (engine.data_parallel_size, engine.enable_expert_parallel, engine.tensor_parallel_size) == (2, True, 1)
     assert len(dp.colocated.deployment_options("colocated")["placement_group_bundles"]) == 2
@@ -267,6 +269,12 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
     (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
      "--prefill-tensor-parallel-size sets the prefill pool, but mode colocated runs one pool"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    (["--mode", "colocated", "--data-parallel-size", "4", "--data-parallel-size-local", "2", "--enable-expert-parallel"],
+     "data_parallel_size_local 2 with data_parallel_size 4 asks for a replica over 2 nodes: multi-node replicas "
+     "are not served yet"),
+    (["--decode-data-parallel-size", "4", "--decode-data-parallel-size-local", "3", "--enable-expert-parallel"],
+     "data_parallel_size_local 3 does not divide data_parallel_size 4"),
+    (["--data-parallel-size-local", "0"], "decode.data_parallel_size_local"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--decode-tensor-parallel-size", "3"],       # the built-in model: 4 heads, 2 output groups
      "decode.tensor_parallel_size: tensor_parallel_size=3 does not divide num_attention_heads=4, o_groups=2"),

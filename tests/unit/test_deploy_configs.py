@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import load_config
+from cluster.config import ConfigFileError, load_config
 from cluster.cli.node_role import NodeRoleError, node_resources, pools_of
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -55,11 +55,32 @@ def test_setup_commands_expand_home_paths(path):
             assert '"~' not in command and "'~" not in command, f"{path.name} {key}: `{command}`"
 
 
+# the layouts docs/deploy.md walks through that this build plans but does not serve yet: refused at
+# start-up with this message (drop the entry the day they are served)
+NOT_SERVED_YET = {"serve-v4-pro.yaml": "multi-node replicas are not served yet"}
+
+
 @pytest.mark.parametrize("path", SERVES, ids=lambda p: p.name)
 def test_serve_config_passes_serve_and_kvmesh_validation(path):
     from ray.serve.schema import ServeDeploySchema
     ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
-    load_config(path)
+    if path.name in NOT_SERVED_YET:
+        with pytest.raises(ConfigFileError, match=NOT_SERVED_YET[path.name]):
+            load_config(path)
+    else:
+        load_config(path)
+
+
+def test_the_v4_pro_walk_through_is_the_plans_two_node_row_on_its_cluster():
+    """serve-v4-pro.yaml asks for the layout `kvmesh plan` finds for V4-Pro on 8 x 80 GiB (TP 2 x DP 8
+    over 2 nodes), on exactly the two nodes of cluster-v4-pro.yaml that carry its resource."""
+    pool = yaml.safe_load((DEPLOY / "serve-v4-pro.yaml").read_text())["applications"][0]["args"]["colocated"]
+    cluster = yaml.safe_load((DEPLOY / "cluster-v4-pro.yaml").read_text())
+    gpu = cluster["available_node_types"]["v4pro_gpu"]
+    assert gpu["min_workers"] == gpu["max_workers"] == cluster["max_workers"] == 2
+    per_node = pool["tensor_parallel_size"] * pool["data_parallel_size_local"]
+    assert per_node == gpu["resources"]["GPU"] == gpu["resources"]["kvmesh_v4pro"]
+    assert pool["data_parallel_size"] // pool["data_parallel_size_local"] == 2 and pool["enable_expert_parallel"]
 
 
 def onprem() -> dict:

@@ -12,7 +12,16 @@ from cluster.cli import main
 from tests.helpers import TINY_BASE, TINY_CONFIGS, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
 from workers.checkpoint.released import RELEASED_CONFIGS
-from workers.checkpoint.sizing import GiB, parallel_problems, plan, split_from_checkpoint, split_from_config
+from workers.checkpoint.sizing import (
+    GiB,
+    SizingError,
+    format_plan,
+    parallel_problems,
+    parse_nodes,
+    plan,
+    split_from_checkpoint,
+    split_from_config,
+)
 from workers.model.args import ModelArgs
 
 NAME = "swa_csa_hca"
@@ -160,7 +169,87 @@ def test_v4_pro_dp8_is_weight_bound_on_one_141_gib_node():
     assert 2 < _per_node(p, 2, 4) / tp8 < 3
 
 
+def test_tiny_replicas_over_several_nodes_by_hand():
+    """2 devices a node, 4 experts: over 2 nodes a replica has 4 ranks (TP 2 x DP 2, or DP 4), sized
+    as one node's DP rows are; over 3 nodes 6 ranks do not divide 4 experts, so no rows."""
+    a = ModelArgs.from_dict(TINY)
+    split = split_from_config(a)
+    one = plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", context=100, reserve=0.25)
+    p = plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", context=100, reserve=0.25, nodes=3)
+    assert p.fits[:len(one.fits)] == one.fits and all(f.nodes == 1 for f in one.fits)
+    multi = p.fits[len(one.fits):]
+    assert [(f.tp, f.dp, f.nodes, f.dp_local) for f in multi] == [(2, 2, 2, 1), (1, 4, 2, 2)]
+    for f in multi:
+        free = int(0.004 * GiB * 0.75) - split.per_rank(f.tp, f.dp)
+        blocks = (free - p.layout.slot_bytes) // p.block_bytes
+        assert f.expert_parallel and f.fits and f.weights_per_rank == split.per_rank(f.tp, f.dp)
+        assert (f.free_per_rank, f.tokens, f.tokens_per_node) == (free, f.dp * blocks * 16, f.dp * blocks * 16 // 2)
+        assert f.replicas_per_node == 0.5 and f.not_served == "replicas over several nodes"
+    assert one.nodes == 1 and p.nodes == 3 and not p.auto_nodes
+    # auto: something fits on one node, so one node's rows only
+    assert plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", nodes=None).fits == \
+        plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero").fits
+    # auto where nothing fits on 1 or 2 nodes (4 experts: 2 nodes of 2 at most): one node's rows, and says so
+    none = plan(a, split, 0.0001, 2, block_tokens=16, swa_policy="zero", nodes=None)
+    assert none.nodes == 2 and all(f.nodes == 1 and not f.fits for f in none.fits)
+    assert "no size fits on one node, nor over up to 2 nodes of 2" in format_plan(none, "tiny")
+
+
+@pytest.fixture(scope="module")
+def pro():
+    a = ModelArgs.from_dict(RELEASED_CONFIGS["V4-Pro"])
+    return a, split_from_config(a)
+
+
+@pytest.mark.parametrize("gib", [80, 96], ids=["H100", "H20"])
+def test_v4_pro_fits_8_x_80_and_96_gib_only_over_two_nodes(pro, gib):
+    """805 GiB of weights fit no 8-device node of 80 or 96 GiB at any size; over two whole nodes, 16
+    ranks hold 1/16 of the 778 GiB of experts each (48.6 GiB) beside the attention they replicate
+    or split by TP; auto stops at the fewest nodes where a row fits."""
+    a, split = pro
+    single = plan(a, split, gib, 8, kv_cache_dtype="fp8", nodes=1)
+    assert single.fits and not any(f.fits for f in single.fits) and all(f.nodes == 1 for f in single.fits)
+    p = plan(a, split, gib, 8, kv_cache_dtype="fp8", nodes=None)
+    assert p.fits[:len(single.fits)] == single.fits and p.nodes == 2 and p.auto_nodes
+    multi = {(f.tp, f.dp): f for f in p.fits if f.nodes > 1}
+    assert set(multi) == {(8, 2), (4, 4), (2, 8), (1, 16)} and all(f.nodes == 2 for f in multi.values())
+    fitting = [f for f in multi.values() if f.fits]
+    assert multi[(8, 2)].fits and all(f.tokens > 0 and f.tokens_per_node == f.tokens // 2 for f in fitting)
+    assert all(f.dp_local == 8 // f.tp and f.weights_per_rank == split.per_rank(f.tp, f.dp) for f in fitting)
+    assert multi[(1, 16)].fits == (gib == 96)     # 27.2 GiB replicated + 48.6 of experts > 72 GiB usable of 80
+    # a wider replica holds more: 4 nodes at TP8 beat 2 nodes per node
+    wide = plan(a, split, gib, 8, kv_cache_dtype="fp8", nodes=4)
+    per_node = {f.nodes: f.tokens_per_node for f in wide.fits if f.tp == 8 and f.nodes > 1}
+    assert sorted(per_node) == [2, 3, 4] and per_node[2] < per_node[3] < per_node[4]
+
+
+def test_plan_cli_json_has_multi_node_rows_that_fit_for_v4_pro_on_8_x_80_gib(capsys):
+    """Issue 29's done-when: the default (--nodes auto) finds the two-node layouts."""
+    assert main(["plan", "--config", "V4-Pro", "--gpu-memory", "80", "--gpus", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["nodes"] == 2 and got["gpus_per_node"] == 8
+    fits = [s for s in got["sizes"] if s["fits"]]
+    assert fits and all(s["nodes"] == 2 and not s["served"] and s["expert_parallel"] for s in fits)
+    assert all(s["tokens_per_node"] * 2 == s["tokens"] > 0 and s["replicas_per_node"] == 0.5 for s in fits)
+    assert all(s["data_parallel_size_local"] * s["tp"] == 8 for s in fits)
+    assert not any(s["fits"] for s in got["sizes"] if s["nodes"] == 1)
+    assert main(["plan", "--config", "V4-Pro", "--gpu-memory", "80", "--gpus", "8", "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert rows and all(line.split()[3] == "1" and "no:" in line for line in rows)
+
+
+def test_parse_nodes():
+    assert (parse_nodes("auto"), parse_nodes(None), parse_nodes("3"), parse_nodes(2)) == (None, None, 3, 2)
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(SizingError, match="--nodes must be a whole number >= 1 or auto"):
+            parse_nodes(bad)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--config", "V4-Pro", "--gpu-memory", "80", "--gpus", "8", "--nodes", "0"],
+     "--nodes must be a whole number >= 1 or auto (got '0')"),
+    (["--config", "V4-Pro", "--gpu-memory", "80", "--gpus", "8", "--nodes", "two"], "got 'two'"),
     (["--config", "nowhere.json", "--gpu-memory", "80", "--gpus", "8"], "config.json not found"),
     (["--config", "V4-Pro", "--gpu-memory", "0", "--gpus", "8"], "--gpu-memory > 0"),
     (["--config", "V4-Pro", "--gpu-memory", "80", "--gpus", "8", "--block-tokens", "100"], "multiple of"),

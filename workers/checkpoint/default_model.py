@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .loader import CheckpointError
-
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_checkpoint"
 DEFAULT_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -28,6 +26,7 @@ def ensure_default_model(path: Path | None = None) -> Path:
     path = path or DEFAULT_MODEL_DIR
     missing = [name for name in DEFAULT_MODEL_FILES if not (path / name).is_file()]
     if missing:
+        from .loader import CheckpointError     # torch: not at import (the ingress never loads weights)
         raise CheckpointError(f"default model at {path} lacks {', '.join(missing)}: the package is "
                               "incomplete (reinstall kvmesh) or re-run scripts/train_default_model.py")
     return path

@@ -27,6 +27,12 @@ tokens, while one request (its context) still lives on one DP rank.
     largest context = the most tokens one request fits on one DP rank (blocks + one state
                       slot), capped at max_position_embeddings
 
+A replica may span `nodes` nodes of `gpus` devices (DESIGN.md §11): a DP + EP replica that takes the
+nodes whole, `gpus` ranks on each (`data_parallel_size_local` = dp / nodes ranks of `tp` devices; a
+TP group stays inside a node), its routed experts split over all tp x dp ranks of all the nodes. Each
+rank is sized as above; tokens per node = tokens / nodes. `nodes` = None (auto): one node's rows,
+and where none of them fits, the rows of the smallest node count where one does.
+
 Weights come from the safetensors headers (`--model`: bytes as stored, quantized dtypes at
 their size, scales included) or from config.json alone (`--config`): the model built on
 the meta device, each tensor at the size the release stores it (`StoredSize`).
@@ -58,6 +64,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class SizingError(ValueError):
     """The device cannot hold the model at any size asked for, or the inputs make no sense."""
+
+
+def parse_nodes(value: str | int | None) -> int | None:
+    """`--nodes`: a whole number >= 1 (the largest node count a replica may span), or auto (None)."""
+    if value is None or value == "auto":
+        return None
+    try:
+        nodes = int(value)
+    except (TypeError, ValueError):
+        nodes = 0
+    if nodes < 1 or str(nodes) != str(value).strip():
+        raise SizingError(f"--nodes must be a whole number >= 1 or auto (got {value!r})")
+    return nodes
 
 
 @dataclass
@@ -181,7 +200,8 @@ def kv_layout(args: ModelArgs, kv_cache_dtype: str = "auto", block_tokens: int =
 
 @dataclass(frozen=True)
 class Fit:
-    """One replica size on one device type: `dp` data-parallel ranks of `tp` tensor-parallel ranks."""
+    """One replica size on one device type: `dp` data-parallel ranks of `tp` tensor-parallel ranks,
+    on one node (`replicas_per_node` of them side by side) or spanning `nodes` whole nodes."""
     tp: int
     dp: int
     expert_parallel: bool
@@ -191,7 +211,8 @@ class Fit:
     tokens: int                      # cached tokens a replica holds over all its DP ranks
     max_context: int                 # one request lives on one DP rank
     requests_at_context: int
-    replicas_per_node: int
+    replicas_per_node: float         # a whole number on one node; 1 / nodes for a replica over nodes
+    nodes: int = 1
 
     @property
     def fits(self) -> bool:
@@ -202,8 +223,22 @@ class Fit:
         return self.tp * self.dp
 
     @property
+    def dp_local(self) -> int:
+        """DP ranks on each node (vLLM's data_parallel_size_local)."""
+        return self.dp // self.nodes
+
+    @property
     def tokens_per_node(self) -> int:
-        return self.tokens * self.replicas_per_node
+        return self.tokens // self.nodes if self.nodes > 1 else self.tokens * int(self.replicas_per_node)
+
+    @property
+    def not_served(self) -> str | None:
+        """What kvmesh plans here but does not serve yet (None: it serves this size)."""
+        if self.nodes > 1:
+            return "replicas over several nodes"
+        if self.tp > 1 and self.dp > 1:
+            return "tensor parallelism inside a DP rank"
+        return None
 
 
 @dataclass(frozen=True)
@@ -215,6 +250,9 @@ class Plan:
     reserve: float
     context: int
     fits: tuple[Fit, ...]
+    gpus: int = 1                    # devices per node
+    nodes: int = 1                   # the most nodes a replica was allowed to span
+    auto_nodes: bool = False         # `nodes` chosen as the smallest count where a row fits
 
     @property
     def block_bytes(self) -> int:
@@ -227,25 +265,41 @@ class Plan:
 
 def plan(args: ModelArgs, weights: WeightSplit, device_gib: float, gpus: int, *, kv_cache_dtype: str = "auto",
          context: int | None = None, block_tokens: int = 128, swa_policy: str = "full",
-         reserve: float = DEFAULT_RESERVE) -> Plan:
+         reserve: float = DEFAULT_RESERVE, nodes: int | None = 1) -> Plan:
+    """The rows for replicas of up to `nodes` nodes of `gpus` devices each; `nodes` None (auto):
+    one node, or where nothing fits there, up to the smallest node count where a row fits."""
     if device_gib <= 0 or gpus < 1 or not 0 <= reserve < 1:
         raise SizingError(f"need --gpu-memory > 0, --gpus >= 1 and 0 <= reserve < 1 "
                           f"(got {device_gib}, {gpus}, {reserve})")
+    if nodes is not None and nodes < 1:
+        raise SizingError(f"--nodes must be a whole number >= 1 or auto (got {nodes})")
     layout = kv_layout(args, kv_cache_dtype, block_tokens)
     swa_blocks = SwaPolicy.parse(swa_policy, block_tokens).kind == "full"
     block_b, slot_b = layout.resident_block_bytes(swa_blocks), layout.slot_bytes
     device = int(device_gib * GiB)
     context = context or args.max_position_embeddings
     per_request = -(-context // block_tokens) * block_b + slot_b
-    fits = [_fit(args, weights, int(device * (1 - reserve)), block_b, slot_b, block_tokens, per_request,
-                 gpus, tp, dp, ep) for tp, dp, ep in replica_sizes(args, gpus)]
-    return Plan(weights, layout, swa_blocks, device, reserve, context, tuple(fits))
+
+    def fit(tp: int, dp: int, ep: bool, n: int) -> Fit:
+        return _fit(args, weights, int(device * (1 - reserve)), block_b, slot_b, block_tokens, per_request,
+                    gpus, tp, dp, ep, n)
+
+    fits = [fit(tp, dp, ep, 1) for tp, dp, ep in replica_sizes(args, gpus)]
+    bound = nodes or 1
+    for n in range(2, (nodes or max_nodes(args, gpus)) + 1):
+        if nodes is None and any(f.fits for f in fits):
+            break
+        fits += [fit(tp, dp, True, n) for tp, dp in multi_node_sizes(args, gpus, n)]
+        bound = n
+    if nodes is None and not any(f.fits for f in fits):     # nowhere: show one node's rows only
+        fits, bound = [f for f in fits if f.nodes == 1], max_nodes(args, gpus)
+    return Plan(weights, layout, swa_blocks, device, reserve, context, tuple(fits), gpus, bound, nodes is None)
 
 
 def replica_sizes(args: ModelArgs, gpus: int) -> list[tuple[int, int, bool]]:
-    """(tp, dp, expert_parallel) worth a row, by ranks: TP sizes that divide the heads or the experts
-    (with and without EP), then DP sizes with EP whose tp x dp divides the experts (tp splitting
-    the attention cleanly)."""
+    """(tp, dp, expert_parallel) worth a row on one node, by ranks: TP sizes that divide the heads or
+    the experts (with and without EP), then DP sizes with EP whose tp x dp divides the experts (tp
+    splitting the attention cleanly)."""
     tps = [d for d in range(1, gpus + 1) if not args.num_attention_heads % d or not args.n_routed_experts % d]
     rows = [(tp, 1, ep) for tp in tps for ep in ((False, True) if tp > 1 else (False,))]
     rows += [(tp, dp, True) for tp in tps if not attention_problems(args, tp)
@@ -253,15 +307,31 @@ def replica_sizes(args: ModelArgs, gpus: int) -> list[tuple[int, int, bool]]:
     return sorted(rows, key=lambda r: (r[0] * r[1], r[1], r[2]))
 
 
+def multi_node_sizes(args: ModelArgs, gpus: int, nodes: int) -> list[tuple[int, int]]:
+    """(tp, dp) of a DP + EP replica over `nodes` whole nodes, by DP size: `gpus` ranks on each node,
+    tp dividing `gpus` (a TP group inside a node) and splitting the attention cleanly, all
+    nodes x gpus ranks dividing the experts (none when they do not)."""
+    if args.n_routed_experts % (nodes * gpus):
+        return []
+    tps = [tp for tp in range(1, gpus + 1) if not gpus % tp and not attention_problems(args, tp)]
+    return sorted(((tp, nodes * gpus // tp) for tp in tps), key=lambda r: r[1])
+
+
+def max_nodes(args: ModelArgs, gpus: int) -> int:
+    """The most whole nodes a replica can span: one routed expert per rank at least."""
+    return max(1, args.n_routed_experts // gpus)
+
+
 def _fit(args: ModelArgs, weights: WeightSplit, usable: int, block_b: int, slot_b: int, block_tokens: int,
-         per_request: int, gpus: int, tp: int, dp: int, ep: bool) -> Fit:
+         per_request: int, gpus: int, tp: int, dp: int, ep: bool, nodes: int = 1) -> Fit:
     w = weights.per_rank(tp, dp)
     free = max(0, usable - w)
     rank_tokens = max(0, (free - slot_b) // block_b) * block_tokens
     return Fit(tp=tp, dp=dp, expert_parallel=ep, problems=tuple(parallel_problems(args, tp, ep, dp)),
                weights_per_rank=w, free_per_rank=free, tokens=dp * rank_tokens,
                max_context=min(args.max_position_embeddings, rank_tokens),
-               requests_at_context=dp * (free // per_request), replicas_per_node=gpus // (tp * dp))
+               requests_at_context=dp * (free // per_request),
+               replicas_per_node=gpus // (tp * dp) if nodes == 1 else 1 / nodes, nodes=nodes)
 
 
 def _count(n: float) -> str:
@@ -283,17 +353,36 @@ def format_plan(p: Plan, label: str) -> str:
              "the TP ranks of a replica hold the same cache, each DP rank its own",
              f"device {p.device_bytes / scale:,.1f} {unit}, reserve {p.reserve:.0%} for activations / CUDA / NCCL; "
              f"requests at {p.context:,} tokens each", ""]
-    rows = [("TP", "DP", "EP", f"weights/rank {unit}", f"KV free/rank {unit}", "tokens/replica", "tokens/node",
-             "max context", "requests", "replicas/node", "fits")]
+    rows = [("TP", "DP", "EP", "nodes", f"weights/rank {unit}", f"KV free/rank {unit}", "tokens/replica",
+             "tokens/node", "max context", "requests", "replicas/node", "fits")]
     for f in p.fits:
-        rows.append((str(f.tp), str(f.dp), "on" if f.expert_parallel else "off", f"{f.weights_per_rank / scale:,.1f}",
-                     f"{f.free_per_rank / scale:,.1f}", f"{f.tokens:,}", f"{f.tokens_per_node:,}",
-                     f"{f.max_context:,}", f"{f.requests_at_context:,}", str(f.replicas_per_node), _why(f)))
+        rows.append((str(f.tp), str(f.dp), "on" if f.expert_parallel else "off", str(f.nodes),
+                     f"{f.weights_per_rank / scale:,.1f}", f"{f.free_per_rank / scale:,.1f}", f"{f.tokens:,}",
+                     f"{f.tokens_per_node:,}", f"{f.max_context:,}", f"{f.requests_at_context:,}",
+                     str(f.replicas_per_node) if f.nodes == 1 else f"1/{f.nodes}", _why(f)))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(c.rjust(width[i]) if 0 < i < len(r) - 1 else c.ljust(width[i])
                                for i, c in enumerate(r)).rstrip())
-    return "\n".join(lines)
+    return "\n".join(lines + _notes(p))
+
+
+def _notes(p: Plan) -> list[str]:
+    """Under the table: how far the node search went, and which fitting sizes are planned, not served."""
+    notes = [""]
+    if any(f.nodes > 1 for f in p.fits):
+        notes.append(f"nodes > 1: one DP + EP replica over whole nodes, {p.gpus} ranks on each "
+                     "(data_parallel_size_local = DP / nodes), routed experts split over all its ranks")
+    if p.auto_nodes and not any(f.fits for f in p.fits):
+        notes.append(f"no size fits on one node, nor over up to {p.nodes} nodes of {p.gpus} "
+                     "(one routed expert per rank at most)")
+    elif p.auto_nodes and p.nodes > 1:
+        notes.append(f"nothing fits on one node: rows up to {p.nodes} nodes, the fewest where one fits "
+                     "(--nodes N to see more)")
+    unserved = sorted({f.not_served for f in p.fits if f.fits and f.not_served})
+    if unserved:
+        notes.append("planned here, not served yet: " + "; ".join(unserved) + " (JSON `served`)")
+    return notes if len(notes) > 1 else []
 
 
 SIZE_LABELS = {"tensor_parallel_size": "TP", "data_parallel_size": "DP",

@@ -19,11 +19,22 @@ Contracts: only the engine thread mutates the scheduler, the KV-cache manager an
 `stats()` may be read racily from another thread. The engine depends on model/, checkpoint/,
 sampling/, spec/, reuse/ and parallel/; none of them imports it.
 """
+from importlib import import_module
+
 from workers.engine_config import EngineConfig
 
-from .builder import StoreUnavailable
-from .data_parallel import DataParallelEngine, open_engine
-from .engine import Engine
-from .protocol import EngineProtocol
+# the rest on first use (PEP 562): the API layer reads `workers.engine.stats` and
+# `.async_engine`'s error type, and must not load torch and the model by importing this package
+_LAZY = {"StoreUnavailable": ".builder", "DataParallelEngine": ".data_parallel", "open_engine": ".data_parallel",
+         "Engine": ".engine", "EngineProtocol": ".protocol"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["DataParallelEngine", "Engine", "EngineConfig", "EngineProtocol", "StoreUnavailable", "open_engine"]

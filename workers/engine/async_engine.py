@@ -20,6 +20,7 @@ from workers.engine_config import EngineConfig
 from workers.parallel.replica import RankLauncher
 from workers.request import HeldKV, RequestOutput, Resume
 from workers.sampling.params import InvalidRequestError, SamplingParams
+from workers.errors import EngineDeadError
 
 from .data_parallel import DataParallelEngine, open_engine
 from .protocol import EngineProtocol
@@ -27,10 +28,6 @@ from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 LANDING_POLL_S = 0.5     # while a given-up transfer may still write memory: how often to look again
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop crashed; the message carries the cause."""
 
 
 class AsyncEngine:

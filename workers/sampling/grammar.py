@@ -22,7 +22,7 @@ import torch
 
 from .compile_pool import CompilePool
 from .grammar_worker import CompileBudgetExceeded
-from .params import InvalidRequestError
+from .params import InvalidRequestError, check_schema_size
 
 GUIDE_KINDS = ("json_object", "json_schema", "ebnf")      # ebnf: a grammar the API layer wrote (tool calls)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'     # what json_object compiles (vLLM compiles the same)
@@ -217,20 +217,3 @@ class GuideCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
-
-
-def check_schema_size(schema: str, max_bytes: int, field: str | None = "response_format") -> None:
-    """InvalidRequestError (naming `field` and the limit) for a schema over `max_bytes`."""
-    size = len(schema.encode())
-    if size > max_bytes:
-        what = {"response_format": "the JSON schema", "tools": "the tools' grammar"}.get(
-            field, "the grammar of the request's tools / response_format")
-        raise InvalidRequestError(f"{what} is {size} bytes, over the limit of {max_bytes} "
-                                  f"(engine.max_schema_bytes)", field)
-
-
-def check_schema(schema: object) -> str:
-    """A JSON schema (dict) -> its canonical JSON text; the API layer calls this."""
-    if not isinstance(schema, dict):
-        raise InvalidRequestError("must be a JSON object", "response_format.json_schema.schema")
-    return json.dumps(schema, sort_keys=True)

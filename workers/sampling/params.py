@@ -1,9 +1,12 @@
 """Sampling parameters (validated once) and the one-row sampler (`workers.sampling.sampler` batches it)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1   # int64, as OpenAI-style APIs take seeds
 MAX_N = 16
@@ -101,4 +104,22 @@ def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | 
     """The seeded generator of sequence `index` of a request (each of n forks draws its own)."""
     if params.temperature == 0.0 or params.seed is None:
         return None
+    import torch    # not at import: the API layer validates params without torch
     return torch.Generator().manual_seed((params.seed + index) % (1 << 64))
+
+
+def check_schema_size(schema: str, max_bytes: int, field: str | None = "response_format") -> None:
+    """InvalidRequestError (naming `field` and the limit) for a schema over `max_bytes`."""
+    size = len(schema.encode())
+    if size > max_bytes:
+        what = {"response_format": "the JSON schema", "tools": "the tools' grammar"}.get(
+            field, "the grammar of the request's tools / response_format")
+        raise InvalidRequestError(f"{what} is {size} bytes, over the limit of {max_bytes} "
+                                  f"(engine.max_schema_bytes)", field)
+
+
+def check_schema(schema: object) -> str:
+    """A JSON schema (dict) -> its canonical JSON text; the API layer calls this."""
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("must be a JSON object", "response_format.json_schema.schema")
+    return json.dumps(schema, sort_keys=True)
