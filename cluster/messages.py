@@ -90,3 +90,5 @@ class Handoff:
     rng_state: Any = None                   # seeded sampler state after the first token (torch ByteTensor)
     siblings: tuple[FirstToken, ...] = ()   # n > 1: the first tokens of sequences 1..n-1
     prompt_logprobs: list | None = None
+    mtp: Any = None                         # the prefill engine's MTP state (workers.request.MTPHandoff, a few
+                                            # KB): decode drafts from its first step; None without speculation

@@ -57,6 +57,8 @@ class HeldKV(NamedTuple):
     tokens: list[int]        # prompt + first token
     rng_state: torch.Tensor | None = None   # the request's sampler state after the first token
     fingerprint: str = ""    # the holding engine's model fingerprint (kvstore.hashing)
+    mtp: Any = None          # the draft layer's small per-request state (workers.request.MTPHandoff): it
+                             # travels in the handoff message, not through a transport
 
 
 @dataclass(frozen=True)

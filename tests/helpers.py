@@ -64,6 +64,24 @@ def write_tiny_checkpoint(path: Path, name: str, dtype: torch.dtype = torch.floa
     return path
 
 
+def write_mtp_checkpoint(tmp_path_factory, name: str):
+    """The tiny checkpoint `name` in the release's tensor names plus one (random) MTP layer,
+    dense: its directory."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.quant_checkpoint import _mtp_tensors, _upstream_name
+    dense = write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), name)
+    state = {_upstream_name(k): v for k, v in load_file(str(dense / "model.safetensors")).items()}
+    cfg = json.loads((dense / "config.json").read_text())
+    state.update(_mtp_tensors(state, cfg, 1, seed=0))
+    out = tmp_path_factory.mktemp("mtp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
+    return out
+
+
 def tiny_engine(path: Path, name: str, **kw):
     """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget
     (per rank at data_parallel_size > 1: a DataParallelEngine)."""

@@ -19,7 +19,7 @@ from workers.sampling.params import SamplingParams
 if TYPE_CHECKING:     # types only: the API layer builds requests without torch
     import torch
 
-__all__ = ["FirstToken", "HeldKV", "RequestOutput", "Resume", "Sequence", "Status"]
+__all__ = ["FirstToken", "HeldKV", "MTPHandoff", "RequestOutput", "Resume", "Sequence", "Status"]
 
 
 class Status(enum.Enum):
@@ -38,6 +38,19 @@ class FirstToken:
     top: tuple = ()                 # its top logprobs: ((id, logprob), ...) best first
     finish: str | None = None       # the sequence ended on this token ("stop" | "length"); None: it goes on
     index: int = 0                  # which of the request's n sequences
+
+
+@dataclass(frozen=True)
+class MTPHandoff:
+    """The MTP layer's state for a prefilled request (workers/spec/mtp.py), handed to decode beside
+    the cache so that its first step drafts exactly as a colocated run's: the layer's window ring
+    of the request's state slot ([window, head_dim], a CPU copy; rows are indexed by position %
+    window, so they need no moving), the first position whose ring row is valid (0, or where a
+    restored prefix ended), and the drafts the layer made for the token after the first one.
+    A few KB: it travels in the handoff message itself, beside any transport of the cache."""
+    ring: torch.Tensor
+    ring_from: int
+    drafts: tuple[int, ...]
 
 
 @dataclass
@@ -96,6 +109,7 @@ class Sequence:
     prompt_lps: list = field(default_factory=list)   # prompt logprobs computed so far (echo)
     first_finish: str | None = None # held with n > 1: why sequence 0 ended on its first token
     scheduled: bool = False         # ran in a step at least once (queue time is measured to then)
+    mtp_handoff: MTPHandoff | None = None   # prefill role, held: the MTP layer's state for decode
 
     @property
     def tokens(self) -> list[int]:
@@ -129,3 +143,4 @@ class Resume(NamedTuple):
     cached_tokens: int = 0
     rng_state: torch.Tensor | None = None   # continue the seeded sampler where prefill left it
     siblings: tuple[FirstToken, ...] = ()   # n > 1: sequences 1..n-1's
+    mtp: MTPHandoff | None = None           # the prefill engine's MTP state: drafting from the first step

@@ -137,7 +137,7 @@ class Prefill(_Worker):
             if not last.held:
                 return Handoff(**base)
             held = await self.engine.held_handle(req.request_id)
-            base["rng_state"] = held.rng_state
+            base["rng_state"], base["mtp"] = held.rng_state, held.mtp
             if self.nixl is not None:
                 handoff = Handoff(**base, offer=await self.engine.offer_held(req.request_id, self.nixl))
                 self._hold(req.request_id)
@@ -221,7 +221,8 @@ class Decode(_Worker):
         loader = Loader(offer, self.transports, lambda _, reused: self._fetch_export(handoff, reused), self.counters)
         if offer.transport not in self.transports:
             await loader.prefetch(self._fetch_export_async(handoff))
-        resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings)
+        resume = Resume(handoff.first, loader, handoff.cached_tokens, handoff.rng_state, handoff.siblings,
+                        handoff.mtp)
         first = True
         rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix, else the front picks
         try:

@@ -246,6 +246,7 @@ def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout
 
 
 def prefill_metric(url: str, name: str, pool: str = "prefill") -> float:
+    """`name` summed over the workers of `pool` in the /metrics at `url`."""
     text = httpx.get(url, timeout=60).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") and f'pool="{pool}"' in line)
@@ -267,6 +268,31 @@ def test_a_pd_repeat_moves_only_the_blocks_decode_lacks(urls, client, offline):
     assert (first["handoff_reused_blocks"], again["handoff_reused_blocks"]) == (0, 3)
     assert again["handoff_saved_bytes"] == 3 * offline.cache.block_nbytes
     assert again["nixl_bytes"] == first["nixl_bytes"] - again["handoff_saved_bytes"] > 0
+
+
+SPEC_METRICS = ("kvmesh_worker_handoff_draft_tokens", "kvmesh_worker_draft_tokens",
+                "kvmesh_worker_accepted_draft_tokens")
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "fallback"])
+def test_decode_drafts_from_its_first_step_after_a_handoff_with_colocated_tokens(urls, client, offline, mode):
+    """Issue 32: the built-in model's MTP layer drafts by default; its state for the prompt comes
+    with the handoff (NIXL, or the Ray-object fallback), so the decode pool drafts from its first
+    step, and drafts and accepts exactly as many tokens as the offline (colocated) engine, with the
+    same greedy tokens as the colocated app."""
+    prompt = random_prompt(200, vocab=2000, seed=32 + len(mode))     # in no cache yet
+    req = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+    before = [prefill_metric(f"{urls[mode]}/metrics", name, "decode") for name in SPEC_METRICS]
+    offline_before = (offline.counters.draft_tokens, offline.counters.accepted_draft_tokens)
+    moved = client.post(f"{urls[mode]}/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    want = greedy(offline, prompt, 16)
+    handed, drafted, accepted = (prefill_metric(f"{urls[mode]}/metrics", name, "decode") - b
+                                 for name, b in zip(SPEC_METRICS, before))
+    colocated = client.post(f"{urls['colocated']}/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    assert moved == colocated == want.token_ids
+    assert handed > 0 and accepted > 0
+    assert (drafted, accepted) == (offline.counters.draft_tokens - offline_before[0],
+                                   offline.counters.accepted_draft_tokens - offline_before[1])
 
 
 def test_the_issues_1_4_mb_schema_is_a_400_naming_response_format_and_serving_goes_on(urls, client):

@@ -1,13 +1,16 @@
 """Moving a prefilled request between engines (the disaggregated path without Ray):
 the continuation equals a single-engine run, seeded sampling included; a failed cache
-load fails only that request."""
+load fails only that request; with MTP speculation the decode engine drafts from its first
+step exactly as a colocated run does (the MTP state travels with the handoff)."""
 from __future__ import annotations
 
 import pytest
 
 from kvstore.kv_transport import GatheredTransport
-from tests.helpers import BLOCK_TOKENS, random_prompt, tiny_engine, write_tiny_checkpoint
+from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_mtp_checkpoint,
+                           write_tiny_checkpoint)
 from workers.engine import Engine
+from workers.engine_config import EngineConfig
 from workers.request import FirstToken, Resume
 from workers.sampling.params import SamplingParams
 
@@ -40,7 +43,7 @@ def handoff(prefill: Engine, decode: Engine, prompt, params):
     held = prefill.held_handle("r")
     payload = prefill.export_held("r")
     prefill.release_held("r")
-    resume = Resume(first.first, scatter(payload), first.cached_tokens, held.rng_state)
+    resume = Resume(first.first, scatter(payload), first.cached_tokens, held.rng_state, mtp=held.mtp)
     decode.add_request("r", prompt, params, resume=resume)
     return [o for o in run(decode) if o.finished][-1]
 
@@ -158,7 +161,8 @@ def hand_over(prefill: Engine, decode: Engine, rid: str, prompt, params):
     first = [o for o in run(prefill) if o.request_id == rid][-1]
     reports = []
     decode.add_request(rid, prompt, params, resume=Resume(first.first, copy_on_demand(prefill, rid, reports),
-                                                          first.cached_tokens, prefill.held_handle(rid).rng_state))
+                                                          first.cached_tokens, prefill.held_handle(rid).rng_state,
+                                                          mtp=prefill.held_handle(rid).mtp))
     done = [o for o in run(decode) if o.finished][-1]
     prefill.release_held(rid)
     return done, reports[0]
@@ -193,3 +197,71 @@ def test_a_decode_engine_holding_the_prefix_moves_only_the_missing_blocks_and_de
     assert repeat.token_ids == full.token_ids and again.reused_blocks == len(prompt) // bt
     assert warm.blocks.num_used == 0 and warm.slots.num_free == warm.slots.num_slots
 
+
+# --- MTP speculation across the handoff --------------------------------------------------------
+def drafting(e: Engine) -> tuple[int, int, int]:
+    c = e.counters
+    return c.draft_tokens, c.accepted_draft_tokens, c.drafted_steps
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS) + ["default"])
+def mtp_model(request, tmp_path_factory):
+    """(engine config, prompt length) per model with an MTP layer: the tiny configs with a random
+    one (blocks of 8/16/32: the prompt crosses 3-10 of them) and the built-in model, whose trained
+    layer's drafts are accepted (blocks of 128, prefilled in chunks of 96 tokens)."""
+    if request.param == "default":
+        return EngineConfig(kv_cache_bytes=16 << 20, max_batched_tokens=96), 300
+    path = write_mtp_checkpoint(tmp_path_factory, request.param)
+    return EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[request.param], kv_cache_bytes=8 << 20), 83
+
+
+def test_decode_drafts_from_its_first_step_after_a_handoff_like_a_colocated_run(mtp_model):
+    """The prefill engine's MTP state (the layer's ring over the prompt, its drafts after the first
+    token) comes with the handoff: the decode engine verifies drafts in its very first step, and
+    drafts, accepts and steps exactly as the colocated engine did after its prefill."""
+    config, n = mtp_model
+    prompt, params = random_prompt(n, seed=11), SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    colocated = Engine(config)
+    alone = colocated.generate([prompt], params)[0]
+    prefill, decode = Engine(config), Engine(config)
+    moved = handoff(prefill, decode, prompt, params)
+    assert moved.token_ids == alone.token_ids
+    assert decode.counters.handoff_draft_tokens > 0
+    assert drafting(decode) == drafting(colocated) and drafting(decode)[0] > 0
+    assert decode.counters.steps == colocated.counters.steps - -(-n // config.max_batched_tokens)
+    if config.model is None:        # the built-in model's MTP layer is trained: its drafts are accepted
+        assert drafting(decode)[1] > 0
+
+
+def test_after_a_restored_prefix_decode_drafts_like_a_colocated_run_that_restored_it():
+    """The second prompt shares 256 tokens (two blocks) with the first: prefill restores them, its
+    MTP layer runs from there on, and decode's drafts equal those of a colocated engine that
+    restored the same prefix."""
+    config = EngineConfig(kv_cache_bytes=16 << 20)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = random_prompt(300, seed=12)
+    second = first[:256] + random_prompt(40, seed=13)
+    colocated, prefill, decode = Engine(config), Engine(config), Engine(config)
+    one = SamplingParams(max_tokens=1, temperature=0.0)      # only its cache matters
+    colocated.generate([first], one)
+    before = drafting(colocated)
+    alone = colocated.generate([second], params)[0]
+    prefill.generate([first], one)
+    moved = handoff(prefill, decode, second, params)
+    assert alone.cached_tokens == moved.cached_tokens == 256
+    assert moved.token_ids == alone.token_ids
+    assert drafting(decode) == tuple(a - b for a, b in zip(drafting(colocated), before))
+    assert decode.counters.handoff_draft_tokens > 0 and drafting(decode)[1] > 0
+
+
+def test_a_handoff_without_mtp_state_still_decodes_exactly():
+    """A prefill engine that does not speculate hands no MTP state: decode drafts from its second
+    step on (its layer's ring starts there) and the tokens are the same."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = random_prompt(150, seed=14)
+    alone = Engine(EngineConfig(kv_cache_bytes=16 << 20, speculative_tokens=0)).generate([prompt], params)[0]
+    prefill = Engine(EngineConfig(kv_cache_bytes=16 << 20, speculative_tokens=0))
+    decode = Engine(EngineConfig(kv_cache_bytes=16 << 20))
+    moved = handoff(prefill, decode, prompt, params)
+    assert moved.token_ids == alone.token_ids
+    assert decode.counters.handoff_draft_tokens == 0 and decode.counters.draft_tokens > 0

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from tests.helpers import BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_tiny_checkpoint
+from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_mtp_checkpoint,
+                           write_tiny_checkpoint)
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.sampling.params import SamplingParams
@@ -147,24 +148,6 @@ def test_drafts_stay_in_one_compressor_window_and_never_end_a_block():
 
 
 # --- the checkpoint's MTP layer as the draft ------------------------------------------------------
-def write_mtp_checkpoint(tmp_path_factory, name: str):
-    """The tiny checkpoint `name` in the release's tensor names plus one (random) MTP layer,
-    dense: its directory."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    from tests.quant_checkpoint import _mtp_tensors, _upstream_name
-    dense = write_tiny_checkpoint(tmp_path_factory.mktemp("dense"), name)
-    state = {_upstream_name(k): v for k, v in load_file(str(dense / "model.safetensors")).items()}
-    cfg = json.loads((dense / "config.json").read_text())
-    state.update(_mtp_tensors(state, cfg, 1, seed=0))
-    out = tmp_path_factory.mktemp("mtp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
-    return out
-
-
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def mtp_checkpoint(request, tmp_path_factory):
     """(block size, directory) of `write_mtp_checkpoint`, for every tiny config."""

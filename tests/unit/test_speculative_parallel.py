@@ -5,13 +5,18 @@ and draft and accept exactly what one process drafts and accepts on the same pro
 arriving while others decode, prompts prefilled in chunks beside drafted steps, a DP rank with no
 requests (it joins the MTP layer's expert exchanges with none), k = 1, 2 (chained passes) and auto
 (k by the batch; a DP rank's batches differ from one process's, so there only the tokens are compared).
-Each rank's acceptance is in `rank_stats` and /metrics (`kvmesh_rank_spec_acceptance_rate`)."""
+Each rank's acceptance is in `rank_stats` and /metrics (`kvmesh_rank_spec_acceptance_rate`). After a
+handoff (one process prefills, TP=2 decodes; a DP rank prefills, one process decodes) the decode engine
+drafts from its first step with one process's counts: the MTP state travels in the HeldKV / Resume."""
 from __future__ import annotations
 
 import pytest
 
+from kvstore.kv_transport import GatheredTransport
+from tests.helpers import random_prompt
 from workers.engine import open_engine
 from workers.engine_config import EngineConfig
+from workers.request import Resume
 from workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
@@ -84,8 +89,44 @@ def test_parallel_engines_draft_with_mtp_and_equal_one_process(reference, varian
             assert alone[0].token_ids == plain[2]
             ran = [s.counters.steps - b for s, b in zip(engine.rank_stats, steps)]
             assert sorted(ran)[0] == 0 < sorted(ran)[1]
+        if variant in ("tp2", "dp2"):
+            handed_off_like_one_process(engine, variant)
     finally:
         engine.close()
+
+
+def counts(engine) -> tuple[int, ...]:
+    """(draft tokens, accepted, drafted sequence-steps, drafts that came with handoffs) over every rank."""
+    return tuple(sum(getattr(s.counters, f) for s in engine.rank_stats)
+                 for f in ("draft_tokens", "accepted_draft_tokens", "drafted_steps", "handoff_draft_tokens"))
+
+
+def handed_off_like_one_process(engine, variant: str) -> None:
+    """`engine` decodes a request one process prefilled (tp2: every rank writes the handed-off MTP
+    ring) or prefills one on its rank 1 for one process to decode (dp2: the MTP state crosses the
+    replica's channel): the decode side drafts from its first step, as one process alone does."""
+    prompt, params = random_prompt(300, vocab=2000, seed=7), SamplingParams(max_tokens=16, temperature=0.0,
+                                                                             ignore_eos=True)
+    alone = engine_with()
+    want = alone.generate([prompt], params)[0].token_ids
+    prefill, decode = (engine_with(), engine) if variant == "tp2" else (engine, engine_with())
+    prefill.add_request("h", prompt, params, hold_kv=True, **({"rank": 1} if variant == "dp2" else {}))
+    outs = []
+    while prefill.has_unfinished():
+        outs += prefill.step()
+    first = next(o for o in outs if o.held)
+    held, t = prefill.held_handle("h"), GatheredTransport(prefill.fingerprint)
+    offer = prefill.offer_held("h", t)
+    prefill.release_held("h")
+    before = counts(decode)
+    decode.add_request("h", prompt, params, resume=Resume(first.first, lambda c, b, s: t.load(offer, c, b, s),
+                                                          first.cached_tokens, held.rng_state, mtp=held.mtp))
+    out = {}
+    while decode.has_unfinished():
+        out.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
+    drafting = tuple(a - b for a, b in zip(counts(decode), before))
+    assert out["h"] == want and drafting[3] > 0
+    assert drafting[:3] == counts(alone)[:3] and drafting[1] > 0
 
 
 def test_each_ranks_acceptance_is_in_rank_stats_and_metrics():

@@ -266,6 +266,10 @@ class Engine:
         a handed-off request with n > 1 forks its siblings here."""
         if seq.params.prompt_logprobs is not None:   # every prompt position is computed (again)
             seq.prompt_lps = []
+        if seq.resume is not None and seq.resume.mtp is not None and seq.index == 0 and self.speculator is not None:
+            # the MTP state is sequence 0's (n > 1: a sibling that leads drafts from its second step)
+            self.speculator.drafter.adopt(seq, seq.resume.mtp)
+            self.counters.handoff_draft_tokens += len(seq.resume.mtp.drafts)
         if seq.resume is not None and seq.siblings:
             for first in seq.siblings:
                 child = self.outputs.child(seq, first.index)
@@ -285,7 +289,7 @@ class Engine:
         seq = self.held[request_id]
         rng = seq.generator.get_state() if seq.generator is not None else None
         return HeldKV(request_id, list(seq.blocks), seq.slot, seq.num_computed, list(seq.tokens), rng,
-                      self.fingerprint)
+                      self.fingerprint, seq.mtp_handoff)
 
     def is_held(self, request_id: str) -> bool:
         return request_id in self.held

@@ -33,6 +33,8 @@ class EngineCounters:
     draft_tokens: int = 0            # speculative decoding: tokens drafted and verified
     accepted_draft_tokens: int = 0   # ... of which accepted
     drafted_steps: int = 0           # sequence-steps that verified drafts (one per sequence per step)
+    handoff_draft_tokens: int = 0    # decode role: drafts that came with handoffs (the prefill engine's MTP
+                                     # state), verified in the handed-off requests' first steps
 
     def speculation(self) -> dict[str, float]:
         """Derived speculation figures (0 before any draft): the fraction of drafts accepted,

@@ -24,6 +24,13 @@ model; its logits are gathered, so every rank picks the same draft tokens). Unde
 attention each rank plans for its own sequences, and every pass's MoE goes through the expert
 exchange: a rank makes exactly k passes whenever any rank stepped (`MTPPasses.idle` stands in
 for a pass it has nothing for), so the exchanges stay in lockstep.
+
+Prefill / decode: a held request (prefilled, waiting for its handoff) is planned like a decoding
+one, so its last prefill step writes the layer's ring with the sampled first token and drafts
+the next tokens, exactly as a colocated run's would. That state (`MTPHandoff`: the slot's ring,
+its first valid position, the drafts) goes with the handoff; the decode engine `adopt`s it: the
+drafts are verified in its first step and the ring is written into the request's slot by the
+first plan that runs (`DraftPlan.adopt`, so that every tensor-parallel rank writes it).
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ from kvstore.cache_tensors import LayerCache
 from kvstore.layout import SWASpec
 from workers.model.step import StepInput
 from workers.model.transformer import Transformer
-from workers.request import Sequence, Status
+from workers.request import MTPHandoff, Sequence, Status
 
 from .speculative import Drafter
 
@@ -58,6 +65,7 @@ class DraftPlan:
     ring_from: list[int] | None = None
     own: StepInput | None = None
     rows: list[int] | None = None
+    adopt: tuple[tuple[int, torch.Tensor], ...] = ()    # (slot, ring) handed off: written before the passes
 
 
 class MTPPasses:
@@ -75,6 +83,8 @@ class MTPPasses:
     def run(self, plan: DraftPlan, step: StepInput, streams: torch.Tensor) -> list[list[int]]:
         """The drafts of each drafting sequence of `plan` (main `step` and its last streams)."""
         t = lambda v: torch.tensor(v, dtype=torch.long, device=streams.device)  # noqa: E731
+        for slot, ring in plan.adopt:
+            self.cache.ring[slot] = ring.to(self.cache.ring.device, self.cache.ring.dtype)
         if plan.own is None:
             same = plan.ring_from is None
             mstep = dataclasses.replace(step, tokens=t(plan.tokens), logits_at=t(plan.at),
@@ -140,6 +150,7 @@ class MTPDrafter(Drafter):
         self.passes, self.share = MTPPasses(model, num_slots), share
         self.drafts: dict[int, list[int]] = {}   # id(seq) -> its drafts for the next step
         self.first: dict[int, int] = {}          # id(seq) -> first position the layer ran on
+        self.adopted: list[tuple[int, torch.Tensor]] = []   # handed-off (slot, ring)s for the next plan
 
     @property
     def cache(self) -> LayerCache:
@@ -148,9 +159,17 @@ class MTPDrafter(Drafter):
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return self.drafts.get(id(seq), [])[:k]
 
+    def adopt(self, seq: Sequence, state: MTPHandoff) -> None:
+        """Decode role: `seq` (just admitted, in this step's batch) continues from the prefill
+        engine's MTP state: its drafts for this step, its ring from the next pass on."""
+        self.drafts[id(seq)] = list(state.drafts)
+        self.first[id(seq)] = state.ring_from
+        self.adopted.append((seq.slot, state.ring))
+
     def observe(self, batch: list[tuple[Sequence, int]], starts: list[int], step: StepInput,
                 streams: torch.Tensor, k: int) -> None:
         self.drafts = {}
+        adopted, self.adopted = tuple(self.adopted), []
         if k == 0:                   # no drafts for the next step: no pass, and the ring is stale from here
             self.first = {}
             return
@@ -158,9 +177,14 @@ class MTPDrafter(Drafter):
         if plan is None:
             self.passes.idle(k)
             return
+        plan = dataclasses.replace(plan, adopt=adopted)
         if self.share is not None:
             self.share(plan)
         self.drafts = {id(s): o for s, o in zip(drafting, self.passes.run(plan, step, streams))}
+        for s in drafting:
+            if s.status == Status.HELD:      # prefill role: what decode's first step drafts from
+                s.mtp_handoff = MTPHandoff(self.cache.ring[s.slot].to("cpu", copy=True), self._ring_from(s, 0),
+                                           tuple(self.drafts[id(s)]))
 
     def idle(self, k: int) -> None:
         """This rank stepped nothing while another did (data-parallel attention)."""
@@ -171,7 +195,8 @@ class MTPDrafter(Drafter):
         """The step's passes (None: no sequence is left to run them for) and the drafting sequences."""
         seqs, spans, decoding, kept, index = [], [], [], [], []
         for b, (seq, _) in enumerate(batch):
-            live = not (seq.status == Status.FINISHED or seq.finish_reason or seq.slot is None)
+            live = seq.slot is not None and (seq.status == Status.HELD or not (seq.status == Status.FINISHED
+                                                                                or seq.finish_reason))
             kept.append(seq.num_computed - starts[b] if live else 0)
             if live:
                 seqs.append(seq)

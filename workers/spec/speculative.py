@@ -52,6 +52,10 @@ class Drafter(ABC):
         """Data-parallel attention: called instead of `observe` when this rank stepped nothing while
         another did (a model-based draft joins the other ranks' collectives here)."""
 
+    def adopt(self, seq: Sequence, state) -> None:
+        """Decode role: `seq` was just admitted from a handoff that carries the prefill engine's
+        draft state (workers.request.MTPHandoff); a drafter without such state ignores it."""
+
 
 class OracleDrafter(Drafter):
     """Proposes the continuation it was given for a prompt (e.g. a previous greedy run):
