@@ -119,7 +119,7 @@ def handed_off_like_one_process(engine, variant: str) -> None:
     offer = prefill.offer_held("h", t)
     prefill.release_held("h")
     before = counts(decode)
-    decode.add_request("h", prompt, params, resume=Resume(first.first, lambda c, b, s: t.load(offer, c, b, s),
+    decode.add_request("h", prompt, params, resume=Resume(first.first, lambda c, b, s, r: t.load(offer, c, b, s, r),
                                                           first.cached_tokens, held.rng_state, mtp=held.mtp))
     out = {}
     while decode.has_unfinished():
