@@ -152,10 +152,10 @@ class EngineConfig:
                                            serve=False)
     enable_eplb: bool = setting(False, "expert-parallel load balancing (vLLM's name; data_parallel_size > 1): "
                                        "replicate the hottest experts and re-place them by counted load "
-                                       "(DeepSeek's EPLB); outputs unchanged")
+                                       "(DeepSeek's EPLB); outputs unchanged", serve=False)   # serve: per pool
     eplb_config: EplbConfig | dict | str | None = setting(
         None, "EPLB as JSON (vLLM's keys): {\"num_redundant_experts\": R, \"window_size\": W, "
-              "\"step_interval\": S}; R a multiple of data_parallel_size (default: 0, 1000, 3000)")
+              "\"step_interval\": S}; R a multiple of data_parallel_size (default: 0, 1000, 3000)", serve=False)
     rank_timeout_s: float = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
                                           "died or stalled (RankFailed)")
     cuda_graphs: bool = setting(False, "on CUDA, decode steps replay graphs captured per batch-size bucket; off by default "
