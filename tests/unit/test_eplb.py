@@ -20,7 +20,8 @@ from workers.model.expert_map import ExpertMap, logical_to_physical
 from workers.parallel.collectives import Collectives, init_method
 from workers.parallel.eplb import (balanced_packing, imbalance, rebalance_experts, replicate_experts,
                                    static_placement)
-from workers.parallel.expert_balance import move_experts, plan_moves
+from workers.model.shard import SingleRank
+from workers.parallel.expert_balance import ExpertBalancer, move_experts, plan_moves
 
 
 def rank_loads(load: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -143,6 +144,34 @@ def test_a_rebalance_moves_every_slot_to_exactly_its_new_experts_bytes_between_g
         assert [int(experts.w1_scale[j, 0, 0].float()) for j in range(3)] == want
         assert [int(experts.w2[j, 0, 0]) for j in range(3)] == want
     assert results[0][0] == 1 and results[1][0] == 1     # rank 0 lacked 3, rank 1 lacked 1
+
+
+class Layer(nn.Module):
+    """What ExpertBalancer looks for in a model: a MoE's `placement` and its stacked `experts`."""
+
+    def __init__(self, phy2log: list[int], experts: int, ranks: int):
+        super().__init__()
+        self.placement = ExpertMap(torch.tensor(phy2log), experts, ranks)
+        self.experts = Stacked(phy2log)
+
+
+def test_the_balancer_keeps_a_window_of_steps_and_rebalances_every_step_interval_steps():
+    """One rank holding every expert (SingleRank: every move is a local copy): the window's sums are
+    its last window_size counted steps, a step without picks does not count, and every step_interval
+    steps the hot expert gets the redundant slots, its bytes copied into them."""
+    model = nn.ModuleList([Layer([0, 1, 2, 3, 0, 1], 4, 1) for _ in range(2)])
+    balancer = ExpertBalancer(model, SingleRank(), EplbConfig(2, window_size=2, step_interval=3))
+    for step in range(3):
+        for layer in model:
+            layer.placement.route(torch.tensor([[3, 2]] * (step + 1)))    # expert 3 and 2 equally hot
+        balancer.end_step()
+        balancer.end_step()                                             # nothing routed: not a step
+    assert balancer.steps == 3 and balancer.rebalances == 1
+    assert balancer.sums[0][0].tolist() == [0, 0, 5, 5]                 # steps 2 and 3 of the window
+    for layer in model:
+        assert sorted(layer.placement.phy2log.tolist()) == [0, 1, 2, 2, 3, 3]
+        assert [int(v) for v in layer.experts.w1[:, 0, 0]] == layer.placement.phy2log.tolist()
+    assert balancer.counters()["imbalance"] == 1.0 and balancer.counters()["rebalances"] == 1
 
 
 # ---- settings ---------------------------------------------------------------------------------

@@ -58,11 +58,12 @@ class ExpertMap:
         return phys
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(picks per logical expert [E], picks per rank [N]) since the last take, on the CPU."""
-        logical, physical = self.logical_load.cpu().clone(), self.physical_load.cpu().clone()
+        """(picks per logical expert [E], picks per rank [N]) since the last take, on the picks'
+        device (the caller stacks every layer's and copies once)."""
+        logical, physical = self.logical_load.clone(), self.physical_load.view(self.num_ranks, self.slots).sum(1)
         self.logical_load.zero_()
         self.physical_load.zero_()
-        return logical, physical.view(self.num_ranks, self.slots).sum(1)
+        return logical, physical
 
     def place(self, phy2log: torch.Tensor) -> None:
         """The new placement (its weights already moved), in place."""

@@ -40,22 +40,26 @@ class ExpertBalancer:
         first = self.maps[0]
         self.ranks, self.logical, self.physical = first.num_ranks, first.num_logical, first.num_physical
         layers, w = len(self.maps), settings.window_size
-        self.load = torch.zeros(w, layers, self.logical, dtype=torch.int64)      # per step: picks per logical expert
-        self.placed = torch.zeros(w, layers, self.ranks, dtype=torch.int64)     # ... per rank as placed
-        self.static = torch.zeros(w, layers, self.ranks, dtype=torch.int64)     # ... per rank without EPLB
+        # per step of the window (a ring), and the window's running sums (what counters and rebalances read)
+        self.load = torch.zeros(w, layers, self.logical, dtype=torch.int32)      # picks per logical expert
+        self.placed = torch.zeros(w, layers, self.ranks, dtype=torch.int32)     # ... per rank as placed
+        self.static = torch.zeros(w, layers, self.ranks, dtype=torch.int32)     # ... per rank without EPLB
+        self.sums = [torch.zeros(t.shape[1:], dtype=torch.int64) for t in (self.load, self.placed, self.static)]
         self.steps = self.rebalances = self.moved = 0
         self.rebalance_s = 0.0
 
     def end_step(self) -> None:
         """After every engine step on every rank: record the step's load; rebalance when due."""
         taken = [m.take() for m in self.maps]
-        logical = torch.stack([t[0] for t in taken])
+        logical = torch.stack([t[0] for t in taken]).cpu()          # one copy from the device a step
         if not int(logical.sum()):
             return
+        placed = torch.stack([t[1] for t in taken]).cpu()
+        static = logical.view(len(self.maps), self.ranks, -1).sum(-1)
         slot = self.steps % self.settings.window_size
-        self.load[slot] = logical
-        self.placed[slot] = torch.stack([t[1] for t in taken])
-        self.static[slot] = logical.view(len(self.maps), self.ranks, -1).sum(-1)
+        for ring, total, now in zip((self.load, self.placed, self.static), self.sums, (logical, placed, static)):
+            total += now - ring[slot]
+            ring[slot] = now
         self.steps += 1
         if self.steps % self.settings.step_interval == 0:
             self.rebalance()
@@ -63,7 +67,7 @@ class ExpertBalancer:
     def rebalance(self) -> None:
         """Re-place every MoE layer's experts by the window's load, moving weights in place."""
         t0 = time.perf_counter()
-        phy2log, _, _ = rebalance_experts(self.load.sum(0), self.physical, self.ranks, self.num_nodes, self.ranks)
+        phy2log, _, _ = rebalance_experts(self.sums[0], self.physical, self.ranks, self.num_nodes, self.ranks)
         for m, experts, new in zip(self.maps, self.experts, phy2log):
             if not torch.equal(m.phy2log, new):
                 self.moved += move_experts(experts, m.phy2log, new, self.comm, self.ranks)
@@ -75,8 +79,8 @@ class ExpertBalancer:
         """engine/stats.py EplbCounters' fields: imbalance is max / mean tokens per rank averaged
         over the MoE layers, over the window, as placed and as the split without EPLB would place."""
         return dict(steps=self.steps, rebalances=self.rebalances, moved_experts=self.moved,
-                    rebalance_s=self.rebalance_s, imbalance=imbalance(self.placed.sum(0)),
-                    imbalance_static=imbalance(self.static.sum(0)))
+                    rebalance_s=self.rebalance_s, imbalance=imbalance(self.sums[1]),
+                    imbalance_static=imbalance(self.sums[2]))
 
 
 def plan_moves(old: list[int], new: list[int], ranks: int) -> list[tuple[int, int, int, int]]:
