@@ -91,9 +91,7 @@ def test_picks_go_round_robin_over_replicas_and_are_counted():
     m = ExpertMap(torch.tensor([0, 1, 0, 2, 3, 0]), 4, 2)       # expert 0: physical 0, 2, 5
     idx = torch.tensor([[0, 3], [0, 1], [0, 2], [0, 3]])
     assert m.route(idx).tolist() == [[0, 4], [2, 1], [5, 3], [0, 4]]
-    logical, per_rank = m.take()
-    assert logical.tolist() == [4, 1, 1, 2] and per_rank.tolist() == [4, 4]
-    assert m.take()[0].sum() == 0                                # taken: counting starts again
+    assert m.physical_load.tolist() == [2, 1, 1, 1, 2, 1]
     m.place(torch.tensor([3, 3, 1, 0, 2, 3]))
     assert m.route(torch.tensor([[3, 0], [3, 2]])).tolist() == [[0, 3], [1, 4]]
 
@@ -168,6 +166,7 @@ def test_the_balancer_keeps_a_window_of_steps_and_rebalances_every_step_interval
         balancer.end_step()                                             # nothing routed: not a step
     assert balancer.steps == 3 and balancer.rebalances == 1
     assert balancer.sums[0][0].tolist() == [0, 0, 5, 5]                 # steps 2 and 3 of the window
+    assert balancer.sums[1][0].tolist() == [10] and int(balancer.counts.sum()) == 0
     for layer in model:
         assert sorted(layer.placement.phy2log.tolist()) == [0, 1, 2, 2, 3, 3]
         assert [int(v) for v in layer.experts.w1[:, 0, 0]] == layer.placement.phy2log.tolist()

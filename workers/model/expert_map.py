@@ -8,8 +8,9 @@ so every rank computes the same physical ids, and the same counts, with no messa
     pick (row t, logical e)  ->  replica t % logcnt[e] of e  ->  physical log2phy[e, replica]
 
 Every replica of an expert holds the same weights, so where a pick runs never changes what it
-computes: outputs equal those without EPLB. The counts (picks per logical expert, per physical
-expert) accumulate until `take()` (workers/parallel/expert_balance.py reads them once a step).
+computes: outputs equal those without EPLB. The picks per physical expert accumulate in
+`physical_load` (workers/parallel/expert_balance.py binds every layer's to a row of one tensor and
+reads and zeroes it once a step).
 """
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ class ExpertMap:
         self.num_logical, self.num_ranks = num_logical, num_ranks
         self.num_physical = phy2log.numel()
         self.width = self.num_physical - num_logical + 1          # the most replicas one expert can have
-        self.phy2log = phy2log.to("cpu", torch.int64).clone()
+        self.phy2log = phy2log.to("cpu", torch.int64).clone()      # the balancer reads it on the CPU
         self.log2phy, self.logcnt = logical_to_physical(self.phy2log, num_logical, self.width)
-        self.logical_load = torch.zeros(num_logical, dtype=torch.int64, device="cpu")
         self.physical_load = torch.zeros(self.num_physical, dtype=torch.int64, device="cpu")
 
     @property
@@ -46,24 +46,20 @@ class ExpertMap:
         return self.num_physical // self.num_ranks
 
     def route(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logical expert ids [T, K] (every rank's rows, in rank order) -> physical ids [T, K];
-        counts them."""
+        """Logical expert ids [T, K] (every rank's rows, in rank order) -> physical ids [T, K],
+        counted per physical expert (the logical counts follow from phy2log)."""
         if self.log2phy.device != idx.device:
             self._to(idx.device)
         rows = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
-        phys = self.log2phy[idx, rows % self.logcnt[idx]]
-        flat, ones = idx.flatten(), torch.ones(idx.numel(), dtype=torch.int64, device=idx.device)
-        self.logical_load.scatter_add_(0, flat, ones)
-        self.physical_load.scatter_add_(0, phys.flatten(), ones)
+        phys = self.log2phy.view(-1).take(idx * self.width + rows % self.logcnt.take(idx))
+        flat = phys.view(-1)
+        self.physical_load.scatter_add_(0, flat, torch.ones_like(flat))
         return phys
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(picks per logical expert [E], picks per rank [N]) since the last take, on the picks'
-        device (the caller stacks every layer's and copies once)."""
-        logical, physical = self.logical_load.clone(), self.physical_load.view(self.num_ranks, self.slots).sum(1)
-        self.logical_load.zero_()
-        self.physical_load.zero_()
-        return logical, physical
+    def bind(self, counts: torch.Tensor) -> None:
+        """Count into `counts` [P] (a row of the balancer's [layers, P], on the model's device) from now on."""
+        self._to(counts.device)
+        self.physical_load = counts
 
     def place(self, phy2log: torch.Tensor) -> None:
         """The new placement (its weights already moved), in place."""
@@ -74,4 +70,4 @@ class ExpertMap:
 
     def _to(self, device: torch.device) -> None:
         self.log2phy, self.logcnt = self.log2phy.to(device), self.logcnt.to(device)
-        self.logical_load, self.physical_load = self.logical_load.to(device), self.physical_load.to(device)
+        self.physical_load = self.physical_load.to(device)

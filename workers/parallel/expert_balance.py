@@ -40,6 +40,11 @@ class ExpertBalancer:
         first = self.maps[0]
         self.ranks, self.logical, self.physical = first.num_ranks, first.num_logical, first.num_physical
         layers, w = len(self.maps), settings.window_size
+        device = next(self.experts[0].parameters()).device
+        self.counts = torch.zeros(layers, self.physical, dtype=torch.int64, device=device)   # this step's picks
+        for m, row in zip(self.maps, self.counts):
+            m.bind(row)
+        self.phy2log = torch.stack([m.phy2log for m in self.maps])              # [layers, P], on the CPU
         # per step of the window (a ring), and the window's running sums (what counters and rebalances read)
         self.load = torch.zeros(w, layers, self.logical, dtype=torch.int32)      # picks per logical expert
         self.placed = torch.zeros(w, layers, self.ranks, dtype=torch.int32)     # ... per rank as placed
@@ -50,12 +55,14 @@ class ExpertBalancer:
 
     def end_step(self) -> None:
         """After every engine step on every rank: record the step's load; rebalance when due."""
-        taken = [m.take() for m in self.maps]
-        logical = torch.stack([t[0] for t in taken]).cpu()          # one copy from the device a step
-        if not int(logical.sum()):
+        physical = self.counts.cpu().clone()           # one copy from the device a step
+        if not int(physical.sum()):
             return
-        placed = torch.stack([t[1] for t in taken]).cpu()
-        static = logical.view(len(self.maps), self.ranks, -1).sum(-1)
+        self.counts.zero_()
+        layers = len(self.maps)
+        logical = torch.zeros(layers, self.logical, dtype=torch.int64).scatter_add_(1, self.phy2log, physical)
+        placed = physical.view(layers, self.ranks, -1).sum(-1)
+        static = logical.view(layers, self.ranks, -1).sum(-1)
         slot = self.steps % self.settings.window_size
         for ring, total, now in zip((self.load, self.placed, self.static), self.sums, (logical, placed, static)):
             total += now - ring[slot]
@@ -72,6 +79,7 @@ class ExpertBalancer:
             if not torch.equal(m.phy2log, new):
                 self.moved += move_experts(experts, m.phy2log, new, self.comm, self.ranks)
                 m.place(new)
+        self.phy2log = torch.stack([m.phy2log for m in self.maps])
         self.rebalances += 1
         self.rebalance_s += time.perf_counter() - t0
 
