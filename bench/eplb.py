@@ -10,16 +10,17 @@ Workloads (same prompts for every engine of a workload):
   every MoE gate (each candidate token repeated, prefilled);
 * uniform: random token ids (bench/engine.py's make_prompts).
 
-Per workload, three DP=N+EP engines (prefix reuse off, so a repeated run is the same work), each
-running the workload 1 + --repeats times (the first is also the warm-up), the others measured
-(speeds: the median run by e2e tok/s; imbalance: over all measured steps):
+Per workload, three DP=N+EP engines side by side (prefix reuse off, so a repeated run is the same
+work), each running the workload once as warm-up, then --repeats rounds of one run per engine,
+interleaved (speeds: the median run by e2e tok/s; imbalance: over all measured steps):
 * no EPLB: the baseline for speed and for the greedy tokens;
 * EPLB counting only (R redundant experts, never rebalanced: step_interval past the run): the
   imbalance "before" (its redundant slots hold copies of each rank's own experts, so the load per
   rank is the static split's);
 * EPLB rebalancing at the end of every run (step_interval = one run's steps): the measured runs
   are the imbalance "after" (each rebalance, at a run's last step, is inside that run's wall time).
-Imbalance is EPLB's metric (`kvmesh_worker_eplb_imbalance`): max / mean tokens (picks) per rank,
+The fastest decode step (all requests decoding, over the measured runs) is the least disturbed by a
+busy neighbour. Imbalance is EPLB's metric (`kvmesh_worker_eplb_imbalance`): max / mean tokens (picks) per rank,
 averaged over the MoE layers, here over exactly the measured run's steps (rank 0's counts; every
 rank counts the same). "static split" is the same picks as the split without EPLB would place them.
 """
@@ -82,29 +83,49 @@ def skewed_prompts(shares: dict[int, torch.Tensor], n: int, length: int, top: in
     return prompts, best, sum(shares[t][best].item() for t in hot) / top
 
 
-def run_setup(model_dir: Path, args, prompts: list[list[int]], eplb: dict | None) -> dict:
+def open_setup(model_dir: Path, args, concurrency: int, eplb: dict | None):
     kw = dict(enable_eplb=True, eplb_config=eplb) if eplb else {}
-    engine = open_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=len(prompts),
-                                      max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
-                                      prefix_reuse=False, speculative_tokens=0,
-                                      data_parallel_size=args.data_parallel_size, enable_expert_parallel=True, **kw),
-                         launcher=LocalProcessLauncher(args.threads))
-    try:
-        bal = engine.local.balancer
+    return open_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=concurrency,
+                                    max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=KV_CACHE_BYTES,
+                                    prefix_reuse=False, speculative_tokens=0,
+                                    data_parallel_size=args.data_parallel_size, enable_expert_parallel=True, **kw),
+                       launcher=LocalProcessLauncher(args.threads))
+
+
+def measure(engines: dict, args, prompts: list[list[int]]) -> dict[str, dict]:
+    """Each engine's first run (warm-up), then --repeats rounds of one measured run per engine,
+    interleaved (a neighbour's load lands on all three alike); speeds: the median run by e2e tok/s."""
+    starts, runs = {}, {name: [] for name in engines}
+    for name, engine in engines.items():
         run_kvmesh(engine, prompts, args.max_tokens)
-        start = bal.steps if bal is not None else 0
-        runs = [run_kvmesh(engine, prompts, args.max_tokens) for _ in range(args.repeats)]
-        mid = sorted(runs, key=lambda r: r[0].e2e_tok_s)[len(runs) // 2][0]
-        out = {"run": mid.__dict__, "runs": [r[0].__dict__ for r in runs], "tokens": runs[0][1],
-               "same_each_run": all(r[1] == runs[0][1] for r in runs)}
+        starts[name] = engine.local.balancer.steps if engine.local.balancer is not None else 0
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            runs[name].append(run_kvmesh(engine, prompts, args.max_tokens))
+    out = {}
+    for name, engine in engines.items():
+        done = runs[name]
+        mid = sorted(done, key=lambda r: r[0].e2e_tok_s)[len(done) // 2][0]
+        r = {"run": mid.__dict__, "runs": [x[0].__dict__ for x in done], "tokens": done[0][1],
+             "same_each_run": all(x[1] == done[0][1] for x in done)}
+        bal, start = engine.local.balancer, starts[name]
         if bal is not None:
             end = bal.steps
             assert end <= bal.settings.window_size, "window too small to hold the runs"
-            out.update(first_run_steps=start, measured_steps=end - start, rebalances=bal.rebalances,
-                       moved_experts=engine.stats().eplb.moved_experts, rebalance_s=bal.rebalance_s,
-                       imbalance=imbalance(bal.placed[start:end].sum(0)),
-                       imbalance_static=imbalance(bal.static[start:end].sum(0)))
-        return out
+            r.update(first_run_steps=start, measured_steps=end - start, rebalances=bal.rebalances,
+                     moved_experts=engine.stats().eplb.moved_experts, rebalance_s=bal.rebalance_s,
+                     imbalance=imbalance(bal.placed[start:end].sum(0)),
+                     imbalance_static=imbalance(bal.static[start:end].sum(0)))
+        out[name] = r
+    return out
+
+
+def one_run_steps(model_dir: Path, args, prompts: list[list[int]], eplb: dict) -> int:
+    """Counted steps of one run of `prompts` (the rebalancing engine's step_interval)."""
+    engine = open_setup(model_dir, args, len(prompts), eplb)
+    try:
+        run_kvmesh(engine, prompts, args.max_tokens)
+        return engine.local.balancer.steps
     finally:
         engine.close()
 
@@ -137,14 +158,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prompts = make_prompts(args.concurrency, args.prompt_len, vocab, seed=1)
         t0 = time.perf_counter()
-        plain = run_setup(model_dir, args, prompts, None)
-        counting = run_setup(model_dir, args, prompts, dict(num_redundant_experts=args.redundant,
-                                                            window_size=1 << 16, step_interval=1 << 30))
-        n = counting["first_run_steps"]
-        balanced = run_setup(model_dir, args, prompts, dict(num_redundant_experts=args.redundant,
-                                                            window_size=(args.repeats + 2) * n, step_interval=n))
+        counting = dict(num_redundant_experts=args.redundant, window_size=1 << 16, step_interval=1 << 30)
+        n = one_run_steps(model_dir, args, prompts, counting)
+        setups = {"no_eplb": None, "eplb_counting": counting,
+                  "eplb_rebalanced": dict(num_redundant_experts=args.redundant, window_size=(args.repeats + 2) * n,
+                                          step_interval=n)}
+        engines = {}
+        try:
+            for name, eplb in setups.items():
+                engines[name] = open_setup(model_dir, args, len(prompts), eplb)
+            got = measure(engines, args, prompts)
+        finally:
+            for engine in engines.values():
+                engine.close()
+        plain, counting, balanced = got["no_eplb"], got["eplb_counting"], got["eplb_rebalanced"]
         print(f"{workload}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
-        raw[workload] = {"no_eplb": plain, "eplb_counting": counting, "eplb_rebalanced": balanced}
+        raw[workload] = got
         for name, r in (("no EPLB", plain), ("EPLB, before (counting only)", counting),
                         ("EPLB, rebalancing", balanced)):
             rows.append((workload, name, r, r["tokens"] == plain["tokens"] and r["same_each_run"]))
@@ -154,15 +183,16 @@ def main(argv: list[str] | None = None) -> int:
           f"max_tokens {args.max_tokens}, greedy; medians of {args.repeats} runs; load average {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f} "
           f"(1, 5, 15 min)\n")
     print("| workload | setup | imbalance, static split | imbalance as placed | rebalances | experts moved "
-          "| rebalance ms | decode tok/s | e2e tok/s | e2e vs no EPLB | greedy = no EPLB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| rebalance ms | decode tok/s | e2e tok/s | e2e vs no EPLB | fastest decode step ms | greedy = no EPLB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for workload, name, r, same in rows:
         base = next(x for w, n_, x, _ in rows if w == workload and n_ == "no EPLB")["run"]
         eplb = ([f"{r['imbalance_static']:.3f}", f"{r['imbalance']:.3f}", str(r["rebalances"]), str(r["moved_experts"]),
                  f"{r['rebalance_s'] * 1e3:.0f}"] if "imbalance" in r else ["-"] * 5)
         run = r["run"]
         print(f"| {workload} | {name} | {' | '.join(eplb)} | {run['decode_tok_s']:.1f} | {run['e2e_tok_s']:.1f} | "
-              f"{run['e2e_tok_s'] / base['e2e_tok_s']:.2f} | {'yes' if same else 'NO'} |")
+              f"{run['e2e_tok_s'] / base['e2e_tok_s']:.2f} | {min(x['step_min_ms'] for x in r['runs']):.1f} | "
+              f"{'yes' if same else 'NO'} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "load_average": load,
