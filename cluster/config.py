@@ -4,7 +4,7 @@
     engine:    what every worker runs: workers.engine_config.EngineConfig's fields
     prefill / decode / colocated:  one pool each (replicas or autoscaling, resources, parallel
                sizes — tensor_parallel_size or data_parallel_size (+ data_parallel_size_local),
-               enable_expert_parallel — `engine` overrides for that pool)
+               enable_expert_parallel, enable_eplb + eplb_config — `engine` overrides for that pool)
     ingress:   the OpenAI front end
     handoff:   prefill -> decode transport (nixl, or ray objects)
 
@@ -166,6 +166,12 @@ class PoolConfig(_Strict):
         "data_parallel_size / data_parallel_size_local nodes (default: all on one node). Only one node "
         "is served yet: a smaller value is refused at start-up"))
     enable_expert_parallel: bool = Field(False, description="split the routed experts whole across the ranks")
+    enable_eplb: bool = Field(False, description=(
+        "expert-parallel load balancing over the pool's data-parallel ranks: the hottest experts replicated "
+        "and re-placed by counted load (DeepSeek's EPLB); needs data_parallel_size > 1"))
+    eplb_config: dict[str, int] | None = Field(None, description=(
+        "EPLB settings (vLLM's keys): num_redundant_experts (a multiple of data_parallel_size), window_size, "
+        "step_interval; default 0, 1000, 3000"))
 
     @model_validator(mode="before")
     @classmethod
@@ -294,10 +300,11 @@ class ServeConfig(_Strict):
         if changed:
             engine = EngineSettings.model_validate({**engine.model_dump(), **changed})
         config = engine.engine_config(worker_id)
-        if pool.ranks > 1 or pool.enable_expert_parallel:
+        if pool.ranks > 1 or pool.enable_expert_parallel or pool.enable_eplb:
             config = dataclasses.replace(config, tensor_parallel_size=pool.tensor_parallel_size,
                                          data_parallel_size=pool.data_parallel_size,
-                                         enable_expert_parallel=pool.enable_expert_parallel)
+                                         enable_expert_parallel=pool.enable_expert_parallel,
+                                         enable_eplb=pool.enable_eplb, eplb_config=pool.eplb_config)
         return config
 
 

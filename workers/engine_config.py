@@ -10,6 +10,7 @@ once. A bad value raises ConfigError naming the field and what it accepts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -50,6 +51,40 @@ def parse_bytes(value: int | str | None) -> int | None:
         raise ValueError(f"{value!r} is not a size: give bytes, or a number with a binary suffix "
                          f"({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'TiB'))})")
     return int(float(m.group(1)) * BYTE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """vLLM's `--eplb-config` (JSON): `num_redundant_experts` R (physical experts beyond the
+    logical ones, a multiple of data_parallel_size), `window_size` (steps of load kept),
+    `step_interval` (steps between rebalances). Defaults are vLLM's."""
+    num_redundant_experts: int = 0
+    window_size: int = 1000
+    step_interval: int = 3000
+
+    @classmethod
+    def parse(cls, value: "EplbConfig | dict | str | None") -> "EplbConfig":
+        """From a dict, its JSON text, or None (the defaults); ConfigError naming the key."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"EngineConfig.eplb_config: not JSON ({e}): {value!r}") from None
+        value = {} if value is None else value
+        if not isinstance(value, dict):
+            raise ConfigError(f"EngineConfig.eplb_config: expected an object, got {value!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ConfigError(f"EngineConfig.eplb_config: unknown key(s) {', '.join(unknown)}; "
+                              f"expected {', '.join(names)}")
+        for name, v in value.items():
+            least = 0 if name == "num_redundant_experts" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ConfigError(f"EngineConfig.eplb_config.{name}: must be an integer >= {least}, got {v!r}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -115,6 +150,12 @@ class EngineConfig:
                                                   "tensor_parallel_size, else every expert's intermediate dim "
                                                   "is split; or data_parallel_size, where it is required)",
                                            serve=False)
+    enable_eplb: bool = setting(False, "expert-parallel load balancing (vLLM's name; data_parallel_size > 1): "
+                                       "replicate the hottest experts and re-place them by counted load "
+                                       "(DeepSeek's EPLB); outputs unchanged", serve=False)   # serve: per pool
+    eplb_config: EplbConfig | dict | str | None = setting(
+        None, "EPLB as JSON (vLLM's keys): {\"num_redundant_experts\": R, \"window_size\": W, "
+              "\"step_interval\": S}; R a multiple of data_parallel_size (default: 0, 1000, 3000)", serve=False)
     rank_timeout_s: float = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
                                           "died or stalled (RankFailed)")
     cuda_graphs: bool = setting(False, "on CUDA, decode steps replay graphs captured per batch-size bucket; off by default "
@@ -172,6 +213,13 @@ class EngineConfig:
         """What data-parallel attention is built for (the model-dependent sizes are checked at
         start-up, workers/engine/data_parallel.py)."""
         dp = self.data_parallel_size
+        object.__setattr__(self, "eplb_config", eplb := EplbConfig.parse(self.eplb_config))
+        if self.enable_eplb and dp == 1:
+            raise ConfigError("EngineConfig.enable_eplb: needs data_parallel_size > 1 with enable_expert_parallel "
+                              "(the experts it balances are split across data-parallel ranks)")
+        if self.enable_eplb and eplb.num_redundant_experts % dp:
+            raise ConfigError(f"EngineConfig.eplb_config.num_redundant_experts={eplb.num_redundant_experts} is not a "
+                              f"multiple of data_parallel_size={dp} (each rank holds the same number of experts)")
         if dp == 1:
             return
         if not self.enable_expert_parallel:

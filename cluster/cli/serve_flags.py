@@ -3,6 +3,8 @@
     kvmesh serve --tensor-parallel-size 2 --enable-expert-parallel --kv-cache-dtype fp8 \\
                  --max-model-len 65536 --max-num-seqs 32 --decode-max-num-seqs 128 --served-model-name v4
     kvmesh serve --mode colocated --data-parallel-size 2 --enable-expert-parallel
+    kvmesh serve --data-parallel-size 2 --enable-expert-parallel --enable-eplb \\
+                 --eplb-config '{"num_redundant_experts": 2, "step_interval": 500}'
 
 A plain flag sets every pool the mode runs (prefill and decode, or the colocated pool); its
 `--prefill-*` / `--decode-*` form sets one pool and wins over the plain flag there. Each flag
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any, get_args
 
 from workers.engine_config import EngineConfig
@@ -27,7 +30,8 @@ from cluster.config import ConfigFileError, IngressConfig, PoolConfig
 
 POOLS = ("prefill", "decode")
 # PoolConfig's: they size the placement group
-POOL_KEYS = ("tensor_parallel_size", "data_parallel_size", "data_parallel_size_local", "enable_expert_parallel")
+POOL_KEYS = ("tensor_parallel_size", "data_parallel_size", "data_parallel_size_local", "enable_expert_parallel",
+             "enable_eplb", "eplb_config")
 PER_POOL_ENGINE_KEYS = ("max_model_len", "max_num_seqs")               # EngineConfig's, a pool may differ
 SHARED_ENGINE_KEYS = ("kv_cache_dtype",)    # part of the cache layout: prefill and decode must agree to hand off
 
@@ -48,10 +52,11 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
             field = PoolConfig.model_fields[name]
             kind = next((t for t in get_args(field.annotation) if t is not type(None)), field.annotation)
             help_, choices = field.description.split(":")[0], None
+            kind = json_object if name == "eplb_config" else kind
         else:
             kind = int if name in PER_POOL_ENGINE_KEYS else str
             help_, choices = engine[name].metadata["help"], engine[name].metadata.get("choices")
-        metavar = None if choices or kind is bool else "N"
+        metavar = None if choices or kind is bool else "JSON" if kind is json_object else "N"
         for pool in [None] + (list(POOLS) if name not in SHARED_ENGINE_KEYS else []):
             text = (f"{help_} (every pool; config key {_config_key(name, 'POOL')})" if pool is None else
                     f"{_flag(name)} for the {pool} pool only (config key {_config_key(name, pool)})")
@@ -65,6 +70,14 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
                    help=IngressConfig.model_fields["allow_special_tokens_in_content"].description
                    + " (config key ingress.allow_special_tokens_in_content)")
+
+
+def json_object(text: str) -> dict:
+    """`--eplb-config '{"num_redundant_experts": 2}'` -> a dict (argparse names the flag when this fails)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
 
 
 def _config_key(name: str, pool: str) -> str:

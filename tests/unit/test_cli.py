@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
+from workers.engine_config import EplbConfig
 from tests.helpers import random_prompt, write_tiny_checkpoint
 
 NAME, BLOCK = "swa_csa_hca", 16
@@ -218,6 +219,11 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
     engine = dp.pool_engine(dp.colocated)
     assert (engine.data_parallel_size, engine.enable_expert_parallel, engine.tensor_parallel_size) == (2, True, 1)
     assert len(dp.colocated.deployment_options("colocated")["placement_group_bundles"]) == 2
+    assert not engine.enable_eplb
+    eplb = serve_config(serve_args("--mode", "colocated", "--data-parallel-size", "2", "--enable-expert-parallel",
+                                   "--enable-eplb", "--eplb-config", '{"num_redundant_experts": 2, "step_interval": 50}'))
+    engine = eplb.pool_engine(eplb.colocated)
+    assert engine.enable_eplb and engine.eplb_config == EplbConfig(2, 1000, 50)
 
 
 def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
@@ -275,6 +281,9 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
     (["--decode-data-parallel-size", "4", "--decode-data-parallel-size-local", "3", "--enable-expert-parallel"],
      "data_parallel_size_local 3 does not divide data_parallel_size 4"),
     (["--data-parallel-size-local", "0"], "decode.data_parallel_size_local"),
+    (["--mode", "colocated", "--enable-eplb"], "colocated: EngineConfig.enable_eplb: needs data_parallel_size > 1"),
+    (["--mode", "colocated", "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+      '{"num_redundant_experts": 1}'], "eplb_config.num_redundant_experts=1 is not a multiple of data_parallel_size=2"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--decode-tensor-parallel-size", "3"],       # the built-in model: 4 heads, 2 output groups
      "decode.tensor_parallel_size: tensor_parallel_size=3 does not divide num_attention_heads=4, o_groups=2"),
@@ -282,6 +291,13 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
 def test_serve_flags_that_cannot_apply_exit_2_before_starting_anything(capsys, argv, message):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_eplb_config_flag_that_is_no_json_object_is_a_usage_error(capsys):
+    for text in ("[1]", "{nope"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--eplb-config", text])
+        assert e.value.code == 2 and "argument --eplb-config: invalid json_object value" in capsys.readouterr().err
 
 
 def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):

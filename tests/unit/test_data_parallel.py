@@ -2,7 +2,10 @@
 spawned process with its own scheduler and cache, half the routed experts on each rank) equals
 the TP=1 engine, token for token and logprobs within 1e-4, on every tiny config and on one whose
 head / output-group counts tensor parallelism cannot split: batched, chunked, restored from the
-store under each SWA policy, with ranks' batches of different sizes and one rank idle. The front
+store under each SWA policy, with ranks' batches of different sizes and one rank idle. On every
+tiny config the DP=2 engine runs EPLB with redundant experts, rebalancing every few steps in the
+middle of generation (weights moving between the ranks), so each check is also EPLB = no EPLB;
+the odd config runs without EPLB. The front
 routes a repeated prompt to the rank that holds it; what DP=2 stores TP=1 restores and the other
 way round. Bad sizes fail at start-up naming the numbers; a dead or stalled rank is RankFailed.
 
@@ -29,6 +32,7 @@ FORKS = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=3, ignore_eos=Tr
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)
 ODD = "odd_heads"                       # swa_csa_hca with 3 heads in 1 output group: TP=2 cannot split it
 CONFIGS = {**{n: (n, None) for n in TINY_CONFIGS}, ODD: ("swa_csa_hca", dict(num_attention_heads=3, o_groups=1))}
+EPLB = {"swa_csa_hca": 2, "csa_hca_odd_window": 4, "hca_yarn_wide_window": 2}      # redundant experts
 POLICIES = {"swa_csa_hca": "full", "csa_hca_odd_window": "periodic", "hca_yarn_wide_window": "zero", ODD: "periodic"}
 
 
@@ -49,6 +53,13 @@ def prompts(name: str) -> dict[str, list[list[int]]]:
     return {"A": a, "A_ext": ext(a, 10), "B": b, "B_ext": ext(b[:1], 20), "idle": [random_prompt(2 * bt + 3, seed=50)]}
 
 
+def eplb(case: str, step_interval: int = 3) -> dict:
+    if case not in EPLB:
+        return {}
+    return dict(enable_eplb=True, eplb_config=dict(num_redundant_experts=EPLB[case], window_size=8,
+                                                   step_interval=step_interval))
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def dp2(request, tmp_path_factory):
     """(case, name, path, refs, store, DP=2 engine over a store TP=1 wrote A into)."""
@@ -63,7 +74,7 @@ def dp2(request, tmp_path_factory):
     writer.generate(prompts(name)["A"], GREEDY)
     writer.close()
     engine = tiny_engine(path, name, **DP, swa_policy=policy(case), store=store,
-                         max_batched_tokens=3 * BLOCK_TOKENS[name] + 1)
+                         max_batched_tokens=3 * BLOCK_TOKENS[name] + 1, **eplb(case))
     yield case, name, path, refs, store, engine
     engine.close()
 
@@ -74,6 +85,9 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     out = engine.generate(ps["A_ext"] + ps["B"], GREEDY)      # A_ext from TP=1's store objects, B cold
     assert all(o.cached_tokens > 0 for o in out[:len(ps["A_ext"])])
     assert_same_outputs(out, refs["A_ext"] + refs["B"])
+    if case in EPLB:       # rebalanced while these ran, experts moved: the tokens above are still TP=1's
+        e = engine.stats().eplb
+        assert e.rebalances >= 2 and e.moved_experts > 0 and e.imbalance >= 1.0
     prompt_tokens = [s.counters.prompt_tokens for s in engine.rank_stats]
     assert all(prompt_tokens) and prompt_tokens[0] != prompt_tokens[1]         # both ranks, batches differ
     total = engine.stats()                                    # the replica's: every rank's summed
@@ -165,16 +179,18 @@ def test_the_odd_config_is_one_tensor_parallelism_cannot_split(tmp_path):
 
 def test_released_format_weights_at_dp2_equal_tp1_where_tp2_cannot_split_them(tmp_path):
     """FP8 linears in 128x128 blocks (as released) + FP4 experts: TP=2 would cut a scale block of
-    the attention; DP=2 keeps attention whole and reads only its own experts (and their scales)."""
+    the attention; DP=2 keeps attention whole and reads only its own experts (and their scales),
+    here with EPLB: one redundant slot per rank, FP4 bytes + scales moved by rebalances."""
     dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca")
     q = quantize_checkpoint(dense, tmp_path / "q", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
     ps = prompts("swa_csa_hca")["B"]
     ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)
-    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", **DP)
+    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", **DP, **eplb("swa_csa_hca", step_interval=2))
     try:
         experts = engine.local.model.layers[1].ffn.experts
-        assert isinstance(experts, QuantExperts) and experts.w1.shape[0] == 2 and experts.first == 0
+        assert isinstance(experts, QuantExperts) and experts.w1.shape[0] == 3 and experts.first == 0
         assert_same_outputs(engine.generate(ps, GREEDY), ref)
+        assert engine.stats().eplb.rebalances >= 2
     finally:
         engine.close()
 

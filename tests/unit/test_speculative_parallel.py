@@ -5,9 +5,12 @@ and draft and accept exactly what one process drafts and accepts on the same pro
 arriving while others decode, prompts prefilled in chunks beside drafted steps, a DP rank with no
 requests (it joins the MTP layer's expert exchanges with none), k = 1, 2 (chained passes) and auto
 (k by the batch; a DP rank's batches differ from one process's, so there only the tokens are compared).
-Each rank's acceptance is in `rank_stats` and /metrics (`kvmesh_rank_spec_acceptance_rate`). After a
-handoff (one process prefills, TP=2 decodes; a DP rank prefills, one process decodes) the decode engine
-drafts from its first step with one process's counts: the MTP state travels in the HeldKV / Resume."""
+Each rank's acceptance is in `rank_stats` and /metrics (`kvmesh_rank_spec_acceptance_rate`), and
+EPLB's imbalance and rebalance count in /metrics (`kvmesh_worker_eplb_*`). At k = 2 the DP engine also
+runs EPLB (redundant experts, rebalancing every 4 steps: the MTP layer's experts move too) and still
+drafts and accepts exactly what one process does. After a handoff (one process prefills, TP=2 decodes;
+a DP rank prefills, one process decodes) the decode engine drafts from its first step with one
+process's counts: the MTP state travels in the HeldKV / Resume."""
 from __future__ import annotations
 
 import pytest
@@ -27,9 +30,10 @@ PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, sayin
            "The earth was without form"]
 CHUNK = dict(max_batched_tokens=7)                     # prefill in chunks of 7 tokens beside verify rows
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+EPLB = dict(enable_eplb=True, eplb_config=dict(num_redundant_experts=2, window_size=8, step_interval=4))
 PARALLEL = {"tp2": dict(tensor_parallel_size=2),             # auto (the default): TP=1's batches, TP=1's k
             "dp2": DP,                                        # auto: a rank's batches are not TP=1's
-            "dp2_k1": dict(DP, speculative_tokens=1), "dp2_k2": dict(DP, speculative_tokens=2)}
+            "dp2_k1": dict(DP, speculative_tokens=1), "dp2_k2": dict(DP, speculative_tokens=2, **EPLB)}
 
 
 def engine_with(**kw):
@@ -79,6 +83,8 @@ def test_parallel_engines_draft_with_mtp_and_equal_one_process(reference, varian
         assert staggered(engine) == plain
         total, accepted = drafted(engine)
         assert 0 < accepted < total
+        if "enable_eplb" in kw:
+            assert engine.stats().eplb.rebalances >= 2
         if variant != "dp2":
             assert (total, accepted) == counts[k]
         else:
@@ -132,7 +138,7 @@ def handed_off_like_one_process(engine, variant: str) -> None:
 def test_each_ranks_acceptance_is_in_rank_stats_and_metrics():
     from cluster.messages import WorkerStats
     from cluster.serve.metrics import WorkerSnapshots
-    engine = engine_with(**PARALLEL["dp2"])
+    engine = engine_with(**PARALLEL["dp2"], **EPLB)
     try:
         engine.generate(PROMPTS, GREEDY)
         snapshots = WorkerSnapshots()
@@ -141,5 +147,10 @@ def test_each_ranks_acceptance_is_in_rank_stats_and_metrics():
                     if m.name == "kvmesh_rank_spec_acceptance_rate" for s in m.samples}
         want = {str(r): s.as_dict()["spec_acceptance_rate"] for r, s in enumerate(engine.rank_stats)}
         assert exported == pytest.approx(want) and all(s.counters.draft_tokens for s in engine.rank_stats)
+        eplb = {m.name: m.samples[0].value for m in snapshots.collect() if m.name.startswith("kvmesh_worker_eplb_")}
+        stats = engine.stats().eplb
+        assert eplb["kvmesh_worker_eplb_rebalances"] == stats.rebalances >= 2
+        assert eplb["kvmesh_worker_eplb_imbalance"] == pytest.approx(stats.imbalance) and stats.imbalance >= 1
+        assert eplb["kvmesh_worker_eplb_imbalance_static"] == pytest.approx(stats.imbalance_static)
     finally:
         engine.close()

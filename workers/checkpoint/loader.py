@@ -267,7 +267,8 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], fmt: QuantFormat | N
         state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt,
                             whole=args.n_routed_experts)
     elif shard.dp_size > 1:
-        state = own_experts(state, *shard.owned_experts(args.n_routed_experts), whole=args.n_routed_experts)
+        state = own_experts(state, *shard.owned_experts(args.n_routed_experts), whole=args.n_routed_experts,
+                            slots=shard.local_placement(args.n_routed_experts))
     with torch.device("meta"), _no_init():
         model = Transformer(args, kernel_backend, mtp_layer_count(state), shard)
     try:

@@ -87,12 +87,21 @@ def shard_state(state: dict[str, torch.Tensor], rank: int, size: int, expert_par
     return out
 
 
-def own_experts(state: dict[str, torch.Tensor], first: int, count: int, whole: int) -> dict[str, torch.Tensor]:
+def own_experts(state: dict[str, torch.Tensor], first: int, count: int, whole: int,
+                slots: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Data-parallel attention: stacked routed experts read whole (`whole` rows) cut to this
     rank's [first, first + count); everything else, and experts already read as this rank's
-    own (loader.owned_experts), as they are."""
-    return {name: t.narrow(0, first, count).clone() if t.dim() == 3 and t.shape[0] == whole
-            and STACKED_EXPERTS.search(name) else t for name, t in state.items()}
+    own (loader.owned_experts), as they are. EPLB: `slots` (indices into the rank's block) lays
+    the rank's experts out as its physical experts, a redundant one a copy of its logical one."""
+    out = {}
+    for name, t in state.items():
+        if t.dim() == 3 and STACKED_EXPERTS.search(name):
+            if t.shape[0] == whole:
+                t = t.narrow(0, first, count) if slots is not None else t.narrow(0, first, count).clone()
+            if slots is not None and t.shape[0] == count:
+                t = t.index_select(0, slots)
+        out[name] = t
+    return out
 
 
 def _split_dim(name: str, expert_parallel: bool, shared: bool) -> int | None:

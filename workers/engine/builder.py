@@ -16,6 +16,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvstore.block_pool import BlockPool
 from kvstore.cache_tensors import CacheTensors, size_pools
 from kvstore.hashing import PrefixHasher, model_fingerprint, store_namespace
@@ -39,6 +41,8 @@ from workers.model.args import ModelArgs
 from workers.model.shard import SINGLE, Shard
 from workers.model.transformer import Transformer
 from workers.parallel.collectives import Collectives
+from workers.parallel.eplb import static_placement
+from workers.parallel.expert_balance import ExpertBalancer
 from workers.parallel.replica import Leader, LocalProcessLauncher, RankLauncher
 from workers.reuse.auto_policy import AutoPeriod
 from workers.reuse.prefix_cache import PrefixCache
@@ -83,13 +87,32 @@ def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | 
     return Leader(config, launcher or LocalProcessLauncher())
 
 
+def start_placement(config: EngineConfig, model_dir: Path) -> torch.Tensor | None:
+    """EPLB: the physical experts' logical ones at start-up (each rank's own block, its redundant
+    slots copies of it); None without EPLB."""
+    if not config.enable_eplb:
+        return None
+    experts = ModelArgs.from_file(model_dir / "config.json").n_routed_experts
+    return static_placement(experts, config.data_parallel_size, config.eplb_config.num_redundant_experts)
+
+
+def balancer(config: EngineConfig, model: Transformer, dp: Collectives | None) -> ExpertBalancer | None:
+    """This data-parallel rank's EPLB (None without it). A replica is one node until it can
+    span several (data_parallel_size_local, issue 29 item 1): then the placement is hierarchical."""
+    if dp is None or not config.enable_eplb:
+        return None
+    local = getattr(config, "data_parallel_size_local", None) or config.data_parallel_size
+    return ExpertBalancer(model, dp, config.eplb_config, num_nodes=config.data_parallel_size // local)
+
+
 def build(config: EngineConfig, model_dir: Path, ranks: Leader | None, dp: Collectives | None = None
           ) -> EngineParts:
     """`dp`: this engine is rank dp.rank of a data-parallel replica (experts split, the rest whole)."""
     shard = SINGLE if ranks is None else Shard(0, config.tensor_parallel_size, config.enable_expert_parallel,
                                                comm=ranks.comm)
     if dp is not None:
-        shard = Shard(expert_parallel=True, dp_rank=dp.rank, dp_size=dp.size, exchange=dp)
+        shard = Shard(expert_parallel=True, dp_rank=dp.rank, dp_size=dp.size, exchange=dp,
+                      placement=start_placement(config, model_dir))
     args, model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)
     dtype = model.head.weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")

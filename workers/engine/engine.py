@@ -33,12 +33,12 @@ from workers.sampling.params import InvalidRequestError, PromptTooLongError, Sam
 from workers.spec.mtp import MTPDrafter
 from workers.spec.speculative import Drafter, DraftLimits, Speculator
 
-from .builder import StoreUnavailable, build, start_ranks
+from .builder import StoreUnavailable, balancer, build, start_ranks
 from .grammar_wait import GrammarWait
 from .output import OutputProcessor, RequestTable
 from .protocol import run_to_completion
 from .scheduler import Scheduler
-from .stats import EngineCounters, EngineStats, GrammarCounters, Histogram, ReuseCounters, StoreCounters
+from .stats import EngineCounters, EngineStats, EplbCounters, GrammarCounters, Histogram, ReuseCounters, StoreCounters
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class Engine:
         self.blocks, self.slots, self.kv = parts.blocks, parts.slots, parts.kv
         self.fingerprint, self.prefix, self.runner = parts.fingerprint, parts.prefix, parts.runner
         self.max_model_len = parts.max_model_len
+        self.balancer = balancer(config, self.model, dp)          # EPLB: None unless enabled
         a = self.args
         self.table = RequestTable()
         self.seqs, self.groups, self.held = self.table.seqs, self.table.groups, self.table.held
@@ -347,7 +348,8 @@ class Engine:
             total_slots=self.slots.num_slots, preemptions=self.scheduler.preemptions,
             kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
-            reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()))
+            reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()),
+            eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None)
 
     def queued_tokens(self) -> int:
         """Tokens this engine has yet to run: prompts left to prefill, one per decoding sequence
@@ -363,7 +365,10 @@ class Engine:
         """One scheduling step. Under tensor parallelism a rank that died or stalled raises
         RankFailed (within rank_timeout_s); the engine is unusable after it."""
         if self.ranks is None:
-            return self._step()
+            outputs = self._step()
+            if self.balancer is not None:        # every DP rank, after every step: count, rebalance when due
+                self.balancer.end_step()
+            return outputs
         self.ranks.check()
         try:
             return self._step()

@@ -103,7 +103,22 @@ class GrammarCounters:
     budget_kills: int = 0     # compiles stopped at their time or memory budget
 
 
-def exported(record: ReuseCounters | StoreCounters | GrammarCounters) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EplbCounters:
+    """Expert-parallel load balancing (workers.parallel.expert_balance; every rank computes the
+    same values, so ranks add up as the max): exported as `eplb_<name>`. `imbalance`: max / mean
+    tokens per rank, averaged over the MoE layers, over the last window_size steps as placed;
+    `imbalance_static`: the same picks under the split without EPLB (rank r: its block of experts)."""
+    PREFIX = "eplb_"
+    steps: int = field(default=0, metadata=_metric("eplb_steps", shared=True))
+    rebalances: int = field(default=0, metadata=_metric("eplb_rebalances", shared=True))
+    moved_experts: int = 0                    # experts this rank received in rebalances (summed: all moves)
+    rebalance_s: float = field(default=0.0, metadata=_metric("eplb_rebalance_s", shared=True))
+    imbalance: float = field(default=0.0, metadata=_metric("eplb_imbalance", shared=True))
+    imbalance_static: float = field(default=0.0, metadata=_metric("eplb_imbalance_static", shared=True))
+
+
+def exported(record: ReuseCounters | StoreCounters | GrammarCounters | EplbCounters) -> dict[str, Any]:
     """A record's fields under their /metrics names (maps copied)."""
     out = {}
     for f in dataclasses.fields(record):
@@ -140,6 +155,7 @@ class EngineStats:
     reuse: ReuseCounters = field(default_factory=ReuseCounters)
     store: StoreCounters | None = None      # None without a shared store
     grammar: GrammarCounters = field(default_factory=GrammarCounters)
+    eplb: EplbCounters | None = None        # None without EPLB
 
     @property
     def load(self) -> int:
@@ -160,10 +176,11 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         """One flat map (the WorkerStats message and the /metrics names)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("counters", "reuse", "store", "grammar")}
+               if f.name not in ("counters", "reuse", "store", "grammar", "eplb")}
         store = exported(self.store) if self.store is not None else {}
+        eplb = exported(self.eplb) if self.eplb is not None else {}
         return {**dataclasses.asdict(self.counters), **self.counters.speculation(), **out, **exported(self.reuse),
-                **store, **exported(self.grammar)}
+                **store, **exported(self.grammar), **eplb}
 
 
 def summed(stats: list[EngineStats]) -> EngineStats:
@@ -178,9 +195,11 @@ def summed(stats: list[EngineStats]) -> EngineStats:
              "sum": sum(h["sum"] for h in q), "count": sum(h["count"] for h in q)}
     usage = sum(s.kv_cache_usage * s.total_blocks for s in stats) / max(1, counts["total_blocks"])
     stores = [s.store for s in stats if s.store is not None]
+    eplb = [s.eplb for s in stats if s.eplb is not None]
     return EngineStats(**counts, kv_cache_usage=usage, counters=added([s.counters for s in stats]),
                        queue_time=queue, reuse=added([s.reuse for s in stats]),
-                       store=added(stores) if stores else None, grammar=added([s.grammar for s in stats]))
+                       store=added(stores) if stores else None, grammar=added([s.grammar for s in stats]),
+                       eplb=added(eplb) if eplb else None)
 
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

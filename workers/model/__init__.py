@@ -4,6 +4,7 @@
     transformer.py the network: embedding, blocks with mHC residual streams, MTP layers, head
     attention.py   compressor, lightning indexer, attention (the only code touching cache views)
     moe.py         routed experts (grouped matmul runs), gate, shared expert
+    expert_map.py  EPLB in one MoE layer: a pick's replica (logical -> physical expert), the load counted
     layers.py      norms, RoPE, linear, row gathers
     quant.py       FP8 block-scaled linears and FP4 grouped experts, kept quantized
     shard.py       one rank's part of the model (Shard) and the TP=1 collectives (SingleRank)

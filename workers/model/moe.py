@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .expert_map import ExpertMap
 from .layers import linear
 from .quant import local_experts
 from .shard import SINGLE, Shard
@@ -115,7 +116,8 @@ class MoE(nn.Module):
         self.shard = shard
         e, inter = args.n_routed_experts, args.moe_intermediate_size
         self.gate = Gate(args, hashed)
-        owned = shard.owned_experts(e)
+        owned = shard.physical_experts() or shard.owned_experts(e)
+        self.placement = ExpertMap(shard.placement, e, shard.dp_size) if shard.placement is not None else None
         if owned is not None:
             first, count = owned
             self.experts = Experts(count, args.hidden_size, inter, args.swiglu_limit, first)
@@ -136,14 +138,18 @@ class MoE(nn.Module):
         Every rank's tokens and picks are all-gathered (with their counts; one row of bytes per
         token: | x (C values) | expert ids (K, fp32) | weights (K, fp32) |), this rank's experts
         run on all of them, the partial outputs are summed over the ranks (all-reduce) and this
-        rank keeps its own rows. A rank with no tokens takes part with T = 0 (`idle`)."""
+        rank keeps its own rows. A rank with no tokens takes part with T = 0 (`idle`). With EPLB
+        each pick goes to one replica of its expert (`placement`: model/expert_map.py)."""
         ex = self.shard.exchange
         counts = ex.all_counts(x.shape[0])
         k, width = idx.shape[1], x.shape[1] * x.element_size()
         picks = torch.cat([idx.to(torch.float32), w.float()], 1)        # expert ids are exact in fp32
         rows = ex.all_gather_rows(torch.cat([x.contiguous().view(torch.uint8), picks.view(torch.uint8)], 1), counts)
         xs, ps = rows[:, :width].contiguous().view(x.dtype), rows[:, width:].contiguous().view(torch.float32)
-        y = ex.all_reduce(self.experts(xs, ps[:, :k].long(), ps[:, k:].to(w.dtype)))
+        picks = ps[:, :k].long()
+        if self.placement is not None:
+            picks = self.placement.route(picks)
+        y = ex.all_reduce(self.experts(xs, picks, ps[:, k:].to(w.dtype)))
         start = sum(counts[:ex.rank])
         return y[start:start + x.shape[0]]
 

@@ -44,7 +44,10 @@ class Shard:
 
     Data-parallel attention (`dp_size` > 1, with `size` 1): every rank holds the whole model
     but the routed experts, of which it owns n_routed_experts/dp_size whole experts; each MoE
-    layer exchanges its tokens with the other `dp_size` - 1 ranks over `exchange` (moe.py)."""
+    layer exchanges its tokens with the other `dp_size` - 1 ranks over `exchange` (moe.py).
+    With EPLB, `placement` (phy2log [P], P = n_routed_experts + redundant) says which logical
+    expert each physical one holds at start-up; the rank holds physical experts [r*P/N, (r+1)*P/N)
+    (model/expert_map.py), loaded from its own block of logical ones (`owned_experts`)."""
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
@@ -53,6 +56,7 @@ class Shard:
     dp_rank: int = 0
     dp_size: int = 1
     exchange: SingleRank = field(default_factory=SingleRank, compare=False, repr=False)
+    placement: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def part(self, n: int) -> int:
         return n // self.size
@@ -65,6 +69,21 @@ class Shard:
         if self.size > 1 and self.expert_parallel:
             return self.rank * self.part(n), self.part(n)
         return None
+
+    def physical_experts(self) -> tuple[int, int] | None:
+        """EPLB: (first, count) of the physical experts this rank holds; None without EPLB."""
+        if self.placement is None:
+            return None
+        count = self.placement.numel() // self.dp_size
+        return self.dp_rank * count, count
+
+    def local_placement(self, n: int) -> torch.Tensor | None:
+        """EPLB: the logical expert in each of this rank's physical slots at start-up, as an index
+        into its own block of the `n` logical experts (`owned_experts`); None without EPLB."""
+        if self.placement is None:
+            return None
+        first, count = self.physical_experts()
+        return self.placement[first:first + count] - self.owned_experts(n)[0]
 
 
 SINGLE = Shard()

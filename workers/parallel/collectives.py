@@ -99,6 +99,15 @@ class Collectives(SingleRank):
         self._run(lambda: self.dev.allgather([parts], [padded], opts), padded.numel() * padded.element_size() * self.size)
         return torch.cat([p[:c] for p, c in zip(parts, counts)])
 
+    def send_to(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        """x (contiguous) to rank `dst`; blocks until it is handed over (EPLB's expert moves)."""
+        self._run(lambda: self.dev.send([x], dst, tag), x.numel() * x.element_size())
+
+    def recv_from(self, x: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        """Rank `src`'s `send_to(.., tag)` into x."""
+        self._run(lambda: self.dev.recv([x], src, tag), x.numel() * x.element_size())
+        return x
+
     def _run(self, op, nbytes: int) -> None:
         if self.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
