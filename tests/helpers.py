@@ -84,10 +84,12 @@ def write_mtp_checkpoint(tmp_path_factory, name: str):
 
 def tiny_engine(path: Path, name: str, **kw):
     """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget
-    (per rank at data_parallel_size > 1: a DataParallelEngine)."""
+    (per rank at data_parallel_size > 1: a DataParallelEngine), one schema compiler process
+    (each imports xgrammar and torch: ~3 s of a core; the tests of the pool's size set theirs)."""
     from workers.engine import open_engine
     from workers.engine_config import EngineConfig
     kw.setdefault("kv_cache_bytes", 8 << 20)
+    kw.setdefault("grammar_compile_workers", 1)
     return open_engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
 
 

@@ -46,10 +46,12 @@ def free_port() -> int:
 
 
 def small_config(mode: str = "disaggregated", **overrides: Any) -> ServeConfig:
-    """The tiny default model on a small KV budget, memory-only store, tiny replicas."""
+    """The tiny default model on a small KV budget, memory-only store, one schema compiler
+    process per engine (each imports xgrammar and torch), tiny replicas."""
     data: dict[str, Any] = {
         "mode": mode,
-        "engine": {"kv_cache_bytes": 16 << 20, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None},
+        "engine": {"kv_cache_bytes": 16 << 20, "max_num_seqs": 8, "max_batched_tokens": 512, "store": None,
+                   "grammar_compile_workers": 1},
         "prefill": dict(SMALL_POOL), "decode": dict(SMALL_POOL), "colocated": dict(SMALL_POOL),
         "ingress": {"num_cpus": 0.1, "token_timeout_s": 30.0},
         "handoff": {"release_timeout_s": 10.0},
@@ -59,9 +61,16 @@ def small_config(mode: str = "disaggregated", **overrides: Any) -> ServeConfig:
     return ServeConfig.model_validate(data)
 
 
+# Session-wide apps on the defaults that several modules only send requests to (none kills or
+# reconfigures them): name -> (mode, route prefix). `deploy_many(..., shared=("colocated",))`
+# starts one with the module's own apps the first time and reuses it after; `delete_all` keeps it.
+SHARED_APPS = {"colocated": ("colocated", "/colocated")}
+
+
 class LocalServe:
     def __init__(self, num_cpus: float = 4, port: int | None = None, address: str | None = None):
         self.num_cpus, self.port, self.address = num_cpus, port or free_port(), address
+        self.kept: set[str] = set()     # the SHARED_APPS deployed on this Serve
 
     def __enter__(self) -> "LocalServe":
         import ray
@@ -81,32 +90,45 @@ class LocalServe:
         """Deploy (or redeploy) an app; returns its base URL (append /v1/...)."""
         return self.deploy_many({name: (config, route_prefix)})[name]
 
-    def deploy_many(self, apps: dict[str, tuple[ServeConfig, str]]) -> dict[str, str]:
+    def deploy_many(self, apps: dict[str, tuple[ServeConfig, str]], shared: tuple[str, ...] = ()) -> dict[str, str]:
         """Deploy apps side by side, {name: (config, route prefix)}, and wait until all of
-        them run (their replicas start together); {name: base URL}."""
+        them run (their replicas start together); {name: base URL}, the `shared` apps'
+        (SHARED_APPS names) included: deployed here unless one is already running."""
         from ray import serve
 
         from cluster.app import build_app
-        serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=prefix)
-                        for name, (config, prefix) in apps.items()])
-        return {name: self.base + prefix.rstrip("/") for name, (_, prefix) in apps.items()}
+        running = serve.status().applications
+        apps = dict(apps)
+        for name in shared:
+            mode, prefix = SHARED_APPS[name]
+            if name not in self.kept or name not in running or running[name].status != "RUNNING":
+                apps[name] = (small_config(mode), prefix)
+            self.kept.add(name)
+        if apps:
+            serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=prefix)
+                            for name, (config, prefix) in apps.items()])
+        urls = {name: self.base + prefix.rstrip("/") for name, (_, prefix) in apps.items()}
+        return {**urls, **{name: self.base + SHARED_APPS[name][1].rstrip("/") for name in shared}}
 
-    def delete_all(self, within_s: float = 60.0) -> None:
-        """Delete every app on this Serve, all at once, and wait until they, their replicas,
-        rank actors and placement groups are gone: a test module sharing the session's Serve
-        leaves nothing behind."""
+    def delete_all(self, within_s: float = 60.0, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """Delete every app on this Serve but `keep` (running SHARED_APPS, which hold no rank
+        actors or placement groups), all at once, and wait until they, their replicas, rank
+        actors and placement groups are gone: a test module sharing the session's Serve leaves
+        nothing of its own behind."""
         import time
 
         import ray
         from ray import serve
         from ray.util.placement_group import placement_group_table
         for name in serve.status().applications:
-            serve.delete(name, _blocking=False)
+            if name not in keep:
+                serve.delete(name, _blocking=False)
+        kept = tuple(f"SERVE_REPLICA::{name}#" for name in keep)
         deadline = time.monotonic() + within_s
         while True:
-            left = list(serve.status().applications)
+            left = [name for name in serve.status().applications if name not in keep]
             left += [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["name"].startswith(("SERVE_REPLICA::", "kvmesh-rank:"))]
+                     if a["name"].startswith(("SERVE_REPLICA::", "kvmesh-rank:")) and not a["name"].startswith(kept)]
             left += [f"placement group {g['placement_group_id']}" for g in placement_group_table().values()
                      if g["state"] != "REMOVED"]
             if not left:

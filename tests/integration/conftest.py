@@ -4,7 +4,9 @@ Starting Ray and Serve and shutting them down costs ~10 s of two busy cores a mo
 modules that need a local Ray with no settings of their own share one: `local_serve` gives it to
 a module, which deploys its apps on it under their own names and route prefixes
 (`LocalServe.deploy`) and may kill their replicas and rank actors, never Ray's own processes;
-every app is deleted when the module ends, also after a failure. A module that needs a second
+every app is deleted when the module ends, also after a failure, but the session-wide default
+apps (`tests.local_serve.SHARED_APPS`: a colocated app on the defaults that several modules only
+send requests to, started once instead of once per module). A module that needs a second
 node adds it (`session_cluster`) and removes it at its end. Those modules run one after another
 (see `pytest_collection_modifyitems`), and the Ray is shut down after the last of them, so the
 modules that start clusters of their own (namespace hosts, `ray start`, `kvmesh serve`) run
@@ -79,7 +81,7 @@ def local_serve(request: pytest.FixtureRequest, _session_serve: SessionServe) ->
         yield serve
     finally:
         try:
-            serve.delete_all()
+            serve.delete_all(keep=serve.kept)     # the session-wide default apps stay
         except BaseException:
             _session_serve.stop()           # nothing of this module may reach the next one
             raise

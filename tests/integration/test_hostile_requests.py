@@ -27,10 +27,10 @@ BIG_BODY_BYTES = 1_400_000
 
 @pytest.fixture(scope="module")
 def urls(local_serve):
-    urls = local_serve.deploy_many({
-        "hostile": (small_config("colocated"), "/"),
-        "hostile-raw": (small_config("colocated", ingress={"allow_special_tokens_in_content": True}), "/raw")})
-    return urls["hostile"], urls["hostile-raw"]
+    urls = local_serve.deploy_many(             # the session's default colocated app, and one of its own
+        {"hostile-raw": (small_config("colocated", ingress={"allow_special_tokens_in_content": True}), "/raw")},
+        shared=("colocated",))
+    return urls["colocated"], urls["hostile-raw"]
 
 
 @pytest.fixture(scope="module")

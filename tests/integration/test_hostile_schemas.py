@@ -1,5 +1,5 @@
-"""Hostile schemas over HTTP (issue 31 item 1), on the default tiny app (colocated, the session's
-Ray + Serve): with tool_choice required a string `pattern` holds, a property name holding `<`
+"""Hostile schemas over HTTP (issue 31 item 1), on the default tiny app (the session's shared
+colocated app): with tool_choice required a string `pattern` holds, a property name holding `<`
 and a newline comes back as a parsed tool call, a `$ref` into `$defs` is followed; `enum: []`
 is a 400 naming `enum`; response_format json_schema holds a pattern, and `<think>` text inside
 its strings."""
@@ -11,7 +11,6 @@ import re
 import httpx
 import pytest
 
-from tests.local_serve import small_config
 
 pytestmark = pytest.mark.slow     # a Serve app on the session's Ray
 
@@ -22,7 +21,7 @@ ODD = 'a<b\nc"&'
 
 @pytest.fixture(scope="module")
 def url(local_serve):
-    return local_serve.deploy("hostile", small_config("colocated"), "/")
+    return local_serve.deploy_many({}, shared=("colocated",))["colocated"]     # the session's default app
 
 
 @pytest.fixture(scope="module")

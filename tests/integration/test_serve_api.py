@@ -34,10 +34,9 @@ RELEASE_TIMEOUT_S = 4.0      # the disaggregated app's: an unread handoff is fre
 def urls(local_serve):
     no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
     disagg = small_config("disaggregated", handoff={"release_timeout_s": RELEASE_TIMEOUT_S})
-    urls = local_serve.deploy_many({"disagg": (disagg, "/"),
-                                    "colo": (small_config("colocated"), "/colocated"),
-                                    "fallback": (no_nixl, "/fallback")})
-    return {"disaggregated": urls["disagg"], "colocated": urls["colo"], "fallback": urls["fallback"]}
+    urls = local_serve.deploy_many({"disagg": (disagg, "/"), "fallback": (no_nixl, "/fallback")},
+                                   shared=("colocated",))      # the session's default colocated app
+    return {"disaggregated": urls["disagg"], "colocated": urls["colocated"], "fallback": urls["fallback"]}
 
 
 @pytest.fixture(scope="module")

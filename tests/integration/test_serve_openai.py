@@ -31,9 +31,9 @@ AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 
 @pytest.fixture(scope="module")
 def urls(local_serve):
-    urls = local_serve.deploy_many({"openai": (small_config("disaggregated", ingress={"api_keys": KEYS}), "/"),
-                                    "openai-colo": (small_config("colocated"), "/colocated")})
-    return {"disaggregated": urls["openai"], "colocated": urls["openai-colo"]}
+    urls = local_serve.deploy_many({"openai": (small_config("disaggregated", ingress={"api_keys": KEYS}), "/")},
+                                   shared=("colocated",))      # the session's default colocated app
+    return {"disaggregated": urls["openai"], "colocated": urls["colocated"]}
 
 
 @pytest.fixture(scope="module")
