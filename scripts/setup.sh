@@ -22,13 +22,11 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# --no-compile: pip would byte-compile every file of torch, ray and transformers (tens of
-# thousands, most never imported); Python compiles what is imported, once, on first import
 if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        python -m pip install -q --no-compile "torch>=2.4"
+        python -m pip install -q "torch>=2.4"
     else
-        python -m pip install -q --no-compile "torch==${KVMESH_TORCH_VERSION:-2.13.0}"
+        python -m pip install -q "torch==${KVMESH_TORCH_VERSION:-2.13.0}"
     fi
 fi
-python -m pip install -q --no-compile -e ".[${KVMESH_EXTRAS:-test}]"
+python -m pip install -q -e ".[${KVMESH_EXTRAS:-test}]"
