@@ -1,6 +1,7 @@
 """The import graph of the product packages: no module imports itself back through others
 (function-level and TYPE_CHECKING imports count), no subpackage of cluster/, kvstore/ or workers/
-imports itself back through another, and nothing below workers/engine imports it."""
+imports itself back through another, nothing below workers/engine imports it, and the ingress
+loads no torch, numba or xgrammar."""
 import ast
 from pathlib import Path
 
@@ -177,3 +178,17 @@ def test_the_checker_finds_a_ring_through_a_function_level_import(tmp_path):
     g = import_graph(tmp_path)
     assert rings(g) == [["workers.engine.loop", "workers.model.net"]]
     assert "workers.engine" in g["workers.model.net"] and "workers.engine.loop" in g["workers.model.net"]
+
+
+@pytest.mark.slow       # a subprocess importing Ray Serve and FastAPI
+def test_the_ingress_loads_no_torch_and_no_numba():
+    """The ingress process (tokenize, render, route, stream) starts without the engine's heavy
+    imports: each Serve ingress replica would pay ~3 s of a core for them (docs/testing.md)."""
+    import subprocess
+    import sys
+    code = ("import sys, cluster.openai.ingress, cluster.serve.dispatch, cluster.config; "
+            "print(sorted(m for m in ('torch', 'numba', 'xgrammar') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
