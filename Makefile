@@ -10,8 +10,9 @@ serve: setup
 # One intra-op thread per process: the suite runs many small ops in several processes
 # (Ray workers, Redis, subprocess CLIs) on 2 cores, where OpenMP spinning costs 10-100x.
 # --durations=25: the 25 slowest tests after the summary, so a slow newcomer shows in every run.
+# -n 2 --dist loadgroup: two pytest-xdist workers, one per core, laid out by tests/lanes.py.
 test: setup
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 test-fast: setup
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m "not slow" tests

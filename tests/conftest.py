@@ -144,3 +144,38 @@ def password_redis():
         proc.terminate()
         proc.wait(timeout=10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+
+# ---------------------------------------------------------------------------------
+# suite: both cores. `make test` runs two pytest-xdist workers (`-n 2`) with the scheduler
+# of tests/lanes.py. A work unit is one test module, so its module-scoped fixtures are built
+# once, but for the groups of tests/lanes.py (the modules on the session's Ray + Serve, one
+# after another on one worker; the modules that start clusters of their own). Without xdist
+# the groups only order the modules.
+# ---------------------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True)     # before every other implementation (xdist's reads the marks)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    from tests.lanes import group_items
+    group_items(config, items)
+    return (yield)
+
+
+def _lanes_groups_file(config: pytest.Config) -> str:
+    if not hasattr(config, "_kvmesh_lanes_dir"):
+        config._kvmesh_lanes_dir = tempfile.TemporaryDirectory(prefix="kvmesh-lanes-")
+        config.add_cleanup(config._kvmesh_lanes_dir.cleanup)
+    return f"{config._kvmesh_lanes_dir.name}/groups.json"
+
+
+def pytest_configure_node(node) -> None:
+    """xdist (controller): tell each worker where to write its modules' groups."""
+    from tests.lanes import GROUPS_FILE
+    node.workerinput[GROUPS_FILE] = _lanes_groups_file(node.config)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None                     # xdist's own scheduler for any other --dist
+    from tests.lanes import LaneScheduling
+    return LaneScheduling(config, log, _lanes_groups_file(config))

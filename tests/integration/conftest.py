@@ -11,6 +11,9 @@ node adds it (`session_cluster`) and removes it at its end. Those modules run on
 (see `pytest_collection_modifyitems`), and the Ray is shut down after the last of them, so the
 modules that start clusters of their own (namespace hosts, `ray start`, `kvmesh serve`) run
 beside no idle Ray. A module whose apps cannot be deleted leaves a fresh Ray to the next one.
+Under `make test`'s two xdist workers each worker has a session of its own: tests/lanes.py gives
+one worker the "local_serve" modules and the other the "local_serve_2" ones, and each worker's
+Ray is shut down after the last module of its group.
 """
 from __future__ import annotations
 
@@ -67,10 +70,18 @@ def _session_serve() -> Iterator[SessionServe]:
 
 
 def _later_users(request: pytest.FixtureRequest) -> bool:
-    """Whether a test after this module's last one uses the session's Ray."""
+    """Whether a test after this module's last one uses the session's Ray: under xdist, one
+    of this module's lanes group (tests/lanes.py: a worker runs that group's modules and no
+    other module on this Ray)."""
+    from tests.lanes import group_of
     items = request.session.items
     mine = [i for i, item in enumerate(items) if item.path == request.path]
-    return any(SHARED in item.fixturenames for item in items[mine[-1] + 1:]) if mine else True
+    if not mine:
+        return True
+    later = [item for item in items[mine[-1] + 1:] if SHARED in item.fixturenames]
+    if hasattr(request.config, "workerinput"):
+        later = [item for item in later if group_of(item) == group_of(items[mine[-1]])]
+    return bool(later)
 
 
 @pytest.fixture(scope="module")
