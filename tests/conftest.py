@@ -146,7 +146,6 @@ def password_redis():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-
 # ---------------------------------------------------------------------------------
 # suite: both cores. `make test` runs two pytest-xdist workers (`-n 2`) with the scheduler
 # of tests/lanes.py. A work unit is one test module, so its module-scoped fixtures are built

@@ -54,9 +54,9 @@ def scheduler(tmp_path):
     return sched, workers, ids
 
 
-def modules_sent(worker: Worker, ids: list[str], since: int = 0) -> list[str]:
+def modules_sent(worker: Worker, ids: list[str]) -> list[str]:
     out: list[str] = []
-    for i in worker.sent[since:]:
+    for i in worker.sent:
         module = ids[i].split("::")[0]
         if module not in out:
             out.append(module)
