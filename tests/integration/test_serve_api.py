@@ -27,7 +27,10 @@ pytestmark = pytest.mark.slow     # a Ray cluster and three Serve apps
 MODES = ["disaggregated", "colocated"]
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 7, [5, 17, 300, 42, 99, 7]]
 MAX_TOKENS = 12
-RELEASE_TIMEOUT_S = 4.0      # the disaggregated app's: an unread handoff is freed after this
+# The disaggregated app's: an unread handoff is freed after this. Not shorter: decode must start
+# its READ before release - 1 s (NIXL's expiry margin) or it falls back to the Ray copy, and under
+# CI's load a 4 s timeout once left it 3 s too few (one fallback in test_models_health_and_metrics).
+RELEASE_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
