@@ -3,6 +3,7 @@
     request.py        Sequence, Status, RequestOutput, Resume: the leaf every part imports
     engine_config.py  EngineConfig: every engine setting, its default and its validation, once
     errors.py         EngineDeadError, RankFailed: what the serving layer retries, torch-free
+    processes.py      how local child processes start (ranks, schema compilers): a preloaded fork server
     model/            DeepSeek-V4 in torch (args, transformer, attention, moe, quant, shard, step)
     checkpoint/       loading, quantized formats, sharding, tokenizer, built-in model, sizing
     engine/           loop, builder, output processing, scheduler, KV-cache manager, runner, stats

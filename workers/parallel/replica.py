@@ -45,6 +45,7 @@ from workers.checkpoint.loader import load_model
 from workers.engine_config import EngineConfig
 from workers.model.shard import Shard
 from workers.model.step import StepInput
+from workers.processes import apply_environment, child_context
 from workers.spec.mtp import DraftPlan, MTPPasses
 
 from .collectives import Collectives, RankFailed, init_method
@@ -71,28 +72,9 @@ class RankLauncher(Protocol):
         """Stop every rank (idempotent)."""
 
 
-# What the fork server imports once, before it forks any rank (the rank code and torch, which
-# every rank needs: ~2 s of a core that a `spawn` process pays for each rank).
-RANK_PRELOAD = ["torch", "workers.parallel.replica", "workers.engine.dp_rank"]
-
-
-def rank_context() -> multiprocessing.context.BaseContext:
-    """The `forkserver` context (Python 3.14's default on Linux), its server preloading
-    RANK_PRELOAD: a rank is a fork of a process that has imported torch and the rank code and
-    started no thread, so a rank starts in milliseconds instead of importing for seconds. The
-    server starts with this process's first rank and serves all later ones; the preload is
-    ignored if something else started this process's fork server first (ranks then import as
-    a spawned process does). Where `forkserver` is missing (not POSIX), `spawn`."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)
-    return ctx
-
-
 class LocalProcessLauncher:
-    """Ranks as processes on this machine (rank_context(): forked from a fork server; CUDA:
-    rank r on cuda:r, the server never touches CUDA). Each runs
+    """Ranks as processes on this machine (workers.processes: forks of a fork server that has
+    imported torch and the rank code; CUDA: rank r on cuda:r). Each runs
     `main(rank, world_size, init_method, config)`: `run_rank` (tensor parallelism) unless the
     engine's builder passes another (data-parallel attention: a whole engine per rank)."""
     host = "127.0.0.1"
@@ -101,7 +83,7 @@ class LocalProcessLauncher:
         self.threads, self.procs, self.main = threads, [], main or run_rank
 
     def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
-        ctx = rank_context()
+        ctx = child_context()
         for rank in range(1, world_size):
             cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
             p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads, self.main,
@@ -131,11 +113,7 @@ def rank_device(device: str, rank: int) -> str:
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
                   threads: int | None, main, environ: dict[str, str]) -> None:
-    # the parent's environment now, as a spawned rank would have it (a fork server's children
-    # inherit the server's, from this process's first rank)
-    if environ != os.environ:
-        os.environ.clear()
-        os.environ.update(environ)
+    apply_environment(environ)      # the parent's now, as a spawned rank had it
     # daemonic so that rank 0's exit ends it (the parent's flag does that), yet a rank starts
     # children of its own (a data-parallel rank's grammar compilers), which a daemon may not
     multiprocessing.current_process().daemon = False

@@ -4,7 +4,8 @@ xgrammar's compile time and memory grow steeply with a schema's size (a 2,000-pr
 schema took 19 s and 2.5 GB; 13,000 properties grew a replica to ~20 GB until the OOM
 killer took the node's processes). Compiled in the engine's process, one such request
 stalls every other one and can take the deployment down. Here a compile runs in one
-long-lived child (spawned on first use, xgrammar imported there), and the parent waits
+long-lived child (started on first use: workers.processes, a fork of a server that has
+imported xgrammar), and the parent waits
 for at most `timeout_s` while the child's resident memory stays under `memory_bytes`;
 past either, the child is killed (the next compile starts a fresh one) and the request
 gets `CompileBudgetExceeded`. The result crosses back as xgrammar's serialized grammar.
@@ -15,10 +16,11 @@ gets `CompileBudgetExceeded`. The result crosses back as xgrammar's serialized g
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
 import time
+
+from workers.processes import apply_environment, child_context
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0      # importing xgrammar (and torch) in the child; not the compile's budget
@@ -30,8 +32,9 @@ class CompileBudgetExceeded(Exception):
     """The compile ran past its time or memory budget (the message names which); it was stopped."""
 
 
-def _serve(conn, tokenizer_info_json: str) -> None:
+def _serve(conn, tokenizer_info_json: str, environ: dict[str, str]) -> None:
     """The child: compile schemas sent on `conn` until it is closed (or None arrives)."""
+    apply_environment(environ)
     import xgrammar as xgr
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -101,9 +104,10 @@ class CompileWorker:
         if self._closed:
             raise RuntimeError("the grammar compiler was closed")
         if self._proc is None or not self._proc.is_alive():
-            ctx = multiprocessing.get_context("spawn")     # never fork a process with threads
+            ctx = child_context()       # never a fork of this process (it has threads)
             parent, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_serve, args=(child, self._info), name="kvmesh-grammar", daemon=True)
+            self._proc = ctx.Process(target=_serve, args=(child, self._info, dict(os.environ)), name="kvmesh-grammar",
+                                     daemon=True)
             self._proc.start()
             child.close()
             self._conn = parent
