@@ -29,9 +29,10 @@ import pytest
 
 LOCAL_SERVE, LOCAL_SERVE_2, OWN_CLUSTERS, CHAOS = "local_serve", "local_serve_2", "own_clusters", "chaos"
 ORDER = (LOCAL_SERVE, LOCAL_SERVE_2, OWN_CLUSTERS, CHAOS)
-# local_serve_2: ~1/8 of the Serve modules' time, so both lanes end together (3a66d4a gave it
-# test_serve_tensor_parallel alone, and that lane ended ~110 s after the other)
-SECOND_SERVE_MODULES = frozenset({"test_serve_failures.py", "test_serve_dp_handoff.py"})
+# local_serve_2: ~1/5 of the Serve modules' time, so both lanes end together (3a66d4a gave it
+# test_serve_tensor_parallel alone, and that lane ended ~110 s after the other; f5ad2fb, whose
+# ranks fork from a preloaded server, ended gw0's lane ~70 s after the other with the first two)
+SECOND_SERVE_MODULES = frozenset({"test_serve_failures.py", "test_serve_dp_handoff.py", "test_serve_dsv4_chat.py"})
 OWN_CLUSTER_MODULES = frozenset({
     "test_onprem_cluster.py", "test_nixl_partition.py",    # network-namespace hosts
     "test_serve_cli_ray.py", "test_serve_fake_cluster.py",  # `ray start`, `kvmesh serve`
