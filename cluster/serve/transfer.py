@@ -17,7 +17,7 @@ every block: decode writes only the ones it lacks. Each report says how many blo
 reused and their bytes (/metrics `kvmesh_worker_handoff_reused_blocks`, `..._saved_bytes`).
 
 With a data-parallel engine the cache sits on one rank of the replica, and the ranks may not be
-Ray workers (offline they are plain spawned processes), so Ray objects stay on rank 0, the
+Ray workers (offline they are plain local processes), so Ray objects stay on rank 0, the
 front: a held cache on rank k is gathered there and its tensors travel to rank 0 over the
 replica's channel, where `RayTransport.relay` puts them; a Ray offer for rank j is fetched on
 rank 0 (`Loader.portable`) and its tensors travel to rank j. NIXL needs no relay: each rank

@@ -1,6 +1,6 @@
 """One engine across several ranks (tensor / expert parallelism), the rank-0-leads protocol.
 
-    Engine(EngineConfig(tensor_parallel_size=2))        # rank 0 here, rank 1 a spawned process
+    Engine(EngineConfig(tensor_parallel_size=2))        # rank 0 here, rank 1 a local process (workers/processes.py)
 
 Rank 0 is the engine: scheduler, prefix cache, store, index, sampling, handoffs. Every rank
 holds its shard of the model (`model.Shard`) and a **full, identical copy of the cache**:
@@ -113,7 +113,7 @@ def rank_device(device: str, rank: int) -> str:
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
                   threads: int | None, main, environ: dict[str, str]) -> None:
-    apply_environment(environ)      # the parent's now, as a spawned rank had it
+    apply_environment(environ)      # the parent's now, as a `spawn` rank had it
     # daemonic so that rank 0's exit ends it (the parent's flag does that), yet a rank starts
     # children of its own (a data-parallel rank's grammar compilers), which a daemon may not
     multiprocessing.current_process().daemon = False
