@@ -6,7 +6,8 @@ data-parallel ranks (workers.parallel.replica.LocalProcessLauncher) and schema c
     p = ctx.Process(target=main, args=(..., dict(os.environ)))    # then apply_environment() in main
 
 `forkserver` (Python 3.14's default on Linux): the process's first child starts a server that
-imports PRELOAD and starts no thread of its own, and every child is a fork of it. A child so
+imports PRELOAD and nothing else (no kvmesh thread; only what a library starts at import, such as
+OpenBLAS's pool, which re-creates itself in a fork), and every child is a fork of it. A child so
 starts in milliseconds instead of importing torch and its own code for ~2 s of a core as a
 `spawn` child does (xgrammar: ~0.6 s more). The server never touches CUDA (no preloaded module
 initializes it at import), so a rank may still take cuda:r. A child inherits the server's

@@ -9,7 +9,8 @@ routed experts split (rank r owns experts [r*E/N, (r+1)*E/N)), and each MoE laye
 the ranks' tokens (model/moe.py `MoE.exchanged`: all-gather of hidden states and picks with
 their counts, all-reduce of the partial expert outputs). Rank 0 is this process and the front;
 ranks 1..N-1 are local processes (engine/dp_rank.py; started as workers/processes.py says),
-or under Serve rank actors in the replica's placement group (cluster/serve/ranks.py). `stats()` sums the ranks; `rank_stats` has each.
+or under Serve rank actors in the replica's placement group (cluster/serve/ranks.py).
+`stats()` sums the ranks; `rank_stats` has each.
 
 The front routes each new request to one rank: the rank whose device pool holds the longest
 prefix of its prompt (in whole blocks; each rank reports what its pool gained and lost every

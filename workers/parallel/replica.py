@@ -1,6 +1,6 @@
 """One engine across several ranks (tensor / expert parallelism), the rank-0-leads protocol.
 
-    Engine(EngineConfig(tensor_parallel_size=2))        # rank 0 here, rank 1 a local process (workers/processes.py)
+    Engine(EngineConfig(tensor_parallel_size=2))   # rank 0 here, rank 1 a local process (workers/processes.py)
 
 Rank 0 is the engine: scheduler, prefix cache, store, index, sampling, handoffs. Every rank
 holds its shard of the model (`model.Shard`) and a **full, identical copy of the cache**:
