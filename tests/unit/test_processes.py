@@ -2,15 +2,15 @@
 parent's environment at their start."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
-from workers.processes import PRELOAD, apply_environment, child_context
+from workers.processes import PRELOAD, start_child
 
 
-def _report(conn, environ) -> None:
+def _report(conn) -> None:
     preloaded = [m for m in PRELOAD if m in sys.modules]       # before this child imports anything
-    apply_environment(environ)
     conn.send((os.getppid(), preloaded, os.environ.get("KVMESH_TEST_PROCESSES")))
     conn.close()
 
@@ -20,10 +20,8 @@ def _child(value: str | None):
         os.environ.pop("KVMESH_TEST_PROCESSES", None)
     else:
         os.environ["KVMESH_TEST_PROCESSES"] = value
-    ctx = child_context()
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_report, args=(child, dict(os.environ)), daemon=True)
-    p.start()
+    parent, child = multiprocessing.Pipe()
+    p = start_child(_report, (child,), "kvmesh-test-child")
     child.close()
     try:
         return parent.recv()

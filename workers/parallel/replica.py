@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
-import os
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -45,7 +44,7 @@ from workers.checkpoint.loader import load_model
 from workers.engine_config import EngineConfig
 from workers.model.shard import Shard
 from workers.model.step import StepInput
-from workers.processes import apply_environment, child_context
+from workers.processes import start_child
 from workers.spec.mtp import DraftPlan, MTPPasses
 
 from .collectives import Collectives, RankFailed, init_method
@@ -83,14 +82,10 @@ class LocalProcessLauncher:
         self.threads, self.procs, self.main = threads, [], main or run_rank
 
     def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
-        ctx = child_context()
         for rank in range(1, world_size):
             cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
-            p = ctx.Process(target=_process_main, args=(rank, world_size, init_method, cfg, self.threads, self.main,
-                                                        dict(os.environ)),
-                            name=f"kvmesh-rank{rank}", daemon=True)
-            p.start()
-            self.procs.append(p)
+            self.procs.append(start_child(_process_main, (rank, world_size, init_method, cfg, self.threads, self.main),
+                                          f"kvmesh-rank{rank}"))
 
     def check(self) -> None:
         for rank, p in enumerate(self.procs, 1):
@@ -112,8 +107,7 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
-                  threads: int | None, main, environ: dict[str, str]) -> None:
-    apply_environment(environ)      # the parent's now, as a `spawn` rank had it
+                  threads: int | None, main) -> None:
     # daemonic so that rank 0's exit ends it (the parent's flag does that), yet a rank starts
     # children of its own (a data-parallel rank's grammar compilers), which a daemon may not
     multiprocessing.current_process().daemon = False

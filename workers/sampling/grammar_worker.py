@@ -16,11 +16,12 @@ gets `CompileBudgetExceeded`. The result crosses back as xgrammar's serialized g
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import threading
 import time
 
-from workers.processes import apply_environment, child_context
+from workers.processes import start_child
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0      # importing xgrammar (and torch) in the child; not the compile's budget
@@ -32,9 +33,8 @@ class CompileBudgetExceeded(Exception):
     """The compile ran past its time or memory budget (the message names which); it was stopped."""
 
 
-def _serve(conn, tokenizer_info_json: str, environ: dict[str, str]) -> None:
+def _serve(conn, tokenizer_info_json: str) -> None:
     """The child: compile schemas sent on `conn` until it is closed (or None arrives)."""
-    apply_environment(environ)
     import xgrammar as xgr
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -104,11 +104,9 @@ class CompileWorker:
         if self._closed:
             raise RuntimeError("the grammar compiler was closed")
         if self._proc is None or not self._proc.is_alive():
-            ctx = child_context()       # never a fork of this process (it has threads)
-            parent, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_serve, args=(child, self._info, dict(os.environ)), name="kvmesh-grammar",
-                                     daemon=True)
-            self._proc.start()
+            parent, child = multiprocessing.Pipe()
+            # never a fork of this process (it has threads): workers.processes forks its server
+            self._proc = start_child(_serve, (child, self._info), "kvmesh-grammar")
             child.close()
             self._conn = parent
             self._wait(parent, START_TIMEOUT_S, budget=False)
