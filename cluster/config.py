@@ -163,8 +163,8 @@ class PoolConfig(_Strict):
         "enable_expert_parallel; any pool (prefill and decode hand off rank to rank)"))
     data_parallel_size_local: int | None = Field(None, ge=1, description=(
         "data-parallel ranks per node (vLLM's name): divides data_parallel_size; a replica spans "
-        "data_parallel_size / data_parallel_size_local nodes (default: all on one node). Only one node "
-        "is served yet: a smaller value is refused at start-up"))
+        "data_parallel_size / data_parallel_size_local nodes (default: all on one node): one placement "
+        "group with a bundle per node (the node's ranks), STRICT_SPREAD"))
     enable_expert_parallel: bool = Field(False, description="split the routed experts whole across the ranks")
     enable_eplb: bool = Field(False, description=(
         "expert-parallel load balancing over the pool's data-parallel ranks: the hottest experts replicated "
@@ -190,18 +190,13 @@ class PoolConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _one_node(self):
+    def _ranks_per_node(self):
         local, dp = self.data_parallel_size_local, self.data_parallel_size
         if local is None:
             return self
         if dp % local:
             raise ValueError(f"data_parallel_size_local {local} does not divide data_parallel_size {dp} "
                              "(every node of a replica holds the same number of ranks)")
-        if self.nodes > 1:
-            raise ValueError(f"data_parallel_size_local {local} with data_parallel_size {dp} asks for a replica "
-                             f"over {self.nodes} nodes: multi-node replicas are not served yet (a replica is one "
-                             "placement group packed on one node, STRICT_PACK); keep the replica on one node "
-                             f"(data_parallel_size_local {dp}, or leave it out)")
         return self
 
     @property
@@ -219,15 +214,29 @@ class PoolConfig(_Strict):
         bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         return {k: v for k, v in bundle.items() if v > 0}
 
+    @property
+    def ranks_per_bundle(self) -> int:
+        """Ranks in each bundle of the replica's placement group: 1 on one node; over several,
+        a bundle per node holds that node's data_parallel_size_local ranks (rank r in bundle
+        r // ranks_per_bundle; the replica itself, rank 0, in bundle 0)."""
+        return self.data_parallel_size_local if self.nodes > 1 else 1
+
+    def placement(self) -> tuple[list[dict[str, float]], str]:
+        """The replica's placement group (bundles, strategy): a bundle per rank packed on one
+        node, or a bundle per node (its ranks' resources summed) on distinct nodes."""
+        if self.nodes == 1:
+            return [self.rank_bundle() for _ in range(self.ranks)], "STRICT_PACK"
+        per = self.ranks_per_bundle
+        return [{k: v * per for k, v in self.rank_bundle().items()} for _ in range(self.nodes)], "STRICT_SPREAD"
+
     def deployment_options(self, name: str) -> dict[str, Any]:
         opts: dict[str, Any] = dict(
             name=name, max_ongoing_requests=self.max_ongoing_requests,
             max_queued_requests=self.max_queued_requests,
             ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                "resources": dict(self.resources)})
-        if self.ranks > 1:     # bundle 0 is the replica (rank 0), 1..N-1 its rank actors
-            opts["placement_group_bundles"] = [self.rank_bundle() for _ in range(self.ranks)]
-            opts["placement_group_strategy"] = "STRICT_PACK"
+        if self.ranks > 1:     # bundle 0 holds the replica (rank 0); the rank actors: see placement()
+            opts["placement_group_bundles"], opts["placement_group_strategy"] = self.placement()
         if self.autoscaling:
             opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
@@ -303,6 +312,7 @@ class ServeConfig(_Strict):
         if pool.ranks > 1 or pool.enable_expert_parallel or pool.enable_eplb:
             config = dataclasses.replace(config, tensor_parallel_size=pool.tensor_parallel_size,
                                          data_parallel_size=pool.data_parallel_size,
+                                         data_parallel_size_local=pool.data_parallel_size_local,
                                          enable_expert_parallel=pool.enable_expert_parallel,
                                          enable_eplb=pool.enable_eplb, eplb_config=pool.eplb_config)
         return config

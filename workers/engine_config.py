@@ -146,6 +146,10 @@ class EngineConfig:
     data_parallel_size: int = setting(1, "data-parallel attention (vLLM's name): N whole attention engines (own "
                                          "scheduler, KV cache, prefix cache) in lockstep, routed experts split "
                                          "across them (needs enable_expert_parallel)", serve=False)
+    data_parallel_size_local: int | None = setting(
+        None, "data-parallel ranks per node (vLLM's name; default: data_parallel_size, one node): a replica "
+              "of data_parallel_size ranks spans data_parallel_size / data_parallel_size_local nodes (Serve "
+              "places them; EPLB's placement is then hierarchical)", serve=False, cli=False)
     enable_expert_parallel: bool = setting(False, "each rank owns n_routed_experts/N whole experts (N: "
                                                   "tensor_parallel_size, else every expert's intermediate dim "
                                                   "is split; or data_parallel_size, where it is required)",
@@ -220,6 +224,11 @@ class EngineConfig:
         if self.enable_eplb and eplb.num_redundant_experts % dp:
             raise ConfigError(f"EngineConfig.eplb_config.num_redundant_experts={eplb.num_redundant_experts} is not a "
                               f"multiple of data_parallel_size={dp} (each rank holds the same number of experts)")
+        local = self.data_parallel_size_local
+        if local is not None and (isinstance(local, bool) or not isinstance(local, int) or local < 1 or dp % local):
+            raise ConfigError(f"EngineConfig.data_parallel_size_local={local!r} must be an integer >= 1 that "
+                              f"divides data_parallel_size={dp} (every node of a replica holds the same number "
+                              "of ranks)")
         if dp == 1:
             return
         if not self.enable_expert_parallel:

@@ -47,7 +47,8 @@ class _Worker:
         self.launcher = None
         if pool.ranks > 1:     # ranks 1..N-1 (TP or DP): actors in this replica's placement group
             from cluster.serve.ranks import RayRankLauncher
-            self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}")
+            self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}",
+                                            pool.ranks_per_bundle)
         engine_config = config.pool_engine(pool, self.worker_id)
         self.engine = AsyncEngine(engine_config, launcher=self.launcher)
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "held_timeouts": 0,

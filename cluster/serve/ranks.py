@@ -5,6 +5,13 @@
       └─ ...           bundle N-1
     placement group: N bundles (PoolConfig.rank_bundle), STRICT_PACK: one node
 
+A data-parallel replica over several nodes (data_parallel_size_local L < N) has a bundle per
+node instead, each with L ranks' resources, STRICT_SPREAD (PoolConfig.placement): rank r's actor
+goes in bundle r // L, so ranks 0..L-1 share rank 0's node and each other node holds L ranks.
+The process group forms at rank 0's node IP; every rank listens on its own host's address
+(workers/parallel/collectives.py `local_address`), and a rank on another host opens its NIXL
+agent there. A host that dies takes its ranks: the replica fails as a whole (below).
+
 `main` is what each rank runs: `run_rank` (a tensor-parallel follower) unless the engine's builder
 sets another, as `DataParallelEngine` does (`run_dp_rank`: a whole attention engine per rank).
 
@@ -46,8 +53,9 @@ class RayRankLauncher:
     """Starts ranks 1..N-1 of the calling Serve replica in bundles 1..N-1 of its placement group;
     rank r's actor is named `{name}:{r}` (`ray list actors` shows whose rank it is)."""
 
-    def __init__(self, bundle: dict[str, float], name: str):
+    def __init__(self, bundle: dict[str, float], name: str, ranks_per_bundle: int = 1):
         self.bundle, self.name, self.main = dict(bundle), name, run_rank
+        self.per_bundle = ranks_per_bundle      # PoolConfig.ranks_per_bundle
         self.host = ray.util.get_node_ip_address()
         self.actors: list = []
         self.runs: list = []
@@ -55,17 +63,18 @@ class RayRankLauncher:
 
     def start(self, world_size: int, init_method: str, config) -> None:
         pg = get_current_placement_group()
-        if pg is None or len(pg.bundle_specs) < world_size:
+        need = -(-world_size // self.per_bundle)
+        if pg is None or len(pg.bundle_specs) < need:
             have = 0 if pg is None else len(pg.bundle_specs)
             raise NoPlacementGroup(
-                f"{world_size} ranks need the replica in a placement group of {world_size} "
-                f"bundles (one per rank); it has {have}: deploy the pool through cluster.app "
+                f"{world_size} ranks need the replica in a placement group of {need} "
+                f"bundles ({self.per_bundle} rank(s) each); it has {have}: deploy the pool through cluster.app "
                 "(PoolConfig.deployment_options sets placement_group_bundles)")
         b = self.bundle
         options = dict(num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
                        resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")})
         for rank in range(1, world_size):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank // self.per_bundle)
             actor = _Rank.options(scheduling_strategy=strategy, name=f"{self.name}:{rank}", **options).remote()
             self.actors.append(actor)
             self.runs.append(actor.run.remote(self.main, rank, world_size, init_method, config))

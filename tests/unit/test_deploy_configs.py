@@ -57,7 +57,7 @@ def test_setup_commands_expand_home_paths(path):
 
 # the layouts docs/deploy.md walks through that this build plans but does not serve yet: refused at
 # start-up with this message (drop the entry the day they are served)
-NOT_SERVED_YET = {"serve-v4-pro.yaml": "multi-node replicas are not served yet"}
+NOT_SERVED_YET: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", SERVES, ids=lambda p: p.name)
@@ -71,16 +71,28 @@ def test_serve_config_passes_serve_and_kvmesh_validation(path):
         load_config(path)
 
 
-def test_the_v4_pro_walk_through_is_the_plans_two_node_row_on_its_cluster():
-    """serve-v4-pro.yaml asks for the layout `kvmesh plan` finds for V4-Pro on 8 x 80 GiB (TP 2 x DP 8
-    over 2 nodes), on exactly the two nodes of cluster-v4-pro.yaml that carry its resource."""
+def test_the_v4_pro_walk_through_is_the_plans_served_row_on_its_cluster():
+    """serve-v4-pro.yaml asks for the layout `kvmesh plan` serves for V4-Pro on 8 x 80 GiB (TP 1 x DP 24
+    over 3 nodes), on exactly the three nodes of cluster-v4-pro.yaml that carry its resource."""
+    from workers.checkpoint.released import RELEASED_CONFIGS
+    from workers.checkpoint.sizing import plan, split_from_config
+    from workers.model.args import ModelArgs
     pool = yaml.safe_load((DEPLOY / "serve-v4-pro.yaml").read_text())["applications"][0]["args"]["colocated"]
     cluster = yaml.safe_load((DEPLOY / "cluster-v4-pro.yaml").read_text())
     gpu = cluster["available_node_types"]["v4pro_gpu"]
-    assert gpu["min_workers"] == gpu["max_workers"] == cluster["max_workers"] == 2
-    per_node = pool["tensor_parallel_size"] * pool["data_parallel_size_local"]
-    assert per_node == gpu["resources"]["GPU"] == gpu["resources"]["kvmesh_v4pro"]
-    assert pool["data_parallel_size"] // pool["data_parallel_size_local"] == 2 and pool["enable_expert_parallel"]
+    nodes = pool["data_parallel_size"] // pool["data_parallel_size_local"]
+    assert gpu["min_workers"] == gpu["max_workers"] == cluster["max_workers"] == nodes == 3
+    assert pool.get("tensor_parallel_size", 1) == 1 and pool["enable_expert_parallel"]
+    assert pool["data_parallel_size_local"] == gpu["resources"]["GPU"] == gpu["resources"]["kvmesh_v4pro"]
+    config = load_config(DEPLOY / "serve-v4-pro.yaml")
+    opts = config.colocated.deployment_options("Colocated")
+    assert len(opts["placement_group_bundles"]) == 3 and opts["placement_group_strategy"] == "STRICT_SPREAD"
+    assert opts["placement_group_bundles"][0]["GPU"] == 8
+    args = ModelArgs.from_dict(RELEASED_CONFIGS["V4-Pro"])
+    row = {(f.tp, f.dp, f.nodes): f for f in plan(args, split_from_config(args), 80, 8, kv_cache_dtype="fp8",
+                                                  nodes=3).fits}[(1, 24, 3)]
+    assert row.fits and row.not_served is None
+    assert config.engine.kv_cache_bytes <= row.free_per_rank      # the plan's KV free per rank holds it
 
 
 def onprem() -> dict:

@@ -1,6 +1,6 @@
 """Per-pool tensor_parallel_size / data_parallel_size / enable_expert_parallel in the serve config: validated,
-turned into the replica's placement group (one bundle per rank, packed on one node), and
-handed to each pool's engine config."""
+turned into the replica's placement group (one bundle per rank packed on one node, or one
+bundle per node for a data-parallel replica over several), and handed to each pool's engine config."""
 from __future__ import annotations
 
 import pytest
@@ -102,3 +102,26 @@ def test_a_dp_size_that_does_not_divide_the_experts_fails_before_deploying():
                                               r"n_routed_experts=4"):
         check_parallel_sizes(config)
     check_parallel_sizes(load_config(None, {"prefill.data_parallel_size": 1}))   # nothing to check: no error
+
+
+def test_a_dp_replica_over_nodes_is_one_bundle_per_node_on_distinct_nodes():
+    pool = PoolConfig(data_parallel_size=8, data_parallel_size_local=4, enable_expert_parallel=True,
+                      num_cpus=2, num_gpus=1, resources={"decode_node": 0.01})
+    assert (pool.nodes, pool.ranks, pool.ranks_per_bundle) == (2, 8, 4)
+    opts = pool.deployment_options("Decode")
+    assert opts["placement_group_bundles"] == [{"CPU": 8, "GPU": 4, "decode_node": 0.04}] * 2
+    assert opts["placement_group_strategy"] == "STRICT_SPREAD"
+    assert opts["ray_actor_options"]["num_gpus"] == 1          # the replica is rank 0, in bundle 0
+    from ray import serve
+    replica = serve.deployment(Worker).options(**opts)._replica_config    # Serve's own check: rank 0 fits bundle 0
+    assert len(replica.placement_group_bundles) == 2
+    one_node = PoolConfig(data_parallel_size=4, data_parallel_size_local=4, enable_expert_parallel=True, num_cpus=1)
+    assert one_node.deployment_options("D")["placement_group_bundles"] == [{"CPU": 1}] * 4
+    assert one_node.ranks_per_bundle == 1
+    config = load_config(None, {"mode": "colocated", "colocated.data_parallel_size": 4,
+                                "colocated.data_parallel_size_local": 2, "colocated.enable_expert_parallel": True,
+                                "colocated.num_cpus": 0.5})
+    assert config.pool_engine(config.colocated).data_parallel_size_local == 2
+    with pytest.raises(ConfigFileError, match="data_parallel_size_local 3 does not divide data_parallel_size 4"):
+        load_config(None, {"decode.data_parallel_size": 4, "decode.data_parallel_size_local": 3,
+                           "decode.enable_expert_parallel": True})

@@ -184,7 +184,8 @@ def test_tiny_replicas_over_several_nodes_by_hand():
         blocks = (free - p.layout.slot_bytes) // p.block_bytes
         assert f.expert_parallel and f.fits and f.weights_per_rank == split.per_rank(f.tp, f.dp)
         assert (f.free_per_rank, f.tokens, f.tokens_per_node) == (free, f.dp * blocks * 16, f.dp * blocks * 16 // 2)
-        assert f.replicas_per_node == 0.5 and f.not_served == "replicas over several nodes"
+        assert f.replicas_per_node == 0.5 and f.not_served == ("tensor parallelism inside a DP rank" if f.tp > 1
+                                                               else None)
     assert one.nodes == 1 and p.nodes == 3 and not p.auto_nodes
     # auto: something fits on one node, so one node's rows only
     assert plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", nodes=None).fits == \
@@ -229,7 +230,7 @@ def test_plan_cli_json_has_multi_node_rows_that_fit_for_v4_pro_on_8_x_80_gib(cap
     got = json.loads(capsys.readouterr().out)
     assert got["nodes"] == 2 and got["gpus_per_node"] == 8
     fits = [s for s in got["sizes"] if s["fits"]]
-    assert fits and all(s["nodes"] == 2 and not s["served"] and s["expert_parallel"] for s in fits)
+    assert fits and all(s["nodes"] == 2 and s["served"] == (s["tp"] == 1) and s["expert_parallel"] for s in fits)
     assert all(s["tokens_per_node"] * 2 == s["tokens"] > 0 and s["replicas_per_node"] == 0.5 for s in fits)
     assert all(s["data_parallel_size_local"] * s["tp"] == 8 for s in fits)
     assert not any(s["fits"] for s in got["sizes"] if s["nodes"] == 1)

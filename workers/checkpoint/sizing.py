@@ -234,8 +234,6 @@ class Fit:
     @property
     def not_served(self) -> str | None:
         """What kvmesh plans here but does not serve yet (None: it serves this size)."""
-        if self.nodes > 1:
-            return "replicas over several nodes"
         if self.tp > 1 and self.dp > 1:
             return "tensor parallelism inside a DP rank"
         return None

@@ -97,11 +97,11 @@ def start_placement(config: EngineConfig, model_dir: Path) -> torch.Tensor | Non
 
 
 def balancer(config: EngineConfig, model: Transformer, dp: Collectives | None) -> ExpertBalancer | None:
-    """This data-parallel rank's EPLB (None without it). A replica is one node until it can
-    span several (data_parallel_size_local, issue 29 item 1): then the placement is hierarchical."""
+    """This data-parallel rank's EPLB (None without it); hierarchical (expert groups to nodes,
+    then replicas to ranks) when the replica spans nodes (data_parallel_size_local)."""
     if dp is None or not config.enable_eplb:
         return None
-    local = getattr(config, "data_parallel_size_local", None) or config.data_parallel_size
+    local = config.data_parallel_size_local or config.data_parallel_size
     return ExpertBalancer(model, dp, config.eplb_config, num_nodes=config.data_parallel_size // local)
 
 

@@ -18,8 +18,8 @@ Handoffs between steps are calls, which step nothing:
     rank k:  recv Call ─ run_call(its part: nothing unless it is the target) ─ gather_objects(CallReply)
 
 A held request stays on its rank; `RankHandoff` is a rank's side of handoffs: its own NIXL
-transport (`OpenNixl`: an agent per rank over the rank's own cache memory, so offers name it
-and READs land in it), gathered copies for Ray (GatheredTransport: a rank need not be a Ray
+transport (`OpenNixl`: an agent per rank over the rank's own cache memory, at the rank's own
+node address when the replica spans hosts, so offers name it and READs land in it), gathered copies for Ray (GatheredTransport: a rank need not be a Ray
 worker; its front relays the tensors), the reads it finished (`PollReleased`: the rank frees
 them itself) and the loads it ran (Reply.loaded, so the front settles each request's load; and
 Reply.unread, failed READs that are over, which the front starts again from a Ray copy).
@@ -154,8 +154,10 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 class RankHandoff:
     """A rank's side of handoffs (see the module docstring)."""
 
-    def __init__(self, engine: Engine, rank: int):
-        self.engine, self.rank = engine, rank
+    def __init__(self, engine: Engine, rank: int, address: str | None = None):
+        """`address`: this rank's own node address when it runs on another host than rank 0
+        (its NIXL agent advertises that one, not rank 0's `OpenNixl.node_ip`)."""
+        self.engine, self.rank, self.address = engine, rank, address
         self.nixl = None                                   # NixlTransport once OpenNixl opened one
         self.gathered = GatheredTransport(engine.fingerprint)
         self.loaded: list[tuple[str, TransferReport]] = []
@@ -194,7 +196,7 @@ class RankHandoff:
     def run(self, op) -> object:
         e = self.engine
         if isinstance(op, OpenNixl):
-            self.nixl = e.open_nixl(f"{op.name}-dp{self.rank}", op.node_ip, op.backend, op.timeout_s)
+            self.nixl = e.open_nixl(f"{op.name}-dp{self.rank}", self.address or op.node_ip, op.backend, op.timeout_s)
             return self.nixl is not None
         if isinstance(op, PollReleased):
             return e.release_read(self.nixl) if self.nixl is not None else []
@@ -248,7 +250,7 @@ def run_dp_rank(rank: int, world_size: int, init_method: str, config: EngineConf
     try:
         try:
             engine = Engine(rank_config(config, rank), dp=comm)
-            handoff = RankHandoff(engine, rank)
+            handoff = RankHandoff(engine, rank, comm.address if comm.remote else None)
         except Exception as e:     # reported to rank 0, which raises it
             error = f"{type(e).__name__}: {e}"
             log.error("data-parallel rank %d: start-up failed\n%s", rank, traceback.format_exc())

@@ -1,13 +1,16 @@
 """The process groups of one tensor-parallel replica, and the few collectives kvmesh uses.
 
-Two groups over one TCPStore that rank 0 hosts (`tcp://host:port`):
+Two groups over one TCPStore that rank 0 hosts (`tcp://host:port`, rank 0's node address):
 * `ctrl`: gloo on CPU, rank 0 -> all broadcasts of pickled messages (each step's inputs and
   cache commands). Followers wait for the next message while the engine idles, so that one
   wait has no practical timeout; a dead rank 0 still ends it at once (the TCP pair closes).
 * `dev`: the model's reductions (gloo on CPU, NCCL on CUDA), bounded by `timeout_s`: a rank
   that died or stalls turns into `RankFailed` within that time, never a hang.
 Forming the groups and waiting for every rank to load its shard may take START_TIMEOUT_S
-(a rank that dies meanwhile fails it at once).
+(a rank that dies meanwhile fails it at once). Each rank's gloo pairs listen on the address by
+which it reaches rank 0's host (`local_address`), not on its hostname's, so the ranks of a
+replica that spans nodes (data_parallel_size_local) connect across hosts; NCCL picks its own
+interfaces.
 
 `SingleRank` is the same interface for TP=1 (every collective is the identity), so the model
 has one code path. Every collective's wall time is summed in `stats` (the benchmark's
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 import time
 
 import torch
@@ -42,14 +46,17 @@ class Collectives(SingleRank):
         self.start_timeout = start = datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
         try:
             self.store = store or dist.TCPStore(host, port, size, is_master=False, timeout=start)
-            self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", self.store), rank, size, start)
+            self.host, self.address = host, local_address(host)
+            self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", self.store), rank, size,
+                                              gloo_options(self.address, start))
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
             else:
-                self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev", self.store), rank, size, start)
+                self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev", self.store), rank, size,
+                                                 gloo_options(self.address, start))
         except RuntimeError as e:
             raise RankFailed(f"rank {rank}/{size}: the process group at {init_method} did not form "
                              f"within {start.total_seconds():g} s ({e})") from e
@@ -173,6 +180,11 @@ class Collectives(SingleRank):
         except RuntimeError as e:
             raise RankFailed(f"rank {self.rank}: the control channel failed: a rank died or stalled ({e})") from e
 
+    @property
+    def remote(self) -> bool:
+        """This rank runs on another host than rank 0 (a replica that spans nodes)."""
+        return self.address != self.host
+
     def close(self) -> None:
         for name in ("dev", "ctrl"):
             pg = self.__dict__.pop(name, None)
@@ -181,6 +193,22 @@ class Collectives(SingleRank):
                     pg.shutdown()
                 except RuntimeError:
                     pass
+
+
+def local_address(host: str) -> str:
+    """This machine's address on its route to `host` (`host` itself when it is this machine's;
+    no packet is sent): what a rank listens on and advertises to the others of its replica."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def gloo_options(address: str, timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return opts
 
 
 def parse_init_method(init_method: str) -> tuple[str, int]:
