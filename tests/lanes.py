@@ -34,7 +34,7 @@ ORDER = (LOCAL_SERVE, LOCAL_SERVE_2, OWN_CLUSTERS, CHAOS)
 # ranks fork from a preloaded server, ended gw0's lane ~70 s after the other with the first two)
 SECOND_SERVE_MODULES = frozenset({"test_serve_failures.py", "test_serve_dp_handoff.py", "test_serve_dsv4_chat.py"})
 OWN_CLUSTER_MODULES = frozenset({
-    "test_onprem_cluster.py", "test_nixl_partition.py",    # network-namespace hosts
+    "test_onprem_cluster.py", "test_nixl_partition.py", "test_wide_ep.py",    # network-namespace hosts
     "test_serve_cli_ray.py", "test_serve_fake_cluster.py",  # `ray start`, `kvmesh serve`
 })
 LANES = {"gw0": (LOCAL_SERVE, CHAOS), "other": (OWN_CLUSTERS, LOCAL_SERVE_2)}   # each worker's first units

@@ -1,0 +1,239 @@
+"""A data-parallel + expert-parallel replica over two hosts (issue 29 items 1-3), on namespace
+hosts (tests/integration/onprem_hosts.py) running real Ray:
+
+    head      Ray GCS, Serve controller, HTTP proxy, both apps' ingresses
+    P         the disaggregated app's prefill replica
+    W1-W3     one DP=4 + EP replica of each app on two of them: 2 ranks on each host
+              (data_parallel_size_local 2: a placement group of one bundle per host,
+              STRICT_SPREAD; gloo and NIXL between the hosts); room for both on any two
+
+Two apps share the hosts: `/` disaggregated (prefill on P, the wide replica as its decode pool)
+and `/colo` colocated (the wide replica runs whole requests). Every answer is checked against
+the cold greedy tokens of the offline single-process engine. The kill scenario SIGKILLs every
+process of a wide host that holds ranks of both replicas, under load: each open request ends
+as the right tokens or a clean OpenAI error (503, or an SSE error event), never a hang; Serve
+replaces both replicas as gangs on the two hosts that remain; nothing is left held.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis
+from tests.integration.chaos_cluster import (
+    HTTP_PORT, Load, RayOnHosts, Row, bad, clean_codes, one_request, per_worker, row, scrape, serve_config,
+    shared_prefix_prompts)
+from tests.integration.onprem_hosts import Hosts
+from tests.integration.test_onprem_cluster import require_namespaces
+
+pytestmark = pytest.mark.slow     # a cluster of namespace hosts, like test_chaos.py
+
+MAX_TOKENS = 24
+LONG_TOKENS = 64
+READY_WITHIN_S = 300.0
+TOKEN_TIMEOUT_S = 30.0     # ingress.token_timeout_s (chaos_cluster.serve_config)
+# a request open when its replica's host dies ends by then: at once, or (its retry found no live
+# replica of the pool: Serve queues it until one is back) when its retry's wait reaches the token timeout
+ENDED_WITHIN_S = TOKEN_TIMEOUT_S + 10
+WIDE = dict(data_parallel_size=4, data_parallel_size_local=2, enable_expert_parallel=True, num_replicas=1,
+            num_cpus=0.25, resources={"kvmesh_wide": 0.25})    # a host's bundle: 2 ranks, kvmesh_wide 0.5
+
+# run on the head: every live actor of a wide replica (the replica = rank 0, its rank actors) -> host
+RANKS = """
+import json, ray
+from ray.util.state import list_actors
+ray.init(address="auto", logging_level="ERROR")
+ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+out = {}
+for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000):
+    if a.node_id not in ip:
+        continue
+    if a.class_name.startswith("ServeReplica:") and a.class_name.rsplit(":", 1)[1] in ("Decode", "Colocated"):
+        out[a.name.rsplit("#", 1)[1] + ":0"] = ip[a.node_id]
+    elif (a.name or "").startswith("kvmesh-rank:"):
+        out[a.name.split(":", 2)[2]] = ip[a.node_id]
+print("RANKS " + json.dumps(out))
+"""
+
+
+def apps_config(redis_url: str) -> dict:
+    """The on-prem app (chaos_cluster.serve_config) with its decode pool wide, plus a colocated
+    app on /colo whose pool is wide too."""
+    config = serve_config(redis_url, release_timeout_s=10.0)
+    disagg = config["applications"][0]
+    args = disagg["args"]
+    args["prefill"].update(num_replicas=1)
+    args["decode"] = {**args["decode"], **WIDE}
+    args["ingress"].update(num_cpus=0.05, token_timeout_s=TOKEN_TIMEOUT_S)
+    colo = json.loads(json.dumps(disagg))
+    colo.update(name="kvmesh-colo", route_prefix="/colo")
+    colo["args"].update(mode="colocated", colocated={**WIDE, "engine": {"max_batched_tokens": 128}})
+    colo["args"].pop("prefill"), colo["args"].pop("decode")
+    config["applications"].append(colo)
+    return config
+
+
+class Wide:
+    def __init__(self, hosts: Hosts, ray: RayOnHosts, prompts: list, want: list):
+        self.hosts, self.ray, self.prompts, self.want = hosts, ray, prompts, want
+        head, self.prefill, *self.wide = hosts.ips
+        self.base = f"http://{head}:{HTTP_PORT}"
+        self.urls = {"decode": self.base, "colocated": f"{self.base}/colo"}
+
+    def ranks(self) -> dict[str, str]:
+        """'{replica}:{rank}' -> host address, for every live rank of the wide replicas."""
+        out = self.ray.ssh(self.ray.head, f"python -c '{RANKS}'", timeout=120)
+        line = [l for l in out.splitlines() if l.startswith("RANKS ")][-1]
+        return json.loads(line[len("RANKS "):])
+
+    def serving(self, pool: str) -> dict[str, dict[int, float]]:
+        """replica -> {rank: generated tokens} of `pool`'s live replicas (their /metrics)."""
+        out: dict[str, dict[int, float]] = {}
+        for (metric, labels), value in scrape(self.urls[pool]).items():
+            labels = dict(labels)
+            if metric == "kvmesh_rank_generated_tokens" and labels.get("pool") == pool:
+                out.setdefault(labels["worker"], {})[int(labels["rank"])] = value
+        return out
+
+    def wait_ready(self, within_s: float = READY_WITHIN_S, old: set[str] = frozenset()) -> dict[str, str]:
+        """Until each wide pool has a live replica not in `old` with all 4 ranks up and an answer
+        comes back from both apps; the ranks' hosts then."""
+        deadline, last = time.monotonic() + within_s, "no answer"
+        while time.monotonic() < deadline:
+            try:
+                live = {p: set(self.serving(p)) - set(old) for p in self.urls}
+                if all(live.values()):
+                    for url in self.urls.values():
+                        r = httpx.post(f"{url}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
+                        r.raise_for_status()
+                    where = self.ranks()
+                    if all(sum(k.startswith(w + ":") for k in where) == 4 for ws in live.values() for w in ws):
+                        return where
+                last = str(live)
+            except Exception as e:        # the proxy, the ingress or a replica is not up yet
+                last = repr(e)
+            time.sleep(2)
+        raise AssertionError(f"the wide replicas are not ready within {within_s:.0f} s: {last}")
+
+
+def cold_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from workers.engine import Engine
+    from workers.engine_config import EngineConfig
+    from workers.sampling.params import SamplingParams
+    outs = Engine(EngineConfig(kv_cache_bytes=32 << 20)).generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def wide():
+    require_namespaces()
+    if not Path(REDIS_SERVER_BINARY).exists():
+        pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
+    hosts, redis, workdir = Hosts(5, "kvw", "10.215"), None, Path(tempfile.mkdtemp(prefix="kvw-redis-"))
+    # 8 prompts over 4 prefixes of 2 blocks: requests spread over the ranks, repeats reuse
+    prompts = shared_prefix_prompts(groups=4, per_group=2, prefix=256, suffix=12, seed=29)
+    pool = ThreadPoolExecutor(1)
+    cold = pool.submit(cold_tokens, prompts, LONG_TOKENS)
+    t0 = time.monotonic()
+    try:
+        hosts.start()
+        hosts.check_isolated()
+        redis = PrivateRedis(REDIS_SERVER_BINARY, workdir, host=hosts.gateway)
+        redis.start()
+        ray = RayOnHosts(hosts, Path(sys.executable).parent)
+        ray.start_head()
+        head, p, *wide = hosts.ips
+        ray.join_all({p: "prefill", **{w: "wide" for w in wide}})
+        t1 = time.monotonic()
+        ray.serve_deploy(apps_config(redis.url))
+        long = cold.result()
+        w = Wide(hosts, ray, prompts, [t[:MAX_TOKENS] for t in long])
+        w.long = long
+        w.placed = w.wait_ready()
+        print(f"\nhosts + Ray up in {t1 - t0:.0f} s, both apps serving {time.monotonic() - t1:.0f} s after the "
+              "deploy", file=sys.__stdout__, flush=True)
+        yield w
+    finally:
+        hosts.close()
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        pool.shutdown()
+
+
+def send_all(url: str, prompts: list, want: list) -> list:
+    """Every prompt at once (half streamed): the front spreads them over the ranks."""
+    def one(i):
+        with httpx.Client(timeout=httpx.Timeout(180)) as c:
+            return one_request(c, url, prompts[i], want[i], stream=i % 2 == 0)
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, range(len(prompts))))
+
+
+def test_a_dp4_ep_replica_over_two_hosts_equals_one_process_colocated_and_as_decode(wide):
+    placed = wide.placed
+    for pool, url in wide.urls.items():
+        (replica,) = wide.serving(pool)
+        hosts = {r: placed[f"{replica}:{r}"] for r in range(4)}
+        # ranks 0-1 on one host, 2-3 on the other, both of them wide hosts
+        assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
+        assert {hosts[0], hosts[2]} <= set(wide.wide), hosts
+        outcomes = send_all(url, wide.prompts, wide.want) + send_all(url, wide.prompts, wide.want)
+        assert [o.kind for o in outcomes] == ["correct"] * len(outcomes), bad(outcomes)
+        served = wide.serving(pool)[replica]
+        by_host = {h: sum(v for r, v in served.items() if hosts[r] == h) for h in set(hosts.values())}
+        assert all(v > 0 for v in by_host.values()), f"{pool}: a host's ranks served nothing: {served}"
+        print(f"\n{pool}: ranks {hosts}, tokens generated per rank {served}", file=sys.__stdout__, flush=True)
+
+
+def test_a_wide_host_killed_mid_stream_fails_cleanly_and_both_replicas_come_back_on_the_others(wide):
+    old = {p: set(wide.serving(p)) for p in wide.urls}
+    before = wide.ranks()
+    # a host with ranks of both replicas (two pairs of three hosts always share one)
+    shared = set.intersection(*({h for k, h in before.items() if k.split(":")[0] in old[p]} for p in old))
+    victim = sorted(shared)[0]
+    # long answers keep streams open when the host dies
+    loads = {p: Load(url, wide.prompts, wide.long, clients=2) for p, url in wide.urls.items()}
+    for load in loads.values():
+        load.__enter__()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(load.outcomes for load in loads.values()):
+            time.sleep(0.5)
+        time.sleep(1.0)              # the clients' next requests are in flight
+        t0 = time.monotonic()
+        wide.hosts.kill(victim)
+        placed = wide.wait_ready(old=set().union(*old.values()))
+        back = time.monotonic()
+        deadline = back + 60                      # until each app has answered requests sent after that
+        while time.monotonic() < deadline and not all(
+                sum(o.start > back for o in load.outcomes) >= 2 for load in loads.values()):
+            time.sleep(0.5)
+    finally:
+        outcomes = {p: load.stop() for p, load in loads.items()}
+    rows = []
+    for pool, outs in outcomes.items():
+        cut = [o for o in outs if o.start < t0 < o.end]
+        r = row(f"wide host killed ({pool})", outs, 0, t0, f"both replicas ready again {back - t0:.1f} s after "
+                f"the kill; open at the kill: {len(cut)}, ended {[round(o.end - t0, 1) for o in cut]} s after it "
+                f"({[o.kind for o in cut]}); clean errors: {clean_codes(outs)}")
+        rows.append(r)
+        assert not bad(outs), bad(outs)[:5]
+        assert all(o.end - t0 < ENDED_WITHIN_S for o in cut), \
+            f"{pool}: a request open at the kill hung: {[round(o.end - t0, 1) for o in cut]}"
+        late = [o for o in outs if o.start > back]
+        assert late and all(o.kind == "correct" for o in late), f"{pool}: the new replica does not serve"
+    print("\n" + Row.HEADER + "\n" + "\n".join(r.line() for r in rows), file=sys.__stdout__, flush=True)
+    assert victim not in placed.values() and set(placed.values()) == set(wide.wide) - {victim}, placed
+    for pool in wide.urls:
+        held = per_worker(scrape(wide.urls[pool]), "held", pool)
+        assert sum(held.values()) == 0, held
