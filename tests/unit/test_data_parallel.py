@@ -180,13 +180,16 @@ def test_the_odd_config_is_one_tensor_parallelism_cannot_split(tmp_path):
 def test_released_format_weights_at_dp2_equal_tp1_where_tp2_cannot_split_them(tmp_path):
     """FP8 linears in 128x128 blocks (as released) + FP4 experts: TP=2 would cut a scale block of
     the attention; DP=2 keeps attention whole and reads only its own experts (and their scales),
-    here with EPLB: one redundant slot per rank, FP4 bytes + scales moved by rebalances."""
+    here with EPLB: one redundant slot per rank, FP4 bytes + scales moved by rebalances, placed
+    hierarchically as over two nodes (data_parallel_size_local 1: a rank per node)."""
     dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca")
     q = quantize_checkpoint(dense, tmp_path / "q", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
     ps = prompts("swa_csa_hca")["B"]
     ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)
-    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", **DP, **eplb("swa_csa_hca", step_interval=2))
+    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", **DP, **eplb("swa_csa_hca", step_interval=2),
+                         data_parallel_size_local=1)
     try:
+        assert engine.local.balancer.num_nodes == 2
         experts = engine.local.model.layers[1].ffn.experts
         assert isinstance(experts, QuantExperts) and experts.w1.shape[0] == 3 and experts.first == 0
         assert_same_outputs(engine.generate(ps, GREEDY), ref)
