@@ -105,7 +105,23 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
     overrides.update(flag_overrides(args, data, args.config or "the defaults"))
     config = load_config(args.config, overrides, data=data)
     check_parallel_sizes(config)
+    if not args.address:
+        check_one_node(config)
     return config
+
+
+def check_one_node(config) -> None:
+    """A local Ray is one node: a pool whose replica spans several (data_parallel_size_local) could
+    never be placed there, so it fails here rather than waiting for nodes that never come."""
+    from cluster.config import ConfigFileError
+    pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
+    for name in pools:
+        pool = getattr(config, name)
+        if pool.nodes > 1:
+            raise ConfigFileError(
+                f"{name}.data_parallel_size_local {pool.data_parallel_size_local} places each replica over "
+                f"{pool.nodes} nodes, and a local Ray is one node: attach to a cluster with --address (or set "
+                f"data_parallel_size_local to data_parallel_size {pool.data_parallel_size})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -29,8 +29,8 @@ import pytest
 
 from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis
 from tests.integration.chaos_cluster import (
-    HTTP_PORT, Load, RayOnHosts, Row, bad, clean_codes, one_request, per_worker, row, scrape, serve_config,
-    shared_prefix_prompts)
+    HTTP_PORT, Load, RayOnHosts, Row, bad, clean_codes, handoffs, one_request, per_worker, row, scrape,
+    serve_config, shared_prefix_prompts, total)
 from tests.integration.onprem_hosts import Hosts
 from tests.integration.test_onprem_cluster import require_namespaces
 
@@ -187,8 +187,15 @@ def test_a_dp4_ep_replica_over_two_hosts_equals_one_process_colocated_and_as_dec
         # ranks 0-1 on one host, 2-3 on the other, both of them wide hosts
         assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
         assert {hosts[0], hosts[2]} <= set(wide.wide), hosts
+        before = scrape(url)
         outcomes = send_all(url, wide.prompts, wide.want) + send_all(url, wide.prompts, wide.want)
         assert [o.kind for o in outcomes] == ["correct"] * len(outcomes), bad(outcomes)
+        if pool == "decode":      # every handoff from the prefill host READ over NIXL by a decode rank
+            after = scrape(url)
+            moved = {t: total(after, "kvmesh_handoff_bytes_total", transport=t)
+                     - total(before, "kvmesh_handoff_bytes_total", transport=t) for t in ("nixl", "ray")}
+            assert moved["nixl"] > 0 and moved["ray"] == 0, moved
+            assert total(after, "kvmesh_handoff_fallbacks_total") == 0, handoffs(before, after)
         served = wide.serving(pool)[replica]
         by_host = {h: sum(v for r, v in served.items() if hosts[r] == h) for h in set(hosts.values())}
         assert all(v > 0 for v in by_host.values()), f"{pool}: a host's ranks served nothing: {served}"

@@ -219,7 +219,7 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
     engine = dp.pool_engine(dp.colocated)
     assert (engine.data_parallel_size, engine.enable_expert_parallel, engine.tensor_parallel_size) == (2, True, 1)
     assert len(dp.colocated.deployment_options("colocated")["placement_group_bundles"]) == 2
-    wide = serve_config(serve_args("--data-parallel-size", "4", "--enable-expert-parallel",
+    wide = serve_config(serve_args("--data-parallel-size", "4", "--enable-expert-parallel", "--address", "auto",
                                    "--decode-data-parallel-size-local", "2"))     # decode over 2 nodes
     assert (wide.decode.nodes, wide.prefill.nodes) == (2, 1)
     assert wide.pool_engine(wide.decode).data_parallel_size_local == 2
@@ -283,6 +283,9 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
     (["--decode-data-parallel-size", "4", "--decode-data-parallel-size-local", "3", "--enable-expert-parallel"],
      "data_parallel_size_local 3 does not divide data_parallel_size 4"),
     (["--data-parallel-size-local", "0"], "decode.data_parallel_size_local"),
+    (["--data-parallel-size", "4", "--decode-data-parallel-size-local", "2", "--enable-expert-parallel"],
+     "decode.data_parallel_size_local 2 places each replica over 2 nodes, and a local Ray is one node: "
+     "attach to a cluster with --address"),
     (["--mode", "colocated", "--enable-eplb"], "colocated: EngineConfig.enable_eplb: needs data_parallel_size > 1"),
     (["--mode", "colocated", "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
       '{"num_redundant_experts": 1}'], "eplb_config.num_redundant_experts=1 is not a multiple of data_parallel_size=2"),
