@@ -19,10 +19,11 @@ Handoffs between steps are calls, which step nothing:
 
 A held request stays on its rank; `RankHandoff` is a rank's side of handoffs: its own NIXL
 transport (`OpenNixl`: an agent per rank over the rank's own cache memory, at the rank's own
-node address when the replica spans hosts, so offers name it and READs land in it), gathered copies for Ray (GatheredTransport: a rank need not be a Ray
-worker; its front relays the tensors), the reads it finished (`PollReleased`: the rank frees
-them itself) and the loads it ran (Reply.loaded, so the front settles each request's load; and
-Reply.unread, failed READs that are over, which the front starts again from a Ray copy).
+node address when the replica spans hosts, so offers name it and READs land in it), gathered
+copies for Ray (GatheredTransport: a rank need not be a Ray worker; its front relays the
+tensors), the reads it finished (`PollReleased`: the rank frees them itself) and the loads it
+ran (Reply.loaded, so the front settles each request's load; and Reply.unread, failed READs
+that are over, which the front starts again from a Ray copy).
 """
 from __future__ import annotations
 
