@@ -200,16 +200,16 @@ if n > 0 then
     local key = ns .. ':l:' .. w
     local d = redis.call('HGET', key, first)
     if d and tonumber(d) > now then
-      local live, count = {{}}, 0  -- live: deadline string -> alive (a worker's leases share few deadlines)
+      local alive, count = d, 0   -- a deadline string known to be live: a worker's leases share few
       for k = 1, pages_n do
         local got = redis.call('HMGET', key, unpack(page(k)))
         local m = #got
         for i = 1, m do
           local v = got[i]
-          if not v then m = -1; break end
-          local ok = live[v]
-          if ok == nil then ok = tonumber(v) > now; live[v] = ok end
-          if not ok then m = -1; break end
+          if v ~= alive then
+            if not v or tonumber(v) <= now then m = -1; break end
+            alive = v
+          end
           count = count + 1
         end
         if m < 0 then break end
