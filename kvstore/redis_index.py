@@ -29,10 +29,14 @@ per 512 blocks and tier (`bench/index_lookup.py` measures it against the
 per-key layout before it). Writes of the store tier are scripts too (a field
 carries both flags, so setting one keeps the other).
 
+Every hash also holds a `layout` field with a long value, which keeps it a hashtable (see
+`_LAYOUT_VALUE`). Needs Redis >= 4.0 (multi-field HSET); tested with 7.0.
+
 Upgrading from the per-key layout (`kvmesh:{ns}:b:{hex}`, `:c:{hex}`, `:w:{worker}`,
 `:workers`): this layout never reads those keys, so an old namespace's entries are
-ignored — lookups miss and the blocks are recomputed (or `rebuild_from` re-publishes
-them from the store), never a wrong answer; `clear()` removes old and new keys alike.
+ignored — lookups miss and the blocks are recomputed, never a wrong answer, until an
+engine re-publishes its store at start-up (`rebuild_from`) and its leases as it runs.
+The old block and checkpoint keys never expire; `clear()` removes old and new keys alike.
 
 Faults: when Redis is unreachable (connection refused/reset, timeout) or answers
 with an error reply (READONLY after a failover, OOM under `noeviction`, LOADING,
