@@ -172,7 +172,7 @@ return n
 """
 
 # ARGV[1]: the namespace's key prefix; ARGV[2]: the chain's fields.
-# Returns {{stored, {{checkpoint indices}}, {{worker, count, worker, count, ...}}}} (see LookupResult).
+# Returns {{stored, "i,j,..." (checkpoint indices: one string, not 1 reply per mark), {{worker, count, ...}}}}.
 _LOOKUP_LUA = _FIELDS_LUA + f"""
 local ns, chain = ARGV[1], ARGV[2]
 local n = #chain / 8
@@ -223,7 +223,7 @@ if n > 0 then
     end
   end
 end
-return {{stored, marks, memory}}
+return {{stored, table.concat(marks, ','), memory}}
 """
 
 
@@ -363,7 +363,8 @@ class RedisIndex(PrefixIndex):
     def _lookup(self, hashes: Sequence[int]) -> LookupResult:
         stored, marks, memory = self._lookup_script(args=[self._ns, _chain_fields(hashes)])
         return LookupResult(
-            stored, tuple(marks), {memory[i].decode(): memory[i + 1] for i in range(0, len(memory), 2)}
+            stored, tuple(map(int, marks.split(b","))) if marks else (),
+            {memory[i].decode(): memory[i + 1] for i in range(0, len(memory), 2)},
         )
 
     def _write(self, op: str, fn: Callable[[], object]) -> None:
