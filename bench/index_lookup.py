@@ -7,13 +7,15 @@ of N stored blocks, a checkpoint every 16 blocks, and memory leases of 0 or 4 wo
 holds the whole chain, three a leading half: the worst case for the walk). Each lookup of the
 whole chain is timed from the client, as a caller sees it:
 
-  * script: `RedisIndex.lookup`, one EVALSHA that walks the chain on the server
-  * pipeline: the lookup before it (one pipeline of TIME, two MGETs and a ZRANGE per block
-    over the lease layout before it, one sorted set of workers per block, written here for it),
-    the baseline, kept here to compare with
+  * hash: `RedisIndex.lookup`, one EVALSHA over the hash layout (fields = raw 8-byte hashes)
+  * per-key: the script lookup before it, the baseline: one EVALSHA that builds a key name per
+    block (`{ns}:b:{hex}`, `{ns}:c:{hex}`) for pages of MGET and ZMSCORE's per-worker lease sets
+    (`{ns}:w:{worker}`), over that layout, written here for it. (The pipeline of 3 + N commands
+    before both is gone from this bench: it was 7-18x slower than the per-key script.)
 
-Both give the same LookupResult (checked). Prints a table (median and p99 ms, ratio) with the
-load average; --json prints one JSON line per row.
+Both give the same LookupResult (checked). Beside each median and p99 it prints Redis's own CPU
+time per lookup (INFO cpu, main thread), which a loaded machine inflates less than wall time,
+and the load average; --json prints one JSON line per row.
 """
 from __future__ import annotations
 
@@ -28,38 +30,89 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore.hashing import PrefixHasher  # noqa: E402
-from kvstore.index_base import LookupResult, walk_memory  # noqa: E402
+from kvstore.hashing import PrefixHasher, hash_hex  # noqa: E402
+from kvstore.index_base import LookupResult  # noqa: E402
 from kvstore.redis_index import RedisIndex  # noqa: E402
 from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis  # noqa: E402
 
 FINGERPRINT = "be4c0000000000000000000000000001"   # any hex fingerprint: a namespace of its own
+_PAGE = 512
+
+# The per-key layout's lookup, as RedisIndex ran it before the hash layout (ARGV[1] the namespace's
+# key prefix, ARGV[2] the chain as hex).
+PER_KEY_LOOKUP_LUA = f"""
+local ns, chain = ARGV[1], ARGV[2]
+local n = #chain / 16
+local function hex(i) return string.sub(chain, 16 * i - 15, 16 * i) end
+local function page(prefix, from, to)
+  local out = {{}}
+  for i = from, to do out[#out + 1] = prefix .. hex(i) end
+  return out
+end
+local function run(cmd, key, prefix, to, alive)
+  local count = 0
+  for from = 1, to, {_PAGE} do
+    local last = math.min(from + {_PAGE} - 1, to)
+    local got = key and redis.call(cmd, key, unpack(page(prefix, from, last)))
+                    or redis.call(cmd, unpack(page(prefix, from, last)))
+    for i = 1, #got do
+      if not alive(got[i]) then return count end
+      count = count + 1
+    end
+  end
+  return count
+end
+local stored = run('MGET', nil, ns .. ':b:', n, function(v) return v end)
+local marks = {{}}
+for from = 1, stored, {_PAGE} do
+  local got = redis.call('MGET', unpack(page(ns .. ':c:', from, math.min(from + {_PAGE} - 1, stored))))
+  for i = 1, #got do
+    if got[i] then marks[#marks + 1] = from + i - 2 end
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function live(score) return score and tonumber(score) > now end
+local memory = {{}}
+if n > 0 then
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':workers', '(' .. now, '+inf')) do
+    local key = ns .. ':w:' .. w
+    if live(redis.call('ZSCORE', key, hex(1))) then
+      memory[#memory + 1] = w
+      memory[#memory + 1] = run('ZMSCORE', key, '', n, live)
+    end
+  end
+end
+return {{stored, marks, memory}}
+"""
 
 
-def publish_old_leases(index: RedisIndex, worker: str, hashes: list[int], ttl_s: float) -> None:
-    """Leases in the layout before per-worker sets: `{ns}:m:{hex}` -> {worker: deadline ms}."""
-    secs, micros = index._client.time()
-    deadline = secs * 1000 + micros // 1000 + int(ttl_s * 1000)
-    pipe = index._client.pipeline(transaction=False)
-    for key in index._keys("m", hashes):
-        pipe.zadd(key, {worker: deadline})
-    pipe.execute()
+class PerKeyLayout:
+    """The layout before the hash one, on the same server and namespace prefix (the baseline)."""
+
+    def __init__(self, index: RedisIndex) -> None:
+        self._client, self._ns = index._client, index._ns
+        self._script = self._client.register_script(PER_KEY_LOOKUP_LUA)
+
+    def publish(self, hashes: list[int], checkpoints: list[int], leases: list[tuple[str, list[int]]]) -> None:
+        c, ns = self._client, self._ns
+        c.mset({f"{ns}:b:{hash_hex(h)}": 1 for h in hashes})
+        c.mset({f"{ns}:c:{hash_hex(h)}": 1 for h in checkpoints})
+        secs, micros = c.time()
+        deadline = secs * 1000 + micros // 1000 + 3_600_000
+        for worker, chain in leases:
+            c.zadd(f"{ns}:w:{worker}", {hash_hex(h): deadline for h in chain})
+            c.zadd(f"{ns}:workers", {worker: deadline})
+
+    def lookup(self, hashes: list[int]) -> LookupResult:
+        chain = b"".join(h.to_bytes(8, "big") for h in hashes).hex()
+        stored, marks, memory = self._script(args=[self._ns, chain])
+        return LookupResult(stored, tuple(marks), {memory[i].decode(): memory[i + 1] for i in range(0, len(memory), 2)})
 
 
-def pipeline_lookup(index: RedisIndex, hashes: list[int]) -> LookupResult:
-    """The lookup before the server-side walk: 3 + N commands in one pipeline."""
-    pipe = index._client.pipeline(transaction=False)
-    pipe.time()
-    pipe.mget(index._keys("b", hashes))
-    pipe.mget(index._keys("c", hashes))
-    for key in index._keys("m", hashes):
-        pipe.zrange(key, 0, -1, withscores=True)
-    (secs, micros), blocks, checkpoints, *leases = pipe.execute()
-    now_ms = secs * 1000 + micros // 1000
-    stored = next((i for i, present in enumerate(blocks) if present is None), len(blocks))
-    marks = tuple(i for i in range(stored) if checkpoints[i] is not None)
-    memory = walk_memory({w.decode() for w, deadline in members if deadline > now_ms} for members in leases)
-    return LookupResult(stored, marks, memory)
+def server_cpu_s(index: RedisIndex) -> float:
+    info = index._client.info("cpu")
+    return info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"]
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -79,25 +132,31 @@ def run(url: str, blocks: int, leases: int, repeats: int) -> dict:
     index = RedisIndex(url, FINGERPRINT)
     index.clear()
     hashes = PrefixHasher(FINGERPRINT, 1).hashes(list(range(blocks)))
+    holders = ([("whole", hashes)] + [(w, hashes[: blocks // 2]) for w in ("half-a", "half-b", "half-c")])[:leases]
     index.publish_blocks(hashes)
     for h in hashes[15::16]:
         index.publish_checkpoint(h)
-    holders = [("whole", hashes)] + [(w, hashes[: blocks // 2]) for w in ("half-a", "half-b", "half-c")]
-    for worker, chain in holders[:leases]:
+    for worker, chain in holders:
         index.publish_memory(worker, chain, 3600.0)
-        publish_old_leases(index, worker, chain, 3600.0)
+    per_key = PerKeyLayout(index)
+    per_key.publish(hashes, hashes[15::16], holders)
     want = index.lookup(hashes)
-    assert want == pipeline_lookup(index, hashes), "the two lookups disagree"
-    assert want.stored == blocks and len(want.memory) == min(leases, len(holders))
-    script, pipeline = [], []
+    assert want == per_key.lookup(hashes), "the two lookups disagree"
+    assert want.stored == blocks and len(want.memory) == leases
+    times: dict[str, list[float]] = {"hash": [], "per_key": []}
+    cpu = dict.fromkeys(times, 0.0)
     for _ in range(repeats // 10):          # alternated, so drift in the machine's load hits both
-        script += timed(lambda: index.lookup(hashes), 10)
-        pipeline += timed(lambda: pipeline_lookup(index, hashes), 10)
+        for name, fn in (("hash", index.lookup), ("per_key", per_key.lookup)):
+            before = server_cpu_s(index)
+            times[name] += timed(lambda: fn(hashes), 10)
+            cpu[name] += server_cpu_s(index) - before
     index.clear()
     index.close()
-    return {"blocks": blocks, "leases": leases, "script_ms_p50": statistics.median(script), "script_ms_p99": p99(script),
-            "pipeline_ms_p50": statistics.median(pipeline), "pipeline_ms_p99": p99(pipeline),
-            "repeats": len(script), "load_average": os.getloadavg()[0]}
+    row = {"blocks": blocks, "leases": leases, "repeats": len(times["hash"]), "load_average": os.getloadavg()[0]}
+    for name, xs in times.items():
+        row |= {f"{name}_ms_p50": statistics.median(xs), f"{name}_ms_p99": p99(xs),
+                f"{name}_server_cpu_ms": cpu[name] * 1000 / len(xs)}
+    return row
 
 
 def main() -> None:
@@ -119,13 +178,15 @@ def main() -> None:
         for r in rows:
             print(json.dumps(r))
         return
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-    print("| blocks | workers with leases | script p50 ms | script p99 ms | pipeline p50 ms | pipeline p99 ms | pipeline / script (p50) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
+    print("| blocks | workers with leases | hash p50 ms | hash p99 ms | hash server CPU ms | per-key p50 ms | "
+          "per-key p99 ms | per-key server CPU ms | per-key / hash (p50) | load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['blocks']:,} | {r['leases']} | {r['script_ms_p50']:.2f} | {r['script_ms_p99']:.2f} | "
-              f"{r['pipeline_ms_p50']:.2f} | {r['pipeline_ms_p99']:.2f} | "
-              f"{r['pipeline_ms_p50'] / r['script_ms_p50']:.1f}x |")
+        print(f"| {r['blocks']:,} | {r['leases']} | {r['hash_ms_p50']:.2f} | {r['hash_ms_p99']:.2f} | "
+              f"{r['hash_server_cpu_ms']:.2f} | {r['per_key_ms_p50']:.2f} | {r['per_key_ms_p99']:.2f} | "
+              f"{r['per_key_server_cpu_ms']:.2f} | {r['per_key_ms_p50'] / r['hash_ms_p50']:.1f}x | "
+              f"{r['load_average']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,42 @@
 """The cluster prefix index in Redis (same contract as EmbeddedIndex, see kvstore.index).
 
 Key layout, `ns` the namespace (`fingerprint[:16]`, or `{fingerprint[:16]}-k{key_id}` for a
-keyed store: kvstore.hashing.store_namespace), `hex = hash_hex(h)`::
+keyed store: kvstore.hashing.store_namespace); a *field* is a block hash as 8 big-endian bytes::
 
-    kvmesh:{ns}:b:{hex}       string "1"     block object is in the store
-    kvmesh:{ns}:c:{hex}       string "1"     checkpoint object is in the store
-    kvmesh:{ns}:w:{worker}    sorted set     member hex, score = that block's lease deadline
-                                             (Redis server clock, ms since epoch)
-    kvmesh:{ns}:workers       sorted set     member worker id, score = its latest deadline
+    kvmesh:{ns}:s             hash        field -> "1" block object is in the store, "2" checkpoint
+                                          object is, "3" both (absent: neither)
+    kvmesh:{ns}:l:{worker}    hash        field -> that block's lease deadline (Redis server
+                                          clock, ms since epoch)
+    kvmesh:{ns}:e:{worker}    sorted set  the same fields, score = the same deadline (finds the
+                                          expired fields to drop)
+    kvmesh:{ns}:holders       sorted set  member worker id, score = its latest deadline
 
 Memory leases are judged by the *Redis server's* clock, so nodes with skewed
 clocks still agree: `publish_memory` runs a small Lua script that reads
-`TIME`, adds `now + ttl` as the blocks' score in the worker's set and as the
-worker's in `workers`, drops expired members, and keeps each key's PEXPIRE
-at least `ttl` so abandoned sets vanish. Lease granularity is 1 ms.
+`TIME`, writes `now + ttl` as the blocks' deadline in the worker's hash and
+sorted set and as the worker's score in `holders`, drops expired fields, and
+keeps each key's PEXPIRE at least `ttl` so abandoned keys vanish. Lease
+granularity is 1 ms.
 
 `lookup` is one server-side step (`_LOOKUP_LUA`, one EVALSHA carrying the
-chain as one string of hex): it reads the block keys in pages of `MGET` up to
-the first miss, the checkpoint keys of that stored run, then, for each live
-worker holding the chain's first block, its deadlines along the chain in pages
-of `ZMSCORE` up to its first expired or missing one. One round trip and a few
-commands per 512 blocks, whatever the chain's length (the lookup before it was
-a pipeline of 3 + N commands: `bench/index_lookup.py` compares them). Needs
-Redis >= 6.2 (ZMSCORE).
+chain as one binary string): the script cuts the chain into pages of 8-byte
+fields with `struct.unpack` (no key names are built), reads the store hash
+with `HMGET` page by page up to the first block that is not stored (the same
+replies give the checkpoints of that run), then, for each live holder whose
+lease covers the chain's first block, its deadlines along the chain with
+`HMGET` up to its first expired or missing one. One round trip and a command
+per 512 blocks and tier (`bench/index_lookup.py` measures it against the
+per-key layout before it). Writes of the store tier are scripts too (a field
+carries both flags, so setting one keeps the other).
+
+Every hash also holds a `layout` field with a long value, which keeps it a hashtable (see
+`_LAYOUT_VALUE`). Needs Redis >= 4.0 (multi-field HSET); tested with 7.0.
+
+Upgrading from the per-key layout (`kvmesh:{ns}:b:{hex}`, `:c:{hex}`, `:w:{worker}`,
+`:workers`): this layout never reads those keys, so an old namespace's entries are
+ignored — lookups miss and the blocks are recomputed, never a wrong answer, until an
+engine re-publishes its store at start-up (`rebuild_from`) and its leases as it runs.
+The old block and checkpoint keys never expire; `clear()` removes old and new keys alike.
 
 Faults: when Redis is unreachable (connection refused/reset, timeout) or answers
 with an error reply (READONLY after a failover, OOM under `noeviction`, LOADING,
@@ -46,7 +60,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.hashing import U64_MAX, hash_hex
+from kvstore.hashing import U64_MAX
 from kvstore.log_once import LogOnce
 from kvstore.redact import redact_url
 from kvstore.index_base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup
@@ -64,86 +78,159 @@ _CLEAR_BATCH = 1000  # keys per SCAN page / UNLINK call in clear()
 # Every Redis failure is a fault: the index is a hint, and a request must not fail over it.
 _FAULTS = (redis.exceptions.RedisError,)
 
-_HEX = 16           # hash_hex's width: a chain travels to the scripts as one string of these
-_PAGE = 512         # keys per MGET / ZADD / ZMSCORE inside the scripts (Lua's unpack has a limit)
+_BLOCK, _CHECKPOINT = 1, 2     # the store hash's flags (its value is their sum)
+_PAGE = 512         # fields per HMGET / HSET / ZADD inside the scripts (Lua's unpack has a limit)
+# Every hash of the layout holds this field too: its value is longer than hash-max-listpack-value
+# (64 by default), so Redis keeps the hash a hashtable. A hash of up to hash-max-listpack-entries
+# (512) fields would otherwise be a listpack, where each HMGET field is a linear scan: a page of
+# 512 fields took milliseconds, not microseconds. A block's field is 8 bytes, never this one.
+_LAYOUT_FIELD = "layout"
+_LAYOUT_VALUE = "kvmesh prefix index: fields are 8-byte block hashes; this value is long to keep a hashtable"
+assert len(_LAYOUT_VALUE) > 64
 
-# KEYS[1]: the worker's lease set; KEYS[2]: the workers set; ARGV[1]: worker id; ARGV[2]: ttl in
-# ms; ARGV[3]: the hashes as hex, concatenated. Returns server time (ms).
-_PUBLISH_MEMORY_LUA = f"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl, chain = tonumber(ARGV[2]), ARGV[3]
-local n, deadline = #chain / {_HEX}, now + ttl
-for from = 1, n, {_PAGE} do
-  local args = {{}}
-  for i = from, math.min(from + {_PAGE} - 1, n) do
-    args[#args + 1] = deadline
-    args[#args + 1] = string.sub(chain, {_HEX} * i - {_HEX - 1}, {_HEX} * i)
-  end
-  redis.call('ZADD', KEYS[1], unpack(args))
+# Every script reads a chain from one string of 8-byte fields: `fields(from, to)` is the list of
+# the chain's fields from..to (1-based), cut by struct.unpack in one C call (its last return value,
+# the next position, is dropped).
+_FIELDS_LUA = f"""
+local function fields(chain, from, to)
+  local out = {{struct.unpack(string.rep('c8', to - from + 1), chain, 8 * from - 7)}}
+  out[#out] = nil
+  return out
 end
-local old = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if not old or tonumber(old) < deadline then redis.call('ZADD', KEYS[2], deadline, ARGV[1]) end
+local function hashtable(key) redis.call('HSET', key, '{_LAYOUT_FIELD}', '{_LAYOUT_VALUE}') end
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS[1]: the store hash; ARGV[1]: the flag (1 block, 2 checkpoint); ARGV[2]: "1" set, "0" clear;
+# ARGV[3]: the fields. Other flags of a field are kept; a field left with none is deleted.
+_STORE_WRITE_LUA = _FIELDS_LUA + f"""
+local flag, set, chain = tonumber(ARGV[1]), ARGV[2] == '1', ARGV[3]
+local n = #chain / 8
+if set then hashtable(KEYS[1]) end
+for from = 1, n, {_PAGE} do
+  local page = fields(chain, from, math.min(from + {_PAGE} - 1, n))
+  local old = redis.call('HMGET', KEYS[1], unpack(page))
+  local put, del = {{}}, {{}}
+  for i = 1, #page do
+    local was = tonumber(old[i] or 0)
+    local has = math.floor(was / flag) % 2 == 1
+    local now = (set and not has) and was + flag or ((not set and has) and was - flag or was)
+    if now == 0 and was ~= 0 then del[#del + 1] = page[i]
+    elseif now ~= was then put[#put + 1] = page[i]; put[#put + 1] = now end
+  end
+  if #put > 0 then redis.call('HSET', KEYS[1], unpack(put)) end
+  if #del > 0 then redis.call('HDEL', KEYS[1], unpack(del)) end
+end
+return n
+"""
+
+# KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; KEYS[3]: the holders set;
+# ARGV[1]: worker id; ARGV[2]: ttl in ms; ARGV[3]: the fields. Returns server time (ms).
+_PUBLISH_MEMORY_LUA = _FIELDS_LUA + f"""
+local now = server_ms()
+local ttl, chain = tonumber(ARGV[2]), ARGV[3]
+local n, deadline = #chain / 8, now + ttl
+hashtable(KEYS[1])
+for from = 1, n, {_PAGE} do
+  local page = fields(chain, from, math.min(from + {_PAGE} - 1, n))
+  local args, scored = {{}}, {{}}
+  for i = 1, #page do
+    args[2 * i - 1], args[2 * i] = page[i], deadline
+    scored[2 * i - 1], scored[2 * i] = deadline, page[i]
+  end
+  redis.call('HSET', KEYS[1], unpack(args))
+  redis.call('ZADD', KEYS[2], unpack(scored))
+end
+while true do
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, {_PAGE})
+  if #expired == 0 then break end
+  redis.call('HDEL', KEYS[1], unpack(expired))
+  redis.call('ZREM', KEYS[2], unpack(expired))
+end
+local old = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if not old or tonumber(old) < deadline then redis.call('ZADD', KEYS[3], deadline, ARGV[1]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 for _, key in ipairs(KEYS) do
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
 end
 return now
 """
 
-# ARGV[1]: the namespace's key prefix; ARGV[2]: the chain's hashes as hex, concatenated.
-# Returns {{stored, {{checkpoint indices}}, {{worker, count, worker, count, ...}}}} (see LookupResult).
-_LOOKUP_LUA = f"""
+# KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; ARGV[1]: the fields.
+_REMOVE_MEMORY_LUA = _FIELDS_LUA + f"""
+local chain = ARGV[1]
+local n = #chain / 8
+for from = 1, n, {_PAGE} do
+  local page = fields(chain, from, math.min(from + {_PAGE} - 1, n))
+  redis.call('HDEL', KEYS[1], unpack(page))
+  redis.call('ZREM', KEYS[2], unpack(page))
+end
+return n
+"""
+
+# ARGV[1]: the namespace's key prefix; ARGV[2]: the chain's fields.
+# Returns {{stored, "i,j,..." (checkpoint indices: one string, not 1 reply per mark), {{worker, count, ...}}}}.
+_LOOKUP_LUA = _FIELDS_LUA + f"""
 local ns, chain = ARGV[1], ARGV[2]
-local n = #chain / {_HEX}
-local function hex(i) return string.sub(chain, {_HEX} * i - {_HEX - 1}, {_HEX} * i) end
-local function page(prefix, from, to)
-  local out = {{}}
-  for i = from, to do out[#out + 1] = prefix .. hex(i) end
-  return out
-end
-local function run(cmd, key, prefix, to, alive)   -- leading entries of 1..to that `alive` accepts
-  local count = 0
-  for from = 1, to, {_PAGE} do
-    local last = math.min(from + {_PAGE} - 1, to)
-    local got = key and redis.call(cmd, key, unpack(page(prefix, from, last)))
-                    or redis.call(cmd, unpack(page(prefix, from, last)))
-    for i = 1, #got do
-      if not alive(got[i]) then return count end
-      count = count + 1
-    end
+local n = #chain / 8
+local pages = {{}}                 -- page k: fields of blocks (k-1)*{_PAGE}+1 .., cut once, read by every walk
+local function page(k)
+  if not pages[k] then
+    local from = (k - 1) * {_PAGE} + 1
+    pages[k] = fields(chain, from, math.min(from + {_PAGE} - 1, n))
   end
-  return count
+  return pages[k]
 end
-local stored = run('MGET', nil, ns .. ':b:', n, function(v) return v end)
-local marks = {{}}
-for from = 1, stored, {_PAGE} do
-  local got = redis.call('MGET', unpack(page(ns .. ':c:', from, math.min(from + {_PAGE} - 1, stored))))
-  for i = 1, #got do
-    if got[i] then marks[#marks + 1] = from + i - 2 end
+local pages_n = math.ceil(n / {_PAGE})
+local marks, stored = {{}}, 0     -- the store walk: "1" block, "3" block + checkpoint, else a miss
+for k = 1, pages_n do
+  local got = redis.call('HMGET', ns .. ':s', unpack(page(k)))
+  local m = #got
+  for i = 1, m do
+    local v = got[i]
+    if v == '3' then marks[#marks + 1] = stored elseif v ~= '1' then m = -1; break end
+    stored = stored + 1
   end
+  if m < 0 then break end
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function live(score) return score and tonumber(score) > now end
+local now = server_ms()
 local memory = {{}}
 if n > 0 then
-  for _, w in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':workers', '(' .. now, '+inf')) do
-    local key = ns .. ':w:' .. w
-    if live(redis.call('ZSCORE', key, hex(1))) then
+  local first = page(1)[1]
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':holders', '(' .. now, '+inf')) do
+    local key = ns .. ':l:' .. w
+    local d = redis.call('HGET', key, first)
+    if d and tonumber(d) > now then
+      local alive, count = d, 0   -- a deadline string known to be live: a worker's leases share few
+      for k = 1, pages_n do
+        local got = redis.call('HMGET', key, unpack(page(k)))
+        local m = #got
+        for i = 1, m do
+          local v = got[i]
+          if v ~= alive then
+            if not v or tonumber(v) <= now then m = -1; break end
+            alive = v
+          end
+          count = count + 1
+        end
+        if m < 0 then break end
+      end
       memory[#memory + 1] = w
-      memory[#memory + 1] = run('ZMSCORE', key, '', n, live)
+      memory[#memory + 1] = count
     end
   end
 end
-return {{stored, marks, memory}}
+return {{stored, table.concat(marks, ','), memory}}
 """
 
 
-def _chain_hex(hashes: Sequence[int]) -> str:
-    """The hashes as one string of `hash_hex`es (what the scripts read a chain from)."""
+def _chain_fields(hashes: Sequence[int]) -> bytes:
+    """The hashes as one string of 8-byte big-endian fields (what the scripts read a chain from)."""
     try:
-        return struct.pack(f">{len(hashes)}Q", *hashes).hex()
+        return struct.pack(f">{len(hashes)}Q", *hashes)
     except struct.error:
         bad = next(h for h in hashes if not (isinstance(h, int) and 0 <= h <= U64_MAX))
         raise ValueError(f"hash must be a u64, got {bad}") from None
@@ -181,7 +268,10 @@ class RedisIndex(PrefixIndex):
             socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
+        self._store_key = f"{self._ns}:s"
+        self._store_write_script = self._client.register_script(_STORE_WRITE_LUA)
         self._publish_memory_script = self._client.register_script(_PUBLISH_MEMORY_LUA)
+        self._remove_memory_script = self._client.register_script(_REMOVE_MEMORY_LUA)
         self._lookup_script = self._client.register_script(_LOOKUP_LUA)
         self._clock = clock
         self._backoff_initial_s = backoff_initial_s
@@ -254,14 +344,9 @@ class RedisIndex(PrefixIndex):
 
     # -- keys --------------------------------------------------------------------
 
-    def _key(self, tier: str, h: int) -> str:
-        return f"{self._ns}:{tier}:{hash_hex(h)}"
-
-    def _keys(self, tier: str, hashes: Sequence[int]) -> list[str]:
-        return [self._key(tier, h) for h in hashes]
-
-    def _lease_key(self, worker_id: str) -> str:
-        return f"{self._ns}:w:{worker_id}"
+    def _lease_keys(self, worker_id: str) -> list[str]:
+        """The worker's lease hash and deadline set."""
+        return [f"{self._ns}:l:{worker_id}", f"{self._ns}:e:{worker_id}"]
 
     # -- PrefixIndex -------------------------------------------------------------
 
@@ -276,44 +361,47 @@ class RedisIndex(PrefixIndex):
         return result
 
     def _lookup(self, hashes: Sequence[int]) -> LookupResult:
-        stored, marks, memory = self._lookup_script(args=[self._ns, _chain_hex(hashes)])
+        stored, marks, memory = self._lookup_script(args=[self._ns, _chain_fields(hashes)])
         return LookupResult(
-            stored, tuple(marks), {memory[i].decode(): memory[i + 1] for i in range(0, len(memory), 2)}
+            stored, tuple(map(int, marks.split(b","))) if marks else (),
+            {memory[i].decode(): memory[i + 1] for i in range(0, len(memory), 2)},
         )
 
     def _write(self, op: str, fn: Callable[[], object]) -> None:
         self._count("writes")
         self._call(op, fn, None)
 
+    def _write_store(self, op: str, flag: int, present: bool, hashes: Sequence[int]) -> None:
+        fields = _chain_fields(hashes)
+        self._write(op, lambda: self._store_write_script(keys=[self._store_key], args=[flag, int(present), fields]))
+
     def publish_blocks(self, hashes: Sequence[int]) -> None:
         if hashes:
-            self._write("publish_blocks", lambda: self._client.mset(dict.fromkeys(self._keys("b", hashes), 1)))
+            self._write_store("publish_blocks", _BLOCK, True, hashes)
 
     def remove_blocks(self, hashes: Sequence[int]) -> None:
         if hashes:
-            self._write("remove_blocks", lambda: self._client.delete(*self._keys("b", hashes)))
+            self._write_store("remove_blocks", _BLOCK, False, hashes)
 
     def publish_checkpoint(self, h: int) -> None:
-        self._write("publish_checkpoint", lambda: self._client.set(self._key("c", h), 1))
+        self._write_store("publish_checkpoint", _CHECKPOINT, True, [h])
 
     def remove_checkpoint(self, h: int) -> None:
-        self._write("remove_checkpoint", lambda: self._client.delete(self._key("c", h)))
+        self._write_store("remove_checkpoint", _CHECKPOINT, False, [h])
 
     def publish_memory(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
         check_ttl(ttl_s)
         if not hashes:
             return
         ttl_ms = max(1, round(ttl_s * 1000))
-        keys = [self._lease_key(worker_id), f"{self._ns}:workers"]
-        self._write(
-            "publish_memory",
-            lambda: self._publish_memory_script(keys=keys, args=[worker_id, ttl_ms, _chain_hex(hashes)]),
-        )
+        keys = [*self._lease_keys(worker_id), f"{self._ns}:holders"]
+        fields = _chain_fields(hashes)
+        self._write("publish_memory", lambda: self._publish_memory_script(keys=keys, args=[worker_id, ttl_ms, fields]))
 
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
         if hashes:
-            self._write("remove_memory",
-                        lambda: self._client.zrem(self._lease_key(worker_id), *(hash_hex(h) for h in hashes)))
+            keys, fields = self._lease_keys(worker_id), _chain_fields(hashes)
+            self._write("remove_memory", lambda: self._remove_memory_script(keys=keys, args=[fields]))
 
     def clear(self) -> None:
         def clear_namespace() -> None:

@@ -146,6 +146,33 @@ def test_remove_blocks_and_checkpoints(harness: Harness) -> None:
     index.remove_checkpoint(hs[0])  # removing what is absent is a no-op
 
 
+def test_a_block_and_its_checkpoint_come_and_go_independently(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint, 3)
+    index.publish_checkpoint(hs[1])                 # before its block
+    index.publish_blocks(hs)
+    index.publish_blocks(hs)                        # again: idempotent, the checkpoint stays
+    assert index.lookup(hs) == LookupResult(3, (1,), {})
+    index.remove_blocks([hs[1]])                    # the checkpoint outlives its block ...
+    assert index.lookup(hs) == LookupResult(1, (), {})
+    index.publish_blocks([hs[1]])                   # ... and shows again with it
+    assert index.lookup(hs) == LookupResult(3, (1,), {})
+    index.remove_checkpoint(hs[1])
+    assert index.lookup(hs) == LookupResult(3, (), {})
+
+
+def test_a_worker_whose_older_leases_expired_holds_only_the_renewed_ones(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint, 4)
+    ttl = harness.ttl_s
+    index.publish_memory("w1", hs, ttl)
+    harness.wait(ttl * 0.6)
+    index.publish_memory("w1", hs[:2], ttl)         # renews the first two only
+    assert index.lookup(hs).memory == {"w1": 4}
+    harness.wait(ttl * 0.6)
+    assert index.lookup(hs).memory == {"w1": 2}
+
+
 def test_namespaces_isolate_fingerprints(harness: Harness) -> None:
     a, b = harness.make(_fingerprint()), harness.make(_fingerprint())
     hs = _chain(a.fingerprint)  # the *same* hash values published under both namespaces
@@ -228,6 +255,22 @@ def test_long_chains_give_redis_and_embedded_the_same_answers(redis_server: str,
     finally:
         redis_index.clear()
         redis_index.close()
+
+
+def test_redis_hashes_stay_hashtables_so_a_page_read_is_not_a_scan(redis_server: str) -> None:
+    """A hash of <= 512 small fields would be a listpack, where HMGET scans per field."""
+    fp = _fingerprint()
+    index = RedisIndex(redis_server, fp)
+    try:
+        hs = _chain(fp, 3)
+        index.publish_checkpoint(hs[0])
+        index.publish_memory("w1", hs, 60.0)
+        ns = f"kvmesh:{index.namespace}"
+        for key in (f"{ns}:s", f"{ns}:l:w1"):
+            assert index._client.object("encoding", key) == b"hashtable", key
+    finally:
+        index.clear()
+        index.close()
 
 
 # -- Redis faults ------------------------------------------------------------------

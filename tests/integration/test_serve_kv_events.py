@@ -51,7 +51,7 @@ def forget_leases(redis_url: str, namespace: str) -> int:
     """Delete every memory lease of the namespace: the index lookup then knows no holder."""
     client = redis.Redis.from_url(redis_url)
     try:
-        keys = list(client.scan_iter(match=f"kvmesh:{namespace}:w:*")) + [f"kvmesh:{namespace}:workers"]
+        keys = [*client.scan_iter(match=f"kvmesh:{namespace}:[le]:*"), f"kvmesh:{namespace}:holders"]   # redis_index's layout
         return client.delete(*keys)
     finally:
         client.close()
