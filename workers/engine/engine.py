@@ -352,9 +352,13 @@ class Engine:
             eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None)
 
     def queued_tokens(self) -> int:
-        """Tokens this engine has yet to run: prompts left to prefill, one per decoding sequence
-        (read racily from the event publisher's thread: copies, then sums)."""
-        return sum(s.remaining_prefill() for s in list(self.scheduler.waiting) + list(self.scheduler.running))
+        """The load routers weigh against a prefix's blocks: tokens left to prefill, plus the
+        context of every decoding sequence (the KV each of its steps reads, so a rank busy decoding
+        long contexts is not taken for idle). Read racily from the event publisher's thread:
+        copies, then sums."""
+        waiting, running = list(self.scheduler.waiting), list(self.scheduler.running)
+        return (sum(s.remaining_prefill() for s in waiting)
+                + sum(s.length if s.remaining_prefill() <= 1 else s.remaining_prefill() for s in running))
 
     @property
     def rank_stats(self) -> list[EngineStats]:
