@@ -11,8 +11,9 @@ decoding each request's `output_length` at one token per `--step-s` (cost.py's s
 it, and a real `KvEventPublisher` on a `LocalEventBus` (stored / removed as its pool changes, a
 heartbeat every simulated second). Its load, pushed with every event as an engine's is
 (`Engine.queued_tokens`), is its tokens left to prefill plus the context of every request it
-runs. The router is the ingress's: a `KvEventIndex` fed by a `KvEventFollower`, the hint it gives
-(longest prefix per rank, pushed loads) and `cluster.serve.routing.rank_replicas` over every rank;
+has (waiting or running). The router is the ingress's: a `KvEventIndex` fed by a
+`KvEventFollower`, the hint it gives (longest prefix per rank, pushed loads) and
+`cluster.serve.routing.rank_replicas` over every rank;
 it charges the chosen rank what the request adds to its load (`KvEventIndex.charge`) until that
 rank's next event. The trace's `hash_ids` are the block hashes (they name prefixes already).
 Requests arrive in the trace's order, its clock sped up so the cold prefill work offered is
@@ -89,7 +90,8 @@ class SimRank:
 
     def load(self) -> float:
         """What the rank pushes, as an engine does (`Engine.queued_tokens`): tokens left to prefill
-        plus the context of every request it runs (the KV it holds, which each decode step reads)."""
+        plus the context of every request admitted and not finished (the KV it holds or will, which
+        each decode step reads)."""
         return self.queued_tokens() + self.context
 
     def held(self, blocks: tuple[int, ...]) -> int:

@@ -353,12 +353,11 @@ class Engine:
 
     def queued_tokens(self) -> int:
         """The load routers weigh against a prefix's blocks: tokens left to prefill, plus the
-        context of every decoding sequence (the KV each of its steps reads, so a rank busy decoding
-        long contexts is not taken for idle). Read racily from the event publisher's thread:
-        copies, then sums."""
-        waiting, running = list(self.scheduler.waiting), list(self.scheduler.running)
-        return (sum(s.remaining_prefill() for s in waiting)
-                + sum(s.length if s.remaining_prefill() <= 1 else s.remaining_prefill() for s in running))
+        context of every sequence waiting or running (the KV it holds or will, which each of its
+        decode steps reads: a rank busy decoding long contexts is not taken for idle). Read racily
+        from the event publisher's thread: copies, then sums."""
+        seqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        return sum(s.remaining_prefill() + s.length for s in seqs)
 
     @property
     def rank_stats(self) -> list[EngineStats]:
