@@ -27,8 +27,8 @@ class RouteHint:
 
     prefix_blocks: cache location (worker id, or `{worker id}/dp{rank}`) -> leading prompt blocks
                    it holds in memory.
-    loads: cache location -> its queued tokens (prefill left + one per decoding sequence) as its KV
-           events last pushed them; empty without events (the router then reads each replica's
+    loads: cache location -> its queued tokens (prefill left + the context of each waiting or
+           running sequence) as its KV events last pushed them; empty without events (the router then reads each replica's
            routing stats, in requests).
     prompt_blocks, block_tokens: the prompt's whole blocks and their size, set with `loads`: a rank
            is then scored by the tokens a request would wait for and compute there.

@@ -25,6 +25,7 @@ from workers.errors import EngineDeadError, RankFailed
 
 from cluster.messages import Chunk, GenRequest, Handoff, RouteHint
 from cluster.serve.metrics import Metrics
+from cluster.serve.routing import decode_hint
 from cluster.errors import WorkerFailed, WorkerStalled
 from cluster.serve.transfer import HandoffError
 
@@ -71,7 +72,7 @@ class Dispatcher:
         self.token_timeout_s, self.max_retries = token_timeout_s, max_retries
         self.prefill_s_per_1k_tokens = prefill_s_per_1k_tokens
         self.prefix_hint = prefix_hint or (lambda _ids: RouteHint())
-        self.load_hint = load_hint or RouteHint     # decode: the ranks' pushed loads (no prefix)
+        self.load_hint = load_hint or RouteHint     # decode: the ranks' loads pushed since the prefix hint
         self.in_flight = {name: 0 for name in pools}
 
     async def stream(self, req: GenRequest) -> AsyncIterator[Chunk]:
@@ -118,7 +119,7 @@ class Dispatcher:
         for chunk in firsts if not held else []:
             yield chunk
         async for chunk in self._stream("decode", self.pools["decode"].options(stream=True)
-                                        .decode.remote(req, handoff, hint=self.load_hint())):
+                                        .decode.remote(req, handoff, hint=decode_hint(hint, self.load_hint()))):
             for first in held:
                 yield first
             held = []

@@ -21,6 +21,7 @@ by its own, live view (longest prefix in a rank's device pool, else the least lo
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import NamedTuple
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -56,6 +57,14 @@ def rank_cost(hint: RouteHint, loc: str, stats_load: float) -> float:
     prompt blocks it does not hold."""
     queued = hint.loads.get(loc, stats_load * hint.block_tokens)
     return queued + (hint.prompt_blocks - hint.prefix_blocks.get(loc, 0)) * hint.block_tokens
+
+
+def decode_hint(prefix: RouteHint, fresh: RouteHint) -> RouteHint:
+    """The hint for a decode call: the request's prefix hint (decode ranks publish what their
+    pools hold, as prefill's do, so a P/D repeat is scored by the blocks each decode rank already
+    has and the handoff moves only the rest), with the loads pushed since it was read (`fresh`,
+    the locator's `load_hint`) when there are any."""
+    return replace(prefix, loads=fresh.loads) if fresh.loads and prefix.block_tokens else prefix
 
 
 def route_hint(pending: PendingRequest | None) -> RouteHint:
@@ -94,12 +103,20 @@ def rank_replicas(replicas: list[Candidate], hint: RouteHint, kv_weight: float, 
                   ) -> list[str]:
     """Order replicas best first by their best rank (`best_rank`), then kv_weight * used KV
     fraction (added to the load without pushed loads); equal scores in random order. `room`: a
-    replica's max ongoing requests (rank loads are counts)."""
-    def key(c: Candidate) -> tuple:
-        used = kv_weight * (1.0 - c.free_kv)
-        rank = best_rank(c, hint, room)
-        return (rank[0], used) if hint.block_tokens else (rank[0], rank[1] + used)
-    return [c.worker_id for _, _, c in sorted((key(c), random.random(), c) for c in replicas)]
+    replica's max ongoing requests (rank loads are counts). One key per candidate and one sort:
+    with hundreds of ranks this is the router's whole cost after the hint."""
+    if hint.block_tokens:       # best_rank's rank_cost, inlined for the common one-rank replica
+        queued, held, bt = hint.loads.get, hint.prefix_blocks.get, hint.block_tokens
+        whole = hint.prompt_blocks * bt
+        keys = [(queued(c.worker_id, c.load * room * bt) + whole - held(c.worker_id, 0) * bt
+                 if len(c.rank_loads) <= 1 else best_rank(c, hint, room)[0],
+                 kv_weight * (1.0 - c.free_kv), random.random()) for c in replicas]
+    else:
+        keys = []
+        for c in replicas:
+            rank = best_rank(c, hint, room)
+            keys.append((rank[0], rank[1] + kv_weight * (1.0 - c.free_kv), random.random()))
+    return [replicas[i].worker_id for i in sorted(range(len(replicas)), key=keys.__getitem__)]
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):

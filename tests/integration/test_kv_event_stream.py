@@ -8,7 +8,9 @@ import uuid
 import pytest
 import redis
 
+from cluster.messages import RouteHint
 from cluster.serve.locator import PrefixLocator
+from cluster.serve.routing import Candidate, decode_hint, rank_replicas
 from kvstore.hashing import PrefixHasher
 from kvstore.kv_event_stream import RedisEventStream, decode, encode
 from kvstore.kv_events import SNAPSHOT, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher
@@ -140,6 +142,39 @@ def test_an_engine_publishes_what_its_pool_holds_and_a_router_sees_it(redis_serv
         stream.close()
     finally:
         engine.close()
+
+
+def test_a_pd_repeat_is_routed_to_the_decode_engine_whose_events_say_it_holds_the_prompt(redis_server, tmp_path):
+    """Issue 30 item 2 with real engines (a decode pool's are this Engine): two publish over the
+    Redis stream and the one that served the prompt holds its blocks, so the dispatcher's decode hint (the prefix
+    hint, loads re-read) ranks its replica first, until it is busier than those blocks are worth."""
+    model = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
+    engines = [Engine(EngineConfig(model=str(model), block_tokens=16, kv_cache_bytes=16 << 20, index=redis_server,
+                                   worker_id=f"dec-{w}", store=str(tmp_path / "store")))
+               for w in "ab"]
+    try:
+        stream, index, follow = router(redis_server, engines[0].prefix.index.namespace)
+        follow.pump()
+        prompt = random_prompt(100, seed=30)
+        engines[1].generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        for _ in range(2):                    # a snapshot each for this late router, then in sync
+            for e in engines:
+                e.prefix.events.beat()
+            drain(follow)
+        hashes = engines[1].prefix.hasher.hashes(prompt)
+        prefix = RouteHint(prefix_blocks=index.longest_prefix(hashes), loads=index.loads(),
+                           prompt_blocks=len(hashes), block_tokens=16)
+        assert prefix.prefix_blocks == {"dec-b": 6} and prefix.loads == {"dec-a": 0.0, "dec-b": 0.0}
+        hint = decode_hint(prefix, RouteHint(loads=index.loads(), block_tokens=16))
+        decode = [Candidate("dec-a", 0.0, 1.0), Candidate("dec-b", 0.0, 1.0)]
+        assert [rank_replicas(decode, hint, 1.0)[0] for _ in range(5)] == ["dec-b"] * 5
+        index.charge("dec-b", 1000.0)         # busier than the 6 blocks are worth: the other goes first
+        assert rank_replicas(decode, decode_hint(prefix, RouteHint(loads=index.loads(), block_tokens=16)),
+                             1.0)[0] == "dec-a"
+        stream.close()
+    finally:
+        for e in engines:
+            e.close()
 
 
 def test_the_locator_routes_from_events_without_an_index_round_trip(redis_server):

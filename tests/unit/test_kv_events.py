@@ -234,6 +234,13 @@ def test_event_fed_index_equals_true_holdings_after_random_sequences_with_losses
                 if n:
                     want[loc] = n
             assert index.longest_prefix(chain, tiers=(tier,)) == want, seed
+        for chain in (list(range(30)), rng.sample(range(30), 30), []):     # the routing tiers together
+            want = {}
+            for loc, held in truth.items():
+                n = next((i for i, h in enumerate(chain) if h not in held["device"] | held["host"]), len(chain))
+                if n:
+                    want[loc] = n
+            assert index.longest_prefix(chain) == want, seed
 
 
 def test_cleared_is_numbered_like_any_change():

@@ -3,7 +3,7 @@ free KV memory; a data-parallel rank (`{replica}/dp{rank}`) is a cache location 
 from __future__ import annotations
 
 from cluster.messages import RouteHint
-from cluster.serve.routing import Candidate, best_rank, location, rank_cost, rank_hint, rank_replicas
+from cluster.serve.routing import Candidate, best_rank, decode_hint, location, rank_cost, rank_hint, rank_replicas
 
 
 def test_longest_in_memory_prefix_wins_then_load_then_free_kv():
@@ -50,3 +50,22 @@ def test_with_pushed_loads_a_rank_costs_the_tokens_a_request_would_wait_for_and_
     assert rank_hint(RouteHint(prompt_blocks=4, block_tokens=16, loads={"a/dp0": 1.0}), "a", 2) is None
     quiet = RouteHint(prefix_blocks={"c/dp0": 2}, prompt_blocks=2, block_tokens=16)
     assert rank_cost(quiet, "c/dp1", 3.0) == 3 * 16 + 2 * 16          # not heard from: its stats, a block each
+
+
+def test_a_pd_repeat_is_routed_to_the_decode_rank_that_holds_its_prefix_unless_it_is_busier_than_that():
+    """Decode replicas are scored like prefill's: the request's prefix hint (decode ranks publish
+    their pools too) with the loads pushed since; a decode rank's cost is the KV it would read each
+    step (its decoding contexts) plus the blocks the handoff would move to it."""
+    prefix = RouteHint(prefix_blocks={"p": 4, "d1/dp1": 3, "d0/dp0": 1}, prompt_blocks=4, block_tokens=16,
+                       loads={"d0/dp0": 0.0, "d0/dp1": 0.0, "d1/dp0": 0.0, "d1/dp1": 0.0})
+    fresh = RouteHint(loads={"d0/dp0": 10.0, "d0/dp1": 0.0, "d1/dp0": 0.0, "d1/dp1": 20.0}, block_tokens=16)
+    hint = decode_hint(prefix, fresh)
+    assert hint.loads == fresh.loads and hint.prefix_blocks == prefix.prefix_blocks and hint.prompt_blocks == 4
+    decode = [Candidate("d0", 0.0, 1.0, (0, 0)), Candidate("d1", 0.0, 1.0, (0, 0))]
+    assert rank_replicas(decode, hint, 1.0) == ["d1", "d0"]                 # d1/dp1: 20 + 16 beats d0/dp0: 10 + 48
+    assert rank_hint(hint, "d1", 2) == 1                                    # and its holding rank runs it
+    busy = decode_hint(prefix, RouteHint(loads={**fresh.loads, "d1/dp1": 60.0}, block_tokens=16))
+    assert rank_replicas(decode, busy, 1.0) == ["d0", "d1"]                 # 60 + 16 (or d1/dp0: 64) loses to 58
+    assert decode_hint(prefix, RouteHint()) is prefix                       # no fresher loads: the prefix hint's
+    assert decode_hint(RouteHint(prefix_blocks={"d0": 2}), fresh).loads == {}   # an index hint stays one
+

@@ -352,9 +352,12 @@ class Engine:
             eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None)
 
     def queued_tokens(self) -> int:
-        """Tokens this engine has yet to run: prompts left to prefill, one per decoding sequence
-        (read racily from the event publisher's thread: copies, then sums)."""
-        return sum(s.remaining_prefill() for s in list(self.scheduler.waiting) + list(self.scheduler.running))
+        """The load routers weigh against a prefix's blocks: tokens left to prefill, plus the
+        context of every sequence waiting or running (the KV it holds or will, which each of its
+        decode steps reads: a rank busy decoding long contexts is not taken for idle). Read racily
+        from the event publisher's thread: copies, then sums."""
+        seqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        return sum(s.remaining_prefill() + s.length for s in seqs)
 
     @property
     def rank_stats(self) -> list[EngineStats]:
