@@ -357,6 +357,11 @@ class KvEventIndex:
             src = self._sources.get(location)
             return {t: set(src.held[t]) if src else set() for t in TIERS}
 
+    def resyncing(self) -> int:
+        """Publishers dropped until their snapshot comes (a gap, or joined mid-epoch)."""
+        with self._lock:
+            return sum(s.resync_at is not None for s in self._sources.values())
+
     def tier_sizes(self) -> dict[str, int]:
         """Tier -> distinct blocks some publisher holds there."""
         with self._lock:
