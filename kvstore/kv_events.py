@@ -17,12 +17,12 @@ every `resync_s` until one comes) and its changes are ignored until a snapshot (
 holdings at that seq) arrives. A location that sends nothing for `expire_s` is forgotten.
 
 Tiers. `device` and `host` are a rank's own memory (the prefix cache publishes them); `store` is the
-shared store, where a rank's store writer publishes the blocks it put and removes those it evicted
-(kvstore/store.py). The store is global: a block there is restorable by every rank alike, so it tells
+shared store, where a rank's store publishes the blocks it put and those it removed (evicted, rejected;
+kvstore/store.py). The store is global: a block there is restorable by every rank alike, so it tells
 ranks apart by nothing and routing scores ranks on the memory tiers only (`ROUTING_TIERS`); the index
 keeps the store tier per publisher like the others (snapshots, resyncs, expiry) and counts it in
-`tier_sizes` (/metrics). A block one rank put and another evicted stays listed under the first until
-its snapshot: a stale hint, as below.
+`tier_sizes` (/metrics). It is what each rank put and has not itself removed, not the store's listing:
+a block one rank put and another evicted stays under the first (a stale hint, as below).
 
 Everything here is a hint: a lost, late or stale event costs a cache hit, never a wrong answer (the
 engine still checks its own pool, and the store is the truth).
