@@ -16,6 +16,14 @@ location in resync: its entries are dropped, a snapshot is requested through the
 every `resync_s` until one comes) and its changes are ignored until a snapshot (the publisher's full
 holdings at that seq) arrives. A location that sends nothing for `expire_s` is forgotten.
 
+Tiers. `device` and `host` are a rank's own memory (the prefix cache publishes them); `store` is the
+shared store, where a rank's store publishes the blocks it put and those it removed (evicted, rejected;
+kvstore/store.py). The store is global: a block there is restorable by every rank alike, so it tells
+ranks apart by nothing and routing scores ranks on the memory tiers only (`ROUTING_TIERS`); the index
+keeps the store tier per publisher like the others (snapshots, resyncs, expiry) and counts it in
+`tier_sizes` (/metrics). It is what each rank put and has not itself removed, not the store's listing:
+a block one rank put and another evicted stays under the first (a stale hint, as below).
+
 Everything here is a hint: a lost, late or stale event costs a cache hit, never a wrong answer (the
 engine still checks its own pool, and the store is the truth).
 """
@@ -365,6 +373,16 @@ class KvEventIndex:
         with self._lock:
             src = self._sources.get(location)
             return {t: set(src.held[t]) if src else set() for t in TIERS}
+
+    def resyncing(self) -> int:
+        """Publishers dropped until their snapshot comes (a gap, or joined mid-epoch)."""
+        with self._lock:
+            return sum(s.resync_at is not None for s in self._sources.values())
+
+    def tier_sizes(self) -> dict[str, int]:
+        """Tier -> distinct blocks some publisher holds there."""
+        with self._lock:
+            return {t: len(where) for t, where in self._where.items()}
 
     def live(self) -> bool:
         """Whether any publisher was heard from within `expire_s` (else callers fall back)."""

@@ -16,7 +16,8 @@ the index a hint (DESIGN §4):
 
 * ``put`` is atomic (local: temp file + fsync + rename; object stores: one
   output stream, visible only when closed) and publishes to the attached index
-  only once the object is durable.
+  (and, for a block, to the attached KV event publisher as the store tier) only
+  once the object is durable; every removal unpublishes the same way.
 * ``get`` verifies every object (local: one copy-on-write ``mmap``, zero-copy);
   a corrupt, truncated or foreign one is deleted, unpublished, counted and
   served as a miss. It never returns wrong data, and never raises or hangs for
@@ -58,6 +59,7 @@ import torch
 from kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
                              store_namespace)
 from kvstore.index import PrefixIndex
+from kvstore.kv_events import KvEventPublisher
 from kvstore.log_once import LogOnce
 from kvstore.mac import StoreKey
 from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
@@ -172,6 +174,7 @@ class ObjectStore(CacheTier):
         self._namespace = _namespace_of(self._fingerprint, key, namespace)
         self._dir = f"{root}/{self._namespace}"
         self._index: PrefixIndex | None = None
+        self._events: KvEventPublisher | None = None
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU first
         self._bytes = 0
@@ -232,6 +235,11 @@ class ObjectStore(CacheTier):
                 f"store namespace {self._namespace}"
             )
         self._index = index
+
+    def attach_events(self, events: KvEventPublisher | None) -> None:
+        """Push this process's block puts and removals to ``events`` as the store tier (routing:
+        kvstore/kv_events.py), next to what the index is told."""
+        self._events = events
 
     def _say_trust(self, uri: str) -> None:
         global _trust_warned
@@ -514,6 +522,8 @@ class ObjectStore(CacheTier):
         return len(victims)
 
     def _update_index(self, kind: str, h: int, present: bool) -> None:
+        if self._events is not None and kind == "block":
+            (self._events.stored if present else self._events.removed)("store", [h])
         if self._index is None:
             return
         if kind == "block":

@@ -187,7 +187,7 @@ class RoutingCounters:
     """A collector over the ingress's prefix locator, read at scrape time: how each hint was made
     (`kvmesh_route_hints_total{source="events"|"index"}`: from the KV events in memory, or by an index
     lookup) and the event index's counters (events applied, resyncs, snapshots, publishers expired,
-    publishers known)."""
+    publishers known, those waiting for a snapshot, distinct blocks by tier)."""
 
     def __init__(self):
         self.locator = None
@@ -213,6 +213,13 @@ class RoutingCounters:
             yield CounterMetricFamily(f"kvmesh_{name}", help_, value=value)
         yield GaugeMetricFamily("kvmesh_kv_event_publishers", "engine ranks the event index knows",
                                 value=len(events.loads()))
+        yield GaugeMetricFamily("kvmesh_kv_event_resyncing", "engine ranks waiting for their snapshot (known "
+                                "to hold nothing until it comes)", value=events.resyncing())
+        blocks = GaugeMetricFamily("kvmesh_kv_event_blocks", "distinct blocks the event index knows, by tier",
+                                   labels=["tier"])
+        for tier, n in events.tier_sizes().items():
+            blocks.add_metric([tier], float(n))
+        yield blocks
 
 
 class Metrics:

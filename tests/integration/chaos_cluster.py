@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import redis
 import yaml
 
 from tests.helpers import stream_items
@@ -134,6 +135,18 @@ def per_worker(metrics: dict, name: str, pool: str) -> dict[str, float]:
 def total(metrics: dict, name: str, **match) -> float:
     return sum(v for (metric, labels), v in metrics.items()
                if metric == name and all(dict(labels).get(k) == w for k, w in match.items()))
+
+
+def forget_leases(redis_url: str, namespace: str = "*") -> int:
+    """Delete every memory lease of `namespace` ("*": of every namespace) from the prefix index at
+    `redis_url`: an index lookup then knows no holder, only the KV events can tell where a prefix is."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [k for pattern in (f"kvmesh:{namespace}:[le]:*", f"kvmesh:{namespace}:holders")   # redis_index's layout
+                for k in client.scan_iter(match=pattern)]
+        return client.delete(*keys) if keys else 0
+    finally:
+        client.close()
 
 
 # -- the load -----------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Faults at cluster scale on namespace hosts (issue 23): a decode host and a prefill host
 killed, a partition and a lossy slow link between the prefill and decode hosts, Redis
-restarted empty, a decode host that joins late. One cluster for the module
+restarted empty, the KV event stream lost, a decode host that joins late; after Redis, the stream
+and the kills, the router's event index recovers too (in sync, the dead ranks expired, a repeat
+routed from events to the replica that holds it). One cluster for the module
 (tests/integration/chaos_cluster.py), the scenarios in file order, each under a steady load
 of greedy streamed requests with shared long prefixes, every answer checked against the cold
 greedy tokens; each prints one row of the table in docs/testing.md. The network is restored
@@ -29,7 +31,9 @@ from tests.integration.chaos_cluster import (
     Row,
     bad,
     clean_codes,
+    forget_leases,
     handoffs,
+    one_request,
     per_worker,
     row,
     scrape,
@@ -54,6 +58,13 @@ IDLE_WITHIN_S = RELEASE_TIMEOUT_S + 30
 # requests behind a cut READ wait for its timeout too.)
 HEALED_WITHIN_S = 2 * RELEASE_TIMEOUT_S + 8
 LOSS = 0.05                     # a twentieth of the packets between prefill and decode hosts dropped
+EXPIRE_S = 10.0                 # kvstore/kv_events.EXPIRE_S: a silent publisher is forgotten after it
+EVENTS_S = 2.0                  # publishers beat every second: what the router has heard by then
+LOST_S = 4.0                    # the event stream unusable: under EXPIRE_S, the ranks stay known
+# after LOST_S of failures a publisher backs off <= 1.6 s (0.1 s doubling per failed beat), then its
+# next beat shows the gap and the one after answers the snapshot request: all in sync by then
+RESYNCED_S = 5.0
+RANKS_PER_HOST = 1              # serve_config: one replica per host, no data parallelism
 
 
 class Cluster:
@@ -186,8 +197,9 @@ def cluster():
     hosts, redis, workdir = Hosts(5, "kvc", "10.214"), None, Path(tempfile.mkdtemp(prefix="kvc-redis-"))
     shared = shared_prefix_prompts(groups=3, per_group=3, prefix=256, suffix=12)
     fresh = shared_prefix_prompts(groups=1, per_group=12, prefix=256, suffix=1024, seed=24)
+    probe = shared_prefix_prompts(groups=2, per_group=1, prefix=256, suffix=12, seed=25)   # one per probe
     pool = ThreadPoolExecutor(1)    # the cold answers (~20 s of a core) come while the cluster comes up
-    cold = pool.submit(lambda: (cold_tokens(shared, LONG_TOKENS), cold_tokens(fresh, MAX_TOKENS)))
+    cold = pool.submit(lambda: (cold_tokens(shared, LONG_TOKENS), cold_tokens(fresh + probe, MAX_TOKENS)))
     try:
         hosts.start()
         hosts.check_isolated()
@@ -199,8 +211,9 @@ def cluster():
         ray.join_all({p1: "prefill", p2: "prefill", d1: "decode", d2: "decode"})
         ray.serve_deploy(serve_config(redis.url, RELEASE_TIMEOUT_S))
         long, fresh_want = cold.result()
-        prompts = {"short": shared, "long": shared, "fresh": fresh}
-        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": fresh_want}
+        prompts = {"short": shared, "long": shared, "fresh": fresh, "probe": probe}
+        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": fresh_want[:len(fresh)],
+                "probe": fresh_want[len(fresh):]}
         c = Cluster(hosts, ray, redis, prompts, want)
         wait_ready(c, 2, 2)
         yield c
@@ -228,6 +241,58 @@ def run_load(cluster: Cluster, before_s: float, fault, after_s: float, clients: 
     return load.outcomes, t0, t1, said[0], before
 
 
+def event_counts(m: dict) -> dict[str, float]:
+    """The ingress's KV event counters and its route hints by source, from one scrape."""
+    out = {name: total(m, f"kvmesh_{name}") for name in ("kv_event_resyncs_total", "kv_event_snapshots_total",
+                                                         "kv_event_expired_total", "kv_event_publishers")}
+    out.update({f"hints_{src}": total(m, "kvmesh_route_hints_total", source=src) for src in ("events", "index")})
+    out["resyncing"] = total(m, "kvmesh_kv_event_resyncing")
+    return out
+
+
+def wait_for(url: str, what: str, ok, within_s: float) -> dict[str, float]:
+    """Scrape `url` until `ok(event_counts)`; those counts (AssertionError naming `what` after `within_s`)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        counts = event_counts(scrape(url))
+        if ok(counts):
+            return counts
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {within_s:.0f} s: {counts}")
+        time.sleep(0.5)
+
+
+def probe(cluster: Cluster, i: int) -> None:
+    """Probe prompt `i` (a prefix no other request has), its answer checked: one prefill replica
+    now holds its blocks."""
+    with httpx.Client(timeout=120) as http:
+        o = one_request(http, cluster.url, cluster.prompts["probe"][i], cluster.want["probe"][i], stream=False)
+    assert o.kind == "correct", o
+
+
+def prefill_hits(m: dict) -> dict[tuple[str, str], float]:
+    """(prefill worker, tier) -> prompt tokens it restored from that tier."""
+    return {(dict(labels)["worker"], dict(labels)["tier"]): v for (name, labels), v in m.items()
+            if name == "kvmesh:prefix_cache_hits_total" and dict(labels).get("pool") == "prefill"}
+
+
+def repeat_goes_to_its_holder(cluster: Cluster, i: int) -> str:
+    """Probe `i` again, idle and with the memory leases deleted from the index: routed by the KV
+    events alone (no index lookup), it must land on the prefill replica that holds its blocks, so
+    its whole hit comes from that replica's device pool (on the other it would come from the
+    store); answer checked. What happened, for the row."""
+    forget_leases(cluster.redis.url)
+    before = scrape(cluster.url)
+    probe(cluster, i)
+    after = scrape(cluster.url)
+    hits, was = prefill_hits(after), prefill_hits(before)
+    gained = {k: v - was.get(k, 0) for k, v in hits.items() if v > was.get(k, 0)}
+    routed = {k: event_counts(after)[k] - event_counts(before)[k] for k in ("hints_events", "hints_index")}
+    assert routed == {"hints_events": 1, "hints_index": 0}, routed
+    assert len(gained) == 1 and next(iter(gained))[1] == "device", (gained, event_counts(after))
+    return f"repeat routed by events to its holder ({next(iter(gained.values())):.0f} device-pool tokens)"
+
+
 def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(cluster):
     import redis as redis_py
     client = redis_py.Redis(host=cluster.redis.host, port=cluster.redis.port, socket_timeout=5)
@@ -250,6 +315,55 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(c
     assert keys_before > 0 and refilled > 0, "writes to the index did not resume after the restart"
     assert info["keyspace_misses"] > 0, "no lookup reached the restarted index"
     assert held == 0
+    # the router recovers: events flow again into the restarted Redis and route a repeat to its holder
+    wait_for(cluster.url, "events after the restart", lambda c: c["kv_event_publishers"] == 4, EXPIRE_S)
+    probe(cluster, 0)
+    time.sleep(EVENTS_S)
+    print(repeat_goes_to_its_holder(cluster, 0), file=sys.__stdout__, flush=True)
+
+
+def test_the_kv_event_stream_lost_mid_load_costs_no_answer_and_the_router_resyncs(cluster):
+    """Every namespace's event stream replaced by a string for LOST_S (each XADD and XREAD fails:
+    what the ranks publish then is lost, a probe's blocks among it), then deleted: the publishers'
+    next numbers show the gap, the router resyncs them by snapshot and routes the probe's repeat
+    to its holder from events again."""
+    client = redis_py_client(cluster)
+    wait_ready(cluster, 2, 2)
+    streams = list(client.scan_iter(match="kvmesh:*:events"))
+    assert streams, "no KV event stream in the index's Redis"
+    counts = event_counts(scrape(cluster.url))
+
+    def lose():
+        try:
+            with client.pipeline() as pipe:       # MULTI: no XADD lands between the two
+                for key in streams:
+                    pipe.delete(key).set(key, "lost")
+                pipe.execute()
+            probe(cluster, 1)                     # computed while its stored events cannot be sent
+            time.sleep(LOST_S)
+        finally:
+            client.delete(*streams)
+    outcomes, t0, t1, _, before = run_load(cluster, 1, lose, 2)
+
+    def resynced(c: dict) -> bool:       # ... by snapshot, every rank in sync again
+        return (time.monotonic() > t1 + RESYNCED_S and c["resyncing"] == 0
+                and c["kv_event_resyncs_total"] > counts["kv_event_resyncs_total"]
+                and c["kv_event_snapshots_total"] > counts["kv_event_snapshots_total"])
+    after = wait_for(cluster.url, "a resync by snapshot", resynced, 3 * EXPIRE_S)
+    client.close()
+    held = cluster.settle()
+    r = cluster.record(row(f"KV event stream lost {LOST_S:.0f} s", outcomes, held, t1,
+                           f"{after['kv_event_resyncs_total'] - counts['kv_event_resyncs_total']:.0f} resyncs, "
+                           f"{after['kv_event_snapshots_total'] - counts['kv_event_snapshots_total']:.0f} "
+                           f"snapshots; {handoffs(before, scrape(cluster.url))}"))
+    assert not bad(outcomes), bad(outcomes)[:5]
+    assert r.correct == r.sent > 0 and held == 0
+    print(repeat_goes_to_its_holder(cluster, 1), file=sys.__stdout__, flush=True)
+
+
+def redis_py_client(cluster: Cluster):
+    import redis as redis_py
+    return redis_py.Redis(host=cluster.redis.host, port=cluster.redis.port, socket_timeout=5)
 
 
 def test_lossy_slow_link_between_prefill_and_decode_keeps_every_answer_correct(cluster):
@@ -327,6 +441,8 @@ def kill_host_under_load(cluster: Cluster, pool: str, fault: str, before_s: floa
     flight, under load; (outcomes, its row, the retries it caused)."""
     hosts = cluster.prefill if pool == "prefill" else cluster.decode
     victim = hosts[0]
+    ranks = RANKS_PER_HOST
+    known = event_counts(scrape(cluster.url))
     outcomes, t0, _, busy, before = run_load(cluster, before_s, lambda: cluster.kill_when_busy(victim, pool), 12,
                                              clients=clients, kind=kind)
     hosts.remove(victim)
@@ -338,6 +454,10 @@ def kill_host_under_load(cluster: Cluster, pool: str, fault: str, before_s: floa
     late = [o for o in outcomes if r.recover_s is not None and o.start > t0 + r.recover_s]
     assert late and all(o.kind == "correct" for o in late), f"the remaining {pool} replica does not serve"
     assert held == 0
+    # the router forgot the killed ranks (silent EXPIRE_S): nothing of theirs is left to route to
+    wait_for(cluster.url, "the killed ranks expired", lambda c: (
+        c["kv_event_publishers"] == known["kv_event_publishers"] - ranks
+        and c["kv_event_expired_total"] >= known["kv_event_expired_total"] + ranks), EXPIRE_S + 10)
     return outcomes, r, retries
 
 

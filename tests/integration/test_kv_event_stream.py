@@ -19,6 +19,8 @@ from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.sampling.params import SamplingParams
 
+STORE_BYTES = 256 << 10     # the eviction test's store: well under its 24 prompts' blocks
+
 
 @pytest.fixture
 def namespace(redis_server):
@@ -212,19 +214,21 @@ def routes_from_events(locator: PrefixLocator, fp: str, redis_server: str) -> No
     assert locator.hints == {"events": 1, "index": 1}
 
 
-def test_an_engine_under_eviction_publishes_exactly_what_its_pool_and_host_cache_hold(redis_server, tmp_path):
-    """Small device pool and host cache, many distinct prompts: blocks are named, restored and
-    evicted in both tiers, and the router's event index ends equal to the engine's true holdings."""
+def test_an_engine_under_eviction_publishes_exactly_what_its_pool_host_cache_and_store_hold(redis_server, tmp_path):
+    """Small device pool, host cache and store, many distinct prompts: blocks are named, restored and
+    evicted in all three tiers, and the router's event index ends equal to the engine's true holdings
+    (the store's: the blocks its writer put and has not evicted)."""
     model = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
     engine = Engine(EngineConfig(model=str(model), block_tokens=16, kv_cache_bytes=512 << 10, max_num_seqs=2,
                                  host_cache_bytes=256 << 10, index=redis_server, worker_id="evict/dp0",
-                                 store=str(tmp_path / "store")))
+                                 store=str(tmp_path / "store"), store_capacity_bytes=STORE_BYTES))
     try:
         stream, index, follow = router(redis_server, engine.prefix.index.namespace)
         follow.pump()
         for seed in list(range(24)) + [20, 21, 0, 1]:      # the last: restored from memory, then the store
             engine.generate([random_prompt(90, seed=seed)], SamplingParams(max_tokens=3, temperature=0.0,
                                                                            ignore_eos=True))
+        engine.prefix.flush()                              # every put durable (and published)
         for _ in range(2):
             engine.prefix.events.beat()
             drain(follow)
@@ -232,8 +236,11 @@ def test_an_engine_under_eviction_publishes_exactly_what_its_pool_and_host_cache
         truth = set(engine.blocks.by_hash)
         host = {h for kind, h in engine.prefix.host._items if kind == "block"}
         assert len(truth) < 24 * 5 and host                # the pool evicted: it cannot hold every prompt
+        stored = set(engine.prefix.store.list("block"))
+        assert engine.prefix.store.stats().evicted and stored          # the store evicted too
         held = index.holdings("evict/dp0")
-        assert held["device"] == truth and held["host"] == host
+        assert held["device"] == truth and held["host"] == host and held["store"] == stored
+        assert index.tier_sizes()["store"] == len(stored)
         stream.close()
     finally:
         engine.close()

@@ -11,11 +11,10 @@ import time
 
 import httpx
 import pytest
-import redis
 from ray import serve
 
 from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
-from tests.integration.chaos_cluster import scrape
+from tests.integration.chaos_cluster import forget_leases, scrape
 from tests.local_serve import small_config
 
 pytestmark = pytest.mark.slow     # a Serve app of two replicas, each with a gloo rank actor
@@ -45,16 +44,6 @@ def per_rank(url: str, name: str, **match) -> dict[tuple[str, str], float]:
     """(worker, rank) -> kvmesh_rank_<name>, over every replica."""
     return {(dict(labels)["worker"], dict(labels)["rank"]): v for (metric, labels), v in scrape(url).items()
             if metric == f"kvmesh_rank_{name}" and all(dict(labels).get(k) == w for k, w in match.items())}
-
-
-def forget_leases(redis_url: str, namespace: str) -> int:
-    """Delete every memory lease of the namespace: the index lookup then knows no holder."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = [*client.scan_iter(match=f"kvmesh:{namespace}:[le]:*"), f"kvmesh:{namespace}:holders"]   # redis_index's layout
-        return client.delete(*keys)
-    finally:
-        client.close()
 
 
 def test_a_repeat_goes_to_the_rank_that_holds_it_across_dp_replicas_from_events_alone(url, redis_server):

@@ -64,15 +64,18 @@ def test_a_gap_drops_the_location_until_its_snapshot_restores_it():
     _, index, follow = wired(bus=bus)
     pub = KvEventPublisher("a", bus)
     pub.stored("device", [1])
+    pub.stored("store", [1])
     bus.lose = True
     pub.stored("device", [2])         # lost
     bus.lose = False
-    pub.stored("device", [3])         # seq 2 after seq 0: a gap
+    pub.stored("device", [3])         # seq 3 after seq 1: a gap
     follow.pump()
     assert index.stats.gaps == 1 and index.longest_prefix([1]) == {}     # never a stale answer
+    assert index.resyncing() == 1 and index.tier_sizes() == {"device": 0, "host": 0, "store": 0}
     pub.beat()                        # the publisher sees the request and answers with a snapshot
     follow.pump()
     assert index.holdings("a")["device"] == {1, 2, 3} and index.stats.snapshots == 1
+    assert index.resyncing() == 0 and index.tier_sizes() == {"device": 3, "host": 0, "store": 1}
     pub.removed("device", [1])        # in sync again: later changes apply
     follow.pump()
     assert index.longest_prefix([1, 2]) == {} and index.longest_prefix([2, 3]) == {"a": 2}

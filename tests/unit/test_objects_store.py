@@ -18,6 +18,7 @@ from cluster.cli.store import add_parser, run_store
 from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint, store_namespace
 from kvstore.mac import StoreKey
 from kvstore.index import EmbeddedIndex, make_index
+from kvstore.kv_events import KvEventIndex, KvEventPublisher, LocalEventBus
 from kvstore.objects import (
     CHECKSUM_OFFSET,
     DATA_ALIGN,
@@ -186,6 +187,22 @@ def test_capacity_gc_evicts_the_least_recently_read_and_unpublishes(tmp_path: Pa
     assert store.stats().evicted == 1 and store.stats().total_bytes == sizes[0] + sizes[2] + sizes[3]
     assert store.gc(target_bytes=sizes[3]) == 2
     assert store.list("block") == [HS[3]]
+
+
+def test_puts_and_evictions_are_pushed_as_store_tier_events_of_this_process(tmp_path: Path) -> None:
+    size = len(encode_object(FP, "block", HS[0], None, 4, _tensors()))
+    store, _ = _store(tmp_path, capacity=2 * size)
+    bus = LocalEventBus()
+    router = KvEventIndex(bus.request_snapshot)
+    store.attach_events(KvEventPublisher("w/dp0", bus))
+    for i in range(4):
+        store.put("block", HS[i], HS[i - 1] if i else None, 4, _tensors())
+    store.delete("block", HS[2])                            # blocks 0 and 1 were evicted by the puts
+    store.delete("block", HS[5])                            # never put here: nothing to say
+    for e in bus.read():
+        router.apply(e)
+    assert router.holdings("w/dp0")["store"] == set(store.list("block")) == {HS[3]}
+    assert router.longest_prefix(HS[3:4]) == {} and router.longest_prefix(HS[3:4], tiers=("store",)) == {"w/dp0": 1}
 
 
 def test_lru_order_survives_reopen_via_file_mtimes(tmp_path: Path) -> None:

@@ -159,14 +159,17 @@ def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cac
     hasher = PrefixHasher(fingerprint, config.block_tokens)
     scrub = (ScrubSchedule(Scrubber(store), config.store_scrub_interval_s, config.store_scrub_pass_bytes)
              if store is not None and config.store_scrub_interval_s else None)
+    events = kv_events(config, index, worker)
+    if store is not None:
+        store.attach_events(events)     # the blocks this rank puts in / removes from the store
     return PrefixCache(cache, blocks, hasher, config.policy, span, store, index, HostCache(config.host_cache_bytes),
-                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub,
-                       events=kv_events(config, index, worker))
+                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub, events=events)
 
 
 def kv_events(config: EngineConfig, index: PrefixIndex | None, worker: str) -> KvEventPublisher | None:
     """This rank's KV event publisher, beating on its own thread: over the index's Redis (the
-    routers follow that stream); None with the embedded index or without prefix reuse."""
+    routers follow that stream); None with the embedded index or without prefix reuse. The
+    prefix cache publishes the device and host tiers, the store its store tier."""
     if index is None or config.index == "local" or not config.prefix_reuse:
         return None
     from kvstore.kv_event_stream import RedisEventStream  # lazy: embedded users need no redis
