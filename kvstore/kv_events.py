@@ -49,6 +49,7 @@ HEARTBEAT_S = 1.0           # a publisher's heartbeat period (it also answers sn
 EXPIRE_S = 10.0             # silence after which the router forgets a publisher
 RESYNC_S = 2.0              # how long the router waits for a snapshot before asking again
 BACKOFF_S = 0.1             # a publisher's first pause after a failed send (doubling)
+NUDGE_S = 0.05              # the shortest gap between two beats (a nudged beat waits this long)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class KvEventPublisher:
         self.held: dict[str, set[int]] = {t: set() for t in TIERS}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()          # `nudge`: beat now, not at the next period
         self._thread: threading.Thread | None = None
         self._warn = LogOnce(log)
 
@@ -196,17 +198,29 @@ class KvEventPublisher:
         self._warn(type(e).__name__, "kv events of %s: %s: %s (the router resyncs when they flow again)",
                    self.location, type(e).__name__, e)
 
+    def nudge(self) -> None:
+        """Ask the heartbeat thread to beat now (the engine calls this when a request finishes: a
+        load that fell must not stay stale at the router for a whole period, or the next request
+        for the prefix this rank holds goes elsewhere). Never blocks; beats stay `NUDGE_S` apart."""
+        self._wake.set()
+
     def start(self) -> "KvEventPublisher":
-        """Beat every `heartbeat_s` on a daemon thread until `close`."""
+        """Beat every `heartbeat_s`, and when nudged, on a daemon thread until `close`."""
         def loop() -> None:
-            while not self._stop.wait(self.heartbeat_s):
+            while not self._stop.is_set():
+                self._wake.wait(self.heartbeat_s)
+                if self._stop.is_set():
+                    break
+                self._wake.clear()
                 self.beat()
+                self._stop.wait(NUDGE_S)
         self._thread = threading.Thread(target=loop, name=f"kv-events:{self.location}", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 

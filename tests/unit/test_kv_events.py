@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 from kvstore.kv_events import (CLEARED, STORED, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher,
                                LocalEventBus)
@@ -297,3 +298,22 @@ def test_a_failing_transport_is_not_tried_on_every_change_and_the_router_resyncs
     pub.beat()
     follow.pump()
     assert index.holdings("a")["device"] == set(range(1, 13))
+
+
+def test_a_nudge_beats_at_once_with_the_load_that_fell():
+    """A request finishing nudges the publisher: the router hears the lower load now, not a whole
+    heartbeat period later (a stale high load sent the next request for the prefix elsewhere)."""
+    bus, load = LocalEventBus(), [67.0]
+    pub = KvEventPublisher("a", bus, load=lambda: load[0], heartbeat_s=60.0).start()
+    try:
+        pub.stored("device", [1])
+        assert [e.load for e in bus.read()] == [67.0]
+        load[0] = 0.0
+        pub.nudge()
+        events = []
+        deadline = time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            events = bus.read(0.05)
+    finally:
+        pub.close()
+    assert [(e.kind, e.load) for e in events] == [("heartbeat", 0.0)]

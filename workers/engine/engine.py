@@ -423,7 +423,10 @@ class Engine:
             outputs = self.outputs.sample(batch, logits, sampled)
         if observe:         # a model draft runs on what this step computed, for the next step
             spec.drafter.observe(batch, starts, *self.runner.last, k)
-        return failed + outputs
+        outputs = failed + outputs
+        if self.prefix.events is not None and any(o.finished for o in outputs):
+            self.prefix.events.nudge()       # the router sees this rank's load fall now, not in a second
+        return outputs
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
