@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Ray Serve kills a proxy that misses its readiness check (5 s) three times, and serve.start
+# fails with it: on two cores shared by both pytest workers' Ray clusters a proxy was seen to take
+# longer (load ~6). Every Ray the tests start (Cluster, `ray start`, `kvmesh serve`) inherits this.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "20")
+
 # ---------------------------------------------------------------------------------
 # kvstore: a private Redis server for the index tests.
 #

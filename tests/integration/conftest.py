@@ -45,6 +45,8 @@ class SessionServe:
                 serve = LocalServe(address=cluster.address)
                 serve.__enter__()
             except BaseException:
+                import ray
+                ray.shutdown()          # the driver first: Cluster.shutdown refuses a connected head
                 cluster.shutdown()
                 raise
             self.cluster, self.serve = cluster, serve

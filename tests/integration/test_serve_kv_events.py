@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow     # a Serve app of two replicas, each with a glo
 NAME = "swa_csa_hca"
 BT = BLOCK_TOKENS[NAME]
 DP2 = {"data_parallel_size": 2, "enable_expert_parallel": True, "num_cpus": 0.25, "num_replicas": 2}
-EVENTS_S = 3.0          # publishers beat every second; a late router resyncs on the next beat
+EVENTS_WAIT_S = 60.0    # publishers beat every second; under CI's load the router may lag several
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,25 @@ def per_rank(url: str, name: str, **match) -> dict[tuple[str, str], float]:
             if metric == f"kvmesh_rank_{name}" and all(dict(labels).get(k) == w for k, w in match.items())}
 
 
+def wait_for_events(url: str, device_blocks: int) -> None:
+    """Until the ingress's event index knows all four ranks, none of them resyncing, and at least
+    `device_blocks` blocks in device memory: what it must know before routing on events alone is
+    checked (a fixed sleep was too short at CI's load: the repeat went by load, a miss)."""
+    deadline, seen = time.monotonic() + EVENTS_WAIT_S, {}
+    while time.monotonic() < deadline:
+        m = scrape(url)
+        seen = {"publishers": m.get(("kvmesh_kv_event_publishers", ())),
+                "resyncing": m.get(("kvmesh_kv_event_resyncing", ())),
+                "device": m.get(("kvmesh_kv_event_blocks", (("tier", "device"),)), 0)}
+        if seen["publishers"] == 4 and seen["resyncing"] == 0 and seen["device"] >= device_blocks:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"the ingress's event index did not catch up in {EVENTS_WAIT_S:.0f} s: {seen}")
+
+
 def test_a_repeat_goes_to_the_rank_that_holds_it_across_dp_replicas_from_events_alone(url, redis_server):
     complete(url, random_prompt(BT + 1, seed=200))        # the ingress starts following the events
-    time.sleep(EVENTS_S)
+    wait_for_events(url, 1)
     prompts = [random_prompt(4 * BT + 3, seed=201 + i) for i in range(4)]
     holder = {}
     for i, prompt in enumerate(prompts):
@@ -59,7 +75,7 @@ def test_a_repeat_goes_to_the_rank_that_holds_it_across_dp_replicas_from_events_
         holder[i] = took[0]
     info = serve.get_deployment_handle("Colocated", "kvev").info.remote().result()
     assert forget_leases(redis_server, info["index_namespace"]) > 0
-    time.sleep(EVENTS_S)
+    wait_for_events(url, 1 + 4 * len(prompts))
     for i, prompt in enumerate(prompts):
         hits = per_rank(url, "prefix_hit_tokens", tier="device")
         again = complete(url, prompt)
