@@ -8,6 +8,10 @@ import os
 # fails with it: on two cores shared by both pytest workers' Ray clusters a proxy was seen to take
 # longer (load ~6). Every Ray the tests start (Cluster, `ray start`, `kvmesh serve`) inherits this.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "20")
+# Serve's own log lines (an access line per request, per replica) go to its log files only
+# (`/tmp/ray/session_latest/logs/serve/`), not to stderr as well: Ray's log monitor tailed them
+# and streamed them to the test process (CPU the 2 cores have no spare of).
+os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
 
 # ---------------------------------------------------------------------------------
 # kvstore: a private Redis server for the index tests.

@@ -37,11 +37,12 @@ RAY_PORT = 6379
 HTTP_PORT = 8000
 RAY_START_S = 180.0
 ERROR_KEYS = {"message", "type", "param", "code"}
+ERROR_PAUSE_S = 0.5
 
 
 def host_env(python_bin: Path) -> str:
     return (f"cd {ROOT} && export PATH={python_bin}:$PATH PYTHONPATH={ROOT} OMP_NUM_THREADS=1 UCX_TLS=tcp "
-            f"RAY_USAGE_STATS_ENABLED=0; ")
+            f"RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_LOG_TO_STDERR=0; ")     # tests/conftest.py says why
 
 
 class RayOnHosts:
@@ -57,8 +58,9 @@ class RayOnHosts:
         assert out.returncode == 0, f"on {ip}: `{command}` failed:\n{(out.stdout + out.stderr)[-3000:]}"
         return out.stdout
 
-    def start_head(self) -> None:
-        self.ssh(self.head, f"ray start --head --port={RAY_PORT} --num-cpus=1 --object-store-memory=80000000 "
+    def start_head(self, env: str = "") -> None:
+        """`env`: `NAME=value ...` for the head's Ray (its GCS reads `RAY_<setting>` at start)."""
+        self.ssh(self.head, f"{env} ray start --head --port={RAY_PORT} --num-cpus=1 --object-store-memory=80000000 "
                             "--resources='{\"kvmesh_head\": 1}' --dashboard-host=127.0.0.1 --disable-usage-stats")
 
     def join(self, ip: str, pool: str) -> None:
@@ -212,7 +214,9 @@ def _request(client: httpx.Client, url: str, prompt: list[int], want: list[int],
 
 class Load:
     """`clients` threads sending back to back until stop(); every answer checked. Even
-    clients stream, odd ones do not."""
+    clients stream, odd ones do not. After an error a client pauses `ERROR_PAUSE_S`, as one that
+    honours the 503's Retry-After would (sooner, so short fault windows still see requests):
+    hundreds of instant 503s while a pool has no replica only load the 2 cores."""
 
     def __init__(self, url: str, prompts: list[list[int]], want: list[list[int]], clients: int = 3):
         self.url, self.prompts, self.want = url, prompts, want
@@ -231,6 +235,8 @@ class Load:
             while not self._stop.is_set():
                 i = rng.randrange(len(self.prompts))
                 self.outcomes.append(one_request(client, self.url, self.prompts[i], self.want[i], c % 2 == 0))
+                if self.outcomes[-1].kind != "correct":
+                    self._stop.wait(ERROR_PAUSE_S)
 
     def stop(self) -> list[Outcome]:
         self._stop.set()
