@@ -58,10 +58,12 @@ class RayOnHosts:
         assert out.returncode == 0, f"on {ip}: `{command}` failed:\n{(out.stdout + out.stderr)[-3000:]}"
         return out.stdout
 
-    def start_head(self, env: str = "") -> None:
-        """`env`: `NAME=value ...` for the head's Ray (its GCS reads `RAY_<setting>` at start)."""
+    def start_head(self, env: str = "", pools: tuple[str, ...] = ()) -> None:
+        """`env`: `NAME=value ...` for the head's Ray (its GCS reads `RAY_<setting>` at start);
+        `pools`: pools whose replicas the head hosts too (a `kvmesh_<pool>` resource each)."""
+        resources = json.dumps({f"kvmesh_{p}": 1 for p in ("head", *pools)})
         self.ssh(self.head, f"{env} ray start --head --port={RAY_PORT} --num-cpus=1 --object-store-memory=80000000 "
-                            "--resources='{\"kvmesh_head\": 1}' --dashboard-host=127.0.0.1 --disable-usage-stats")
+                            f"--resources='{resources}' --dashboard-host=127.0.0.1 --disable-usage-stats")
 
     def join(self, ip: str, pool: str) -> None:
         self.ssh(ip, f"ray start --address={self.head}:{RAY_PORT} --num-cpus=1 --object-store-memory=80000000 "

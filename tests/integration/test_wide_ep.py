@@ -1,13 +1,13 @@
 """A data-parallel + expert-parallel replica over two hosts (issue 29 items 1-3), on namespace
 hosts (tests/integration/onprem_hosts.py) running real Ray:
 
-    head      Ray GCS, Serve controller, HTTP proxy, both apps' ingresses
-    P         the disaggregated app's prefill replica
+    head      Ray GCS, Serve controller, HTTP proxy, both apps' ingresses, the disaggregated
+              app's prefill replica
     W1-W3     one DP=4 + EP replica of each app on two of them: 2 ranks on each host
               (data_parallel_size_local 2: a placement group of one bundle per host,
               STRICT_SPREAD; gloo and NIXL between the hosts); room for both on any two
 
-Two apps share the hosts: `/` disaggregated (prefill on P, the wide replica as its decode pool)
+Two apps share the hosts: `/` disaggregated (prefill on the head, the wide replica as its decode pool)
 and `/colo` colocated (the wide replica runs whole requests). Every answer is checked against
 the cold greedy tokens of the offline single-process engine. The kill scenario first removes the
 colocated app (its equality is checked already; one gang to replace, not two, keeps the suite
@@ -87,7 +87,7 @@ def apps_config(redis_url: str) -> dict:
 class Wide:
     def __init__(self, hosts: Hosts, ray: RayOnHosts, prompts: list, want: list):
         self.hosts, self.ray, self.prompts, self.want = hosts, ray, prompts, want
-        head, self.prefill, *self.wide = hosts.ips
+        head, *self.wide = hosts.ips
         self.base = f"http://{head}:{HTTP_PORT}"
         self.urls = {"decode": self.base, "colocated": f"{self.base}/colo"}
 
@@ -143,7 +143,7 @@ def wide():
     require_namespaces()
     if not Path(REDIS_SERVER_BINARY).exists():
         pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
-    hosts, redis, workdir = Hosts(5, "kvw", "10.215"), None, Path(tempfile.mkdtemp(prefix="kvw-redis-"))
+    hosts, redis, workdir = Hosts(4, "kvw", "10.215"), None, Path(tempfile.mkdtemp(prefix="kvw-redis-"))
     # 8 prompts over 4 prefixes of 2 blocks: requests spread over the ranks, repeats reuse
     prompts = shared_prefix_prompts(groups=4, per_group=2, prefix=256, suffix=12, seed=29)
     pool = ThreadPoolExecutor(1)
@@ -155,9 +155,9 @@ def wide():
         redis = PrivateRedis(REDIS_SERVER_BINARY, workdir, host=hosts.gateway)
         redis.start()
         ray = RayOnHosts(hosts, Path(sys.executable).parent)
-        ray.start_head(HEAD_ENV)
-        head, p, *wide = hosts.ips
-        ray.join_all({p: "prefill", **{w: "wide" for w in wide}})
+        ray.start_head(HEAD_ENV, pools=("prefill",))
+        head, *wide = hosts.ips
+        ray.join_all({w: "wide" for w in wide})
         t1 = time.monotonic()
         config = apps_config(redis.url)
         ray.serve_deploy(config)
@@ -196,7 +196,7 @@ def test_a_dp4_ep_replica_over_two_hosts_equals_one_process_colocated_and_as_dec
         before = scrape(url)
         outcomes = send_all(url, wide.prompts, wide.want) + send_all(url, wide.prompts, wide.want)
         assert [o.kind for o in outcomes] == ["correct"] * len(outcomes), bad(outcomes)
-        if pool == "decode":      # every handoff from the prefill host READ over NIXL by a decode rank
+        if pool == "decode":      # every handoff from the head's prefill replica READ over NIXL by a decode rank
             after = scrape(url)
             moved = {t: total(after, "kvmesh_handoff_bytes_total", transport=t)
                      - total(before, "kvmesh_handoff_bytes_total", transport=t) for t in ("nixl", "ray")}
@@ -211,10 +211,9 @@ def test_a_dp4_ep_replica_over_two_hosts_equals_one_process_colocated_and_as_dec
 def test_a_wide_host_killed_mid_stream_fails_cleanly_and_the_replica_comes_back_on_the_others(wide):
     # the colocated app goes (its tokens were checked above): its replica frees room on the hosts
     wide.ray.serve_deploy({**wide.config, "applications": wide.config["applications"][:1]})
-    old = set(wide.serving("decode"))
-    before = wide.ranks()
-    victim = sorted(h for k, h in before.items() if k.split(":")[0] in old)[0]
-    load = Load(wide.base, wide.prompts, wide.long, clients=3)    # long answers: streams open at the kill
+    (replica,) = old = set(wide.serving("decode"))
+    victim = wide.ranks()[f"{replica}:2"]     # ranks 2-3's host: rank 0 lives on and must fail the gang
+    load = Load(wide.base, wide.prompts, wide.long, clients=2)    # long answers: streams open at the kill
     with load:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not load.outcomes:
