@@ -23,9 +23,9 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 # --no-compile, then one compileall on every core: pip byte-compiles the ~19,000 files of torch,
-# Ray and transformers one after another (~60 s of one core). The .pyc files must be written here:
-# with PYTHONDONTWRITEBYTECODE=1 (this machine sets it) no process writes one later, and each
-# would compile what it imports from source every time it starts.
+# Ray and transformers one after another (~60 s of one core). The .pyc files must be written here,
+# kvmesh's own packages' too: with PYTHONDONTWRITEBYTECODE=1 (this machine sets it) no process
+# writes one later, and each would compile what it imports from source every time it starts.
 if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         python -m pip install -q --no-compile "torch>=2.4"
@@ -35,4 +35,5 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q --no-compile -e ".[${KVMESH_EXTRAS:-test}]"
 # -qq: a package's test data that is not Python 3 (pip skips those too) is no error here
-python -m compileall -qq -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+python -m compileall -qq -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    cluster workers kvstore kernels || true
