@@ -16,19 +16,25 @@ and checks every answer against the cold greedy tokens; `Row` is one line of the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
+import shutil
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import redis
 import yaml
 
+from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis
 from tests.helpers import stream_items
 from tests.integration.onprem_hosts import Hosts
 
@@ -84,6 +90,39 @@ class RayOnHosts:
         path = self.hosts.shared / "serve-chaos.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.ssh(self.head, "serve deploy /mnt/kvmesh/serve-chaos.yaml")
+
+
+@contextlib.contextmanager
+def hosts_with_ray(n: int, name: str, net: str, pools: dict[int, str], head_env: str = "",
+                   head_pools: tuple[str, ...] = ()) -> Iterator[tuple[Hosts, PrivateRedis, RayOnHosts]]:
+    """`n` namespace hosts with a private Redis on their gateway and Ray over SSH: the head on
+    host 0 (`head_env`, `head_pools`: RayOnHosts.start_head), host i joined with `pools[i]`.
+    Everything it started is stopped and removed on exit, also when bringing it up fails."""
+    hosts, server, workdir = Hosts(n, name, net), None, Path(tempfile.mkdtemp(prefix=f"{name}-redis-"))
+    try:
+        hosts.start()
+        hosts.check_isolated()
+        server = PrivateRedis(REDIS_SERVER_BINARY, workdir, host=hosts.gateway)
+        server.start()
+        ray = RayOnHosts(hosts, Path(sys.executable).parent)
+        ray.start_head(head_env, head_pools)
+        ray.join_all({hosts.ips[i]: pool for i, pool in pools.items()})
+        yield hosts, server, ray
+    finally:
+        hosts.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def cold_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The offline single-process engine's greedy tokens: what every answer is checked against."""
+    from tests.local_serve import small_config
+    from workers.engine import Engine
+    from workers.sampling.params import SamplingParams
+    outs = Engine(small_config().engine.engine_config()).generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
 
 
 # run on the head: where each live replica of the app is

@@ -14,7 +14,6 @@ import dataclasses
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +30,10 @@ from tests.integration.chaos_cluster import (
     Row,
     bad,
     clean_codes,
+    cold_tokens,
     forget_leases,
     handoffs,
+    hosts_with_ray,
     one_request,
     per_worker,
     row,
@@ -160,15 +161,6 @@ def loopback_bits_per_s(nbytes: int = 64 << 20) -> float:
     return nbytes * 8 / (time.monotonic() - start)
 
 
-def cold_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from tests.local_serve import small_config
-    from workers.engine import Engine
-    from workers.sampling.params import SamplingParams
-    outs = Engine(small_config().engine.engine_config()).generate(
-        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    return [o.token_ids for o in outs]
-
-
 def wait_ready(cluster: Cluster, prefill: int, decode: int, within_s: float = READY_WITHIN_S) -> None:
     """Until /metrics shows that many live replicas per pool, with a request now and then (one
     run saw a running prefill replica left out of /metrics for minutes, until traffic came)."""
@@ -194,35 +186,24 @@ def cluster():
             pytest.skip(f"chaos tests need `{tool}` (scripts/setup.sh installs iptables)")
     if not Path(REDIS_SERVER_BINARY).exists():
         pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
-    hosts, redis, workdir = Hosts(5, "kvc", "10.214"), None, Path(tempfile.mkdtemp(prefix="kvc-redis-"))
     shared = shared_prefix_prompts(groups=3, per_group=3, prefix=256, suffix=12)
     fresh = shared_prefix_prompts(groups=1, per_group=12, prefix=256, suffix=1024, seed=24)
     probe = shared_prefix_prompts(groups=2, per_group=1, prefix=256, suffix=12, seed=25)   # one per probe
     pool = ThreadPoolExecutor(1)    # the cold answers (~20 s of a core) come while the cluster comes up
     cold = pool.submit(lambda: (cold_tokens(shared, LONG_TOKENS), cold_tokens(fresh + probe, MAX_TOKENS)))
     try:
-        hosts.start()
-        hosts.check_isolated()
-        redis = PrivateRedis(REDIS_SERVER_BINARY, workdir, host=hosts.gateway)
-        redis.start()
-        ray = RayOnHosts(hosts, Path(sys.executable).parent)
-        ray.start_head()
-        head, p1, p2, d1, d2 = hosts.ips
-        ray.join_all({p1: "prefill", p2: "prefill", d1: "decode", d2: "decode"})
-        ray.serve_deploy(serve_config(redis.url, RELEASE_TIMEOUT_S))
-        long, fresh_want = cold.result()
-        prompts = {"short": shared, "long": shared, "fresh": fresh, "probe": probe}
-        want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": fresh_want[:len(fresh)],
-                "probe": fresh_want[len(fresh):]}
-        c = Cluster(hosts, ray, redis, prompts, want)
-        wait_ready(c, 2, 2)
-        yield c
-        print("\n" + Row.HEADER + "\n" + "\n".join(r.line() for r in c.rows), file=sys.__stdout__, flush=True)
+        with hosts_with_ray(5, "kvc", "10.214", {1: "prefill", 2: "prefill", 3: "decode", 4: "decode"}) \
+                as (hosts, redis, ray):
+            ray.serve_deploy(serve_config(redis.url, RELEASE_TIMEOUT_S))
+            long, fresh_want = cold.result()
+            prompts = {"short": shared, "long": shared, "fresh": fresh, "probe": probe}
+            want = {"short": [w[:MAX_TOKENS] for w in long], "long": long, "fresh": fresh_want[:len(fresh)],
+                    "probe": fresh_want[len(fresh):]}
+            c = Cluster(hosts, ray, redis, prompts, want)
+            wait_ready(c, 2, 2)
+            yield c
+            print("\n" + Row.HEADER + "\n" + "\n".join(r.line() for r in c.rows), file=sys.__stdout__, flush=True)
     finally:
-        hosts.close()
-        if redis is not None:
-            redis.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
         pool.shutdown()
 
 

@@ -19,9 +19,7 @@ checks its nodes every second (Ray's default: 3 s), so a dead host is known in ~
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,10 +27,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis
+from tests.conftest import REDIS_SERVER_BINARY
 from tests.integration.chaos_cluster import (
-    HTTP_PORT, Load, RayOnHosts, Row, bad, clean_codes, handoffs, one_request, per_worker, row, scrape,
-    serve_config, shared_prefix_prompts, total)
+    HTTP_PORT, Load, RayOnHosts, Row, bad, clean_codes, cold_tokens, handoffs, hosts_with_ray, one_request,
+    per_worker, row, scrape, serve_config, shared_prefix_prompts, total)
 from tests.integration.onprem_hosts import Hosts
 from tests.integration.test_onprem_cluster import require_namespaces
 
@@ -129,50 +127,30 @@ class Wide:
         raise AssertionError(f"the wide replicas are not ready within {within_s:.0f} s: {last}")
 
 
-def cold_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
-    from workers.sampling.params import SamplingParams
-    outs = Engine(EngineConfig(kv_cache_bytes=32 << 20)).generate(
-        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    return [o.token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def wide():
     require_namespaces()
     if not Path(REDIS_SERVER_BINARY).exists():
         pytest.skip(f"{REDIS_SERVER_BINARY} is not installed")
-    hosts, redis, workdir = Hosts(4, "kvw", "10.215"), None, Path(tempfile.mkdtemp(prefix="kvw-redis-"))
     # 8 prompts over 4 prefixes of 2 blocks: requests spread over the ranks, repeats reuse
     prompts = shared_prefix_prompts(groups=4, per_group=2, prefix=256, suffix=12, seed=29)
     pool = ThreadPoolExecutor(1)
     cold = pool.submit(cold_tokens, prompts, LONG_TOKENS)
     t0 = time.monotonic()
     try:
-        hosts.start()
-        hosts.check_isolated()
-        redis = PrivateRedis(REDIS_SERVER_BINARY, workdir, host=hosts.gateway)
-        redis.start()
-        ray = RayOnHosts(hosts, Path(sys.executable).parent)
-        ray.start_head(HEAD_ENV, pools=("prefill",))
-        head, *wide = hosts.ips
-        ray.join_all({w: "wide" for w in wide})
-        t1 = time.monotonic()
-        config = apps_config(redis.url)
-        ray.serve_deploy(config)
-        long = cold.result()
-        w = Wide(hosts, ray, prompts, [t[:MAX_TOKENS] for t in long])
-        w.long, w.config = long, config
-        w.placed = w.wait_ready()
-        print(f"\nhosts + Ray up in {t1 - t0:.0f} s, both apps serving {time.monotonic() - t1:.0f} s after the "
-              "deploy", file=sys.__stdout__, flush=True)
-        yield w
+        with hosts_with_ray(4, "kvw", "10.215", {1: "wide", 2: "wide", 3: "wide"}, HEAD_ENV, ("prefill",)) \
+                as (hosts, redis, ray):
+            t1 = time.monotonic()
+            config = apps_config(redis.url)
+            ray.serve_deploy(config)
+            long = cold.result()
+            w = Wide(hosts, ray, prompts, [t[:MAX_TOKENS] for t in long])
+            w.long, w.config = long, config
+            w.placed = w.wait_ready()
+            print(f"\nhosts + Ray up in {t1 - t0:.0f} s, both apps serving {time.monotonic() - t1:.0f} s after the "
+                  "deploy", file=sys.__stdout__, flush=True)
+            yield w
     finally:
-        hosts.close()
-        if redis is not None:
-            redis.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
         pool.shutdown()
 
 
