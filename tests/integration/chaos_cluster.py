@@ -48,7 +48,7 @@ ERROR_PAUSE_S = 0.5
 
 def host_env(python_bin: Path) -> str:
     return (f"cd {ROOT} && export PATH={python_bin}:$PATH PYTHONPATH={ROOT} OMP_NUM_THREADS=1 UCX_TLS=tcp "
-            f"RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_LOG_TO_STDERR=0; ")     # tests/conftest.py says why
+            f"RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_LOG_TO_STDERR=0 REPORTER_UPDATE_INTERVAL_MS=60000; ")  # see tests/conftest.py
 
 
 class RayOnHosts:
