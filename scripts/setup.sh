@@ -35,7 +35,7 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q --no-compile -e ".[${KVMESH_EXTRAS:-test}]"
 # -qq: a package's test data that is not Python 3 (pip skips those too) is no error here. -x: parts
-# kvmesh never imports (Ray's libraries for RL, tuning, training and datasets; transformers' ~300
+# kvmesh never imports (Ray's libraries for RL, tuning, training and datasets; transformers' ~550
 # other models), ~4,000 files; a module of them that is imported after all is compiled in memory.
 python -m compileall -qq -j 0 -x '/ray/(rllib|tune|train|data|air)/|/transformers/models/(?!auto/|deepseek_v4/)' \
     "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" cluster workers kvstore kernels || true
