@@ -13,7 +13,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "20")
 # and streamed them to the test process (CPU the 2 cores have no spare of).
 os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
 # Each node's Ray dashboard agent samples every worker process's CPU and memory for the dashboard
-# every 5 s (reading each process's memory maps); no test reads those figures, so once a minute.
+# every 5 s; no test reads those figures, so once a minute.
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
 # ---------------------------------------------------------------------------------
