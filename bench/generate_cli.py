@@ -80,20 +80,20 @@ def main(argv: list[str] | None = None) -> int:
             (t_spec, tok_spec, drafts), (t_plain, tok_plain, _) = runs["default"], runs["k=0"]
             equal = sum(tok_spec[i] == tok_plain[i] for i in tok_plain)
             speedups.append(t_plain / t_spec)
-            rows.append((r + 1, t_spec, t_plain, speedups[-1], drafts, f"{equal}/{len(tok_plain)}", before, load()))
+            rows.append((r + 1, t_spec, t_plain, speedups[-1], drafts, equal, len(tok_plain), before, load()))
     median = statistics.median(speedups)
     if args.json:
         print(json.dumps({"engine_args": args.engine_args, "prompts": args.prompts, "max_tokens": args.max_tokens,
                           "max_num_seqs": args.max_num_seqs, "speedups": speedups, "median_speedup": median,
-                          "greedy_equal": all(row[5].split("/")[0] == row[5].split("/")[1] for row in rows),
+                          "greedy_equal": all(row[5] == row[6] for row in rows),
                           "load_average": os.getloadavg()}))
         return 0
     print(f"kvmesh generate {shlex.join(base)}: {args.prompts} prompts x {args.max_tokens} tokens, "
           f"default vs --speculative-tokens 0, wall time of the whole command\n")
     print("| round | default s | k=0 s | speed-up | drafts (accepted) | greedy equal | load before | load after |")
     print("|---:|---:|---:|---:|---:|---:|---|---|")
-    for rnd, t_spec, t_plain, speedup, drafts, equal, before, after in rows:
-        print(f"| {rnd} | {t_spec:.2f} | {t_plain:.2f} | {speedup:.2f}x | {drafts} | {equal} | {before} | {after} |")
+    for rnd, t_spec, t_plain, speedup, drafts, equal, lines, before, after in rows:
+        print(f"| {rnd} | {t_spec:.2f} | {t_plain:.2f} | {speedup:.2f}x | {drafts} | {equal}/{lines} | {before} | {after} |")
     print(f"\nmedian speed-up {median:.2f}x over {len(rows)} rounds (load average 1/5/15 min: {load()})")
     return 0
 
