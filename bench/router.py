@@ -24,11 +24,13 @@ Reported per rank count: hit rate (prompt tokens found in the chosen rank's pool
 the hit rate of an omniscient router under the same capacities (the same scoring, fed every
 pool's true content and load at that instant instead of the events), the imbalance of a router
 that balances alone (the same scoring and events, told no prefix: the baseline for imbalance, as
-a ratio), the decision time p50 /
-p99 (hint + ranking, wall clock; and the p99 of this thread's CPU time, which a busy machine's
-preemption does not inflate), the load imbalance (mean over arrivals of max / mean load over the
-ranks), the queue imbalance (the same of the prefill queue alone: the measure before decode was
-modelled) and the work imbalance (max / mean of the tokens each rank computed over the replay).
+a ratio) and of one that balances alone on the true loads ("ideal": perfect information), the
+decision time p50 / p99 (hint + ranking, wall clock; and the p99 of this thread's CPU time, which
+a busy machine's preemption does not inflate), the load imbalance (mean over arrivals of max /
+mean load over the ranks; "steady": the same without the first 10 % of arrivals, the ramp from
+empty ranks, where the first arrival alone is max / mean = the rank count), the queue imbalance
+(the same of the prefill queue alone: the measure before decode was modelled) and the work
+imbalance (max / mean of the tokens each rank computed over the replay).
 --json prints one JSON line per rank count.
 """
 from __future__ import annotations
@@ -149,8 +151,10 @@ def imbalance(values: list[float]) -> float | None:
 
 
 def replay(requests: list[TraceRequest], n: int, capacity_blocks: int, hw: Hardware, router: str = "events") -> dict:
-    """One replay; `router`: "events" (the ingress's), "oracle" (the same scoring on the truth) or
-    "load" (the same scoring told no prefix: balance alone, the baseline for imbalance)."""
+    """One replay; `router`: "events" (the ingress's), "oracle" (the same scoring on the truth),
+    "load" (the same scoring and events told no prefix: balance alone, the baseline for imbalance)
+    or "ideal" (the same scoring on the true loads, told no prefix: a balancer with perfect
+    information, the floor of imbalance for a router that places each arrival once)."""
     bus = LocalEventBus(maxlen=1 << 20)
     index = KvEventIndex(bus.request_snapshot)
     follow = KvEventFollower(bus, index, poll_s=0.0)
@@ -173,6 +177,8 @@ def replay(requests: list[TraceRequest], n: int, capacity_blocks: int, hw: Hardw
         if router == "oracle":          # the truth: every pool's content and load, now
             hint = RouteHint(prefix_blocks={r.name: r.held(req.blocks) for r in ranks},
                              loads={r.name: r.load() for r in ranks})
+        elif router == "ideal":         # the true loads, no prefix: a balancer with perfect information
+            hint = RouteHint(loads={r.name: r.load() for r in ranks})
         elif router == "load":
             hint = RouteHint(loads=index.loads())
         else:
@@ -182,7 +188,7 @@ def replay(requests: list[TraceRequest], n: int, capacity_blocks: int, hw: Hardw
         if router == "events":
             decisions.append((time.perf_counter() - t0) * 1000)
             cpu.append((time.thread_time() - c0) * 1000)
-        if router != "oracle":
+        if router in ("events", "load"):
             lacking = hint.prompt_blocks - hint.prefix_blocks.get(chosen.name, 0)
             index.charge(chosen.name, lacking * TRACE_BLOCK + req.tokens)     # its prefill + its context
         for measure, out in ((SimRank.load, loads), (SimRank.queued_tokens, queues)):
@@ -192,7 +198,9 @@ def replay(requests: list[TraceRequest], n: int, capacity_blocks: int, hw: Hardw
         hit = chosen.run(req, req.t)
         hits, tokens = hits + hit, tokens + req.tokens
         work[chosen.name] += req.tokens - hit
+    warm = len(loads) // 10 if len(loads) >= 10 else 0
     out = {"ranks": n, "hit_rate": hits / tokens, "load_imbalance": statistics.fmean(loads or [1.0]),
+           "steady_load_imbalance": statistics.fmean(loads[warm:] or [1.0]),
            "queue_imbalance": statistics.fmean(queues or [1.0]),
            "work_imbalance": max(work.values()) / statistics.fmean(work.values())}
     if decisions:
@@ -224,6 +232,8 @@ def main() -> None:
         row["oracle_hit_rate"] = replay(arrivals, n, capacity, hw, "oracle")["hit_rate"]
         balance = replay(arrivals, n, capacity, hw, "load")
         row.update(load_only_hit_rate=balance["hit_rate"], load_only_imbalance=balance["load_imbalance"])
+        ideal = replay(arrivals, n, capacity, hw, "ideal")
+        row.update(ideal_imbalance=ideal["load_imbalance"], ideal_steady_imbalance=ideal["steady_load_imbalance"])
         rows.append(row)
         if a.json:
             print(json.dumps({**row, "load_average": os.getloadavg()[0]}), flush=True)
@@ -232,13 +242,15 @@ def main() -> None:
               f"utilization {a.utilization}, load average {load_at_start:.1f} at the start, "
               f"{os.getloadavg()[0]:.1f} at the end")
         print(f"{'ranks':>6} {'hit rate':>9} {'oracle':>7} {'ratio':>6} {'p50 ms':>7} {'p99 ms':>7} {'cpu p99':>7} "
-              f"{'imbalance':>9} {'load-only':>9} {'ratio':>6} {'queue':>6} {'work':>5}")
+              f"{'imbalance':>9} {'load-only':>9} {'ratio':>6} {'ideal':>6} {'steady':>6} {'ideal':>6} "
+              f"{'queue':>6} {'work':>5}")
         for r in rows:
             print(f"{r['ranks']:>6} {r['hit_rate']:>9.3f} {r['oracle_hit_rate']:>7.3f} "
                   f"{r['hit_rate'] / max(r['oracle_hit_rate'], 1e-9):>6.2f} {r['decision_ms_p50']:>7.3f} "
                   f"{r['decision_ms_p99']:>7.3f} {r['decision_cpu_ms_p99']:>7.3f} {r['load_imbalance']:>9.2f} "
                   f"{r['load_only_imbalance']:>9.2f} {r['load_imbalance'] / r['load_only_imbalance']:>6.2f} "
-                  f"{r['queue_imbalance']:>6.2f} {r['work_imbalance']:>5.2f}")
+                  f"{r['ideal_imbalance']:>6.2f} {r['steady_load_imbalance']:>6.2f} "
+                  f"{r['ideal_steady_imbalance']:>6.2f} {r['queue_imbalance']:>6.2f} {r['work_imbalance']:>5.2f}")
 
 if __name__ == "__main__":
     main()
