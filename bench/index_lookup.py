@@ -16,6 +16,13 @@ whole chain is timed from the client, as a caller sees it:
 Both give the same LookupResult (checked). Beside each median and p99 it prints Redis's own CPU
 time per lookup (INFO cpu, main thread), which a loaded machine inflates less than wall time,
 and the load average; --json prints one JSON line per row.
+
+    python bench/index_lookup.py --writes [--baseline-ref REV]
+
+times the lease writes instead (median of 20 rounds: a new worker publishes an 8,192-block chain
+beside three holding its first half, renews it, publishes a step's 4 blocks, removes 512), and
+with --baseline-ref the same with kvstore/redis_index.py as it was at git revision REV, loaded
+beside this one, the two alternated twice.
 """
 from __future__ import annotations
 
@@ -159,17 +166,68 @@ def run(url: str, blocks: int, leases: int, repeats: int) -> dict:
     return row
 
 
+def write_times(url: str, cls, rounds: int = 20) -> dict:
+    """Median ms of the lease writes of `cls` (a RedisIndex class) in a fresh namespace."""
+    index = cls(url, FINGERPRINT)
+    index.clear()
+    hashes = PrefixHasher(FINGERPRINT, 1).hashes(list(range(8192)))
+    for w in ("half-a", "half-b", "half-c"):
+        index.publish_memory(w, hashes[:4096], 3600.0)
+    times: dict[str, list[float]] = {"publish 8,192 new": [], "renew 8,192": [], "publish 4": [], "remove 512": []}
+    for r in range(rounds):
+        worker = f"w{r}"
+        for name, fn in (("publish 8,192 new", lambda: index.publish_memory(worker, hashes, 3600.0)),
+                         ("renew 8,192", lambda: index.publish_memory(worker, hashes, 3600.0)),
+                         ("publish 4", lambda: index.publish_memory(worker, hashes[100:104], 3600.0)),
+                         ("remove 512", lambda: index.remove_memory(worker, hashes[:512]))):
+            times[name] += timed(fn, 1)
+    index.clear()
+    index.close()
+    return {name: statistics.median(xs) for name, xs in times.items()}
+
+
+def baseline_class(rev: str):
+    """RedisIndex as kvstore/redis_index.py was at git revision `rev`."""
+    import importlib.util
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:kvstore/redis_index.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="kvmesh-bench-")) / "baseline_redis_index.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("kvstore.baseline_redis_index", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RedisIndex
+
+
+def main_writes(url: str, rev: str | None) -> None:
+    runs = [("this tree", RedisIndex)] + ([(rev, baseline_class(rev))] if rev else [])
+    rows = [(label, write_times(url, cls)) for _ in range(2) for label, cls in runs]
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
+    names = list(rows[0][1])
+    print("| index | " + " | ".join(f"{n} ms" for n in names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for label, row in rows:
+        print(f"| {label} | " + " | ".join(f"{row[n]:.2f}" for n in names) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="1024,8192", help="chain lengths, comma-separated")
     ap.add_argument("--leases", default="0,4", help="workers holding leases on the chain (0-4), comma-separated")
     ap.add_argument("--repeats", type=int, default=200, help="lookups timed per method and length")
     ap.add_argument("--json", action="store_true", help="one JSON line per row")
+    ap.add_argument("--writes", action="store_true", help="time the lease writes instead of lookups")
+    ap.add_argument("--baseline-ref", default=None, help="with --writes: also kvstore/redis_index.py at this git revision")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-redis-") as workdir:
         server = PrivateRedis(REDIS_SERVER_BINARY, Path(workdir))
         server.start()
         try:
+            if args.writes:
+                main_writes(server.url, args.baseline_ref)
+                return
             rows = [run(server.url, int(n), int(k), max(10, args.repeats))
                     for n in args.blocks.split(",") for k in args.leases.split(",")]
         finally:

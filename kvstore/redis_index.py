@@ -10,24 +10,43 @@ keyed store: kvstore.hashing.store_namespace); a *field* is a block hash as 8 bi
     kvmesh:{ns}:e:{worker}    sorted set  the same fields, score = the same deadline (finds the
                                           expired fields to drop)
     kvmesh:{ns}:holders       sorted set  member worker id, score = its latest deadline
+    kvmesh:{ns}:m             hash        field -> the tokens of every worker with a lease record
+                                          on that block, each between NUL bytes
+    kvmesh:{ns}:t             hash        worker id -> its token, `{worker}@{n}`
+    kvmesh:{ns}:tn            string      the counter n of tokens
 
 Memory leases are judged by the *Redis server's* clock, so nodes with skewed
 clocks still agree: `publish_memory` runs a small Lua script that reads
 `TIME`, writes `now + ttl` as the blocks' deadline in the worker's hash and
 sorted set and as the worker's score in `holders`, drops expired fields, and
-keeps each key's PEXPIRE at least `ttl` so abandoned keys vanish. Lease
+keeps each key's PEXPIRE at least `ttl` + `_LEASE_GRACE_MS` so abandoned keys vanish. Lease
 granularity is 1 ms.
 
 `lookup` is one server-side step (`_LOOKUP_LUA`, one EVALSHA carrying the
 chain as one binary string): the script cuts the chain into pages of 8-byte
 fields with `struct.unpack` (no key names are built), reads the store hash
 with `HMGET` page by page up to the first block that is not stored (the same
-replies give the checkpoints of that run), then, for each live holder whose
-lease covers the chain's first block, its deadlines along the chain with
-`HMGET` up to its first expired or missing one. One round trip and a command
-per 512 blocks and tier (`bench/index_lookup.py` measures it against the
-per-key layout before it). Writes of the store tier are scripts too (a field
-carries both flags, so setting one keeps the other).
+replies give the checkpoints of that run), then the holders: every live
+holder whose lease covers the chain's first block is followed in one walk of
+`m`, which reads each block once for all of them (a run of blocks with the
+same holders is the same value, compared once) and ends a holder's count at
+its first block without its token. A holder with a lease past its deadline
+that no publish has swept yet (its deadline set says so) is walked in its own
+hash instead, deadline by deadline. One round trip and a command per 512
+blocks and tier (`bench/index_lookup.py` measures it against the per-key
+layout before it). Writes of the store tier are scripts too (a field carries
+both flags, so setting one keeps the other).
+
+Every script that writes a lease writes all three records of it (`l`, `e` and
+the token in `m`), so a token in `m` means a lease record in `l`. A worker
+starts holding under a new token when its holders entry has run out (what its
+earlier life left is dropped first, or, if its keys are gone, can never count
+again). A silent worker's records leave `m` a bounded number per call of any
+other worker's publish (`_GC_FIELDS`), its holders entry with the last; lease
+keys live `_LEASE_GRACE_MS` past their last lease so that can happen. Memory
+leases are hints: if Redis evicts one of these keys (a `maxmemory` policy that
+evicts), a count can be off until the next publishes — a routing miss, never a
+wrong answer.
 
 Every hash also holds a `layout` field with a long value, which keeps it a hashtable (see
 `_LAYOUT_VALUE`). Needs Redis >= 4.0 (multi-field HSET); tested with 7.0.
@@ -37,6 +56,9 @@ Upgrading from the per-key layout (`kvmesh:{ns}:b:{hex}`, `:c:{hex}`, `:w:{worke
 ignored — lookups miss and the blocks are recomputed, never a wrong answer, until an
 engine re-publishes its store at start-up (`rebuild_from`) and its leases as it runs.
 The old block and checkpoint keys never expire; `clear()` removes old and new keys alike.
+From the hash layout before `m`: a live holder with no token is walked in its own hash (exact);
+its next publish gives it a token and drops its older leases, which its next renewal (the whole
+pool, every half lease) publishes again — until then a lookup undercounts it, a routing miss.
 
 Faults: when Redis is unreachable (connection refused/reset, timeout) or answers
 with an error reply (READONLY after a failover, OOM under `noeviction`, LOADING,
@@ -127,13 +149,94 @@ end
 return n
 """
 
-# KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; KEYS[3]: the holders set;
+# The holders tier. A worker's leases are kept three ways, written together by every script:
+#   l:{worker}  hash        field -> deadline        (the truth for one worker)
+#   e:{worker}  sorted set  field, score deadline    (finds the expired fields)
+#   m           hash        field -> SEP tok1 SEP tok2 SEP ...: the tokens of every worker with a
+#                           lease record on that block (expired or not), so a lookup reads a block
+#                           once for all its holders
+# A worker's token is `{worker}@{n}`, n new each time the worker starts holding again after its
+# holders entry ran out (t: worker -> token; tn: the counter), so what an earlier life left in `m`
+# never counts for a later one.
+_HOLDERS_LUA = _FIELDS_LUA + f"""
+local SEP = '\\0'
+local function add_token(v, token)
+  if not v then return SEP .. token .. SEP end
+  if string.find(v, SEP .. token .. SEP, 1, true) then return v end
+  return v .. token .. SEP
+end
+local function drop_token(v, token)   -- false: the value is left with no token
+  local pat = SEP .. token .. SEP
+  local i = string.find(v, pat, 1, true)
+  if not i then return v end
+  v = string.sub(v, 1, i) .. string.sub(v, i + #pat)
+  if v == SEP then return false end
+  return v
+end
+-- apply `change` (add_token or drop_token) for `token` to the m values of a list of fields
+local function retoken(mkey, list, token, change)
+  for from = 1, #list, {_PAGE} do
+    local page = {{}}
+    for i = from, math.min(from + {_PAGE} - 1, #list) do page[#page + 1] = list[i] end
+    local old = redis.call('HMGET', mkey, unpack(page))
+    local put, del = {{}}, {{}}
+    for i = 1, #page do
+      local was = old[i] or nil
+      if was or change == add_token then
+        local now = change(was, token)
+        if now == false then del[#del + 1] = page[i]
+        elseif now ~= was then put[#put + 1] = page[i]; put[#put + 1] = now end
+      end
+    end
+    if #put > 0 then redis.call('HSET', mkey, unpack(put)) end
+    if #del > 0 then redis.call('HDEL', mkey, unpack(del)) end
+  end
+end
+-- drop up to `budget` of a worker's lease records (all when budget is nil) from l, e and m;
+-- returns true when none is left
+local function forget(ns, w, token, budget)
+  local lkey, ekey = ns .. ':l:' .. w, ns .. ':e:' .. w
+  while true do
+    local n = budget and math.min(budget, {_PAGE}) or {_PAGE}
+    local gone = redis.call('ZRANGE', ekey, 0, n - 1)
+    if #gone == 0 then redis.call('DEL', lkey, ekey); return true end
+    redis.call('HDEL', lkey, unpack(gone))
+    redis.call('ZREM', ekey, unpack(gone))
+    if token then retoken(ns .. ':m', gone, token, drop_token) end
+    if budget then
+      budget = budget - #gone
+      if budget <= 0 then
+        if redis.call('ZCARD', ekey) > 0 then return false end
+        redis.call('DEL', lkey, ekey)
+        return true
+      end
+    end
+  end
+end
+"""
+
+# Lease keys outlive a silent worker by this much, so its records can still be taken out of `m`
+# (by its own next publish, or a little at a time by any other worker's: `_GC_FIELDS` per call).
+_LEASE_GRACE_MS = 600_000
+_GC_FIELDS = 2048
+
+# KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; KEYS[3]: the holders set; KEYS[4]: m;
+# KEYS[5]: t (worker -> token); KEYS[6]: tn (the token counter).
 # ARGV[1]: worker id; ARGV[2]: ttl in ms; ARGV[3]: the fields. Returns server time (ms).
-_PUBLISH_MEMORY_LUA = _FIELDS_LUA + f"""
+_PUBLISH_MEMORY_LUA = _HOLDERS_LUA + f"""
 local now = server_ms()
-local ttl, chain = tonumber(ARGV[2]), ARGV[3]
+local w, ttl, chain = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local ns = string.sub(KEYS[3], 1, #KEYS[3] - #':holders')
 local n, deadline = #chain / 8, now + ttl
+local token = redis.call('HGET', KEYS[5], w)
+local score = redis.call('ZSCORE', KEYS[3], w)
+if not token or not score or tonumber(score) <= now then
+  forget(ns, w, token, nil)       -- its earlier life's leases are all over: none is left anywhere
+  token = w .. '@' .. redis.call('INCR', KEYS[6])
+  redis.call('HSET', KEYS[5], w, token)
+end
 hashtable(KEYS[1])
+hashtable(KEYS[4])
 for from = 1, n, {_PAGE} do
   local page = fields(chain, from, math.min(from + {_PAGE} - 1, n))
   local args, scored = {{}}, {{}}
@@ -143,37 +246,49 @@ for from = 1, n, {_PAGE} do
   end
   redis.call('HSET', KEYS[1], unpack(args))
   redis.call('ZADD', KEYS[2], unpack(scored))
+  retoken(KEYS[4], page, token, add_token)
 end
 while true do
   local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, {_PAGE})
   if #expired == 0 then break end
   redis.call('HDEL', KEYS[1], unpack(expired))
   redis.call('ZREM', KEYS[2], unpack(expired))
+  retoken(KEYS[4], expired, token, drop_token)
 end
-local old = redis.call('ZSCORE', KEYS[3], ARGV[1])
-if not old or tonumber(old) < deadline then redis.call('ZADD', KEYS[3], deadline, ARGV[1]) end
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if not score or tonumber(score) < deadline then redis.call('ZADD', KEYS[3], deadline, w) end
+-- one silent worker's records out of m, a bounded number per call; its entry goes with the last
+local dead = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 1)[1]
+if dead and dead ~= w then
+  if forget(ns, dead, redis.call('HGET', KEYS[5], dead), {_GC_FIELDS}) then
+    redis.call('ZREM', KEYS[3], dead)
+    redis.call('HDEL', KEYS[5], dead)
+  end
+end
+local keep = ttl + {_LEASE_GRACE_MS}
 for _, key in ipairs(KEYS) do
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end
 return now
 """
 
-# KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; ARGV[1]: the fields.
-_REMOVE_MEMORY_LUA = _FIELDS_LUA + f"""
-local chain = ARGV[1]
+# KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; KEYS[3]: m; KEYS[4]: t.
+# ARGV[1]: worker id; ARGV[2]: the fields.
+_REMOVE_MEMORY_LUA = _HOLDERS_LUA + f"""
+local chain = ARGV[2]
 local n = #chain / 8
+local token = redis.call('HGET', KEYS[4], ARGV[1])
 for from = 1, n, {_PAGE} do
   local page = fields(chain, from, math.min(from + {_PAGE} - 1, n))
   redis.call('HDEL', KEYS[1], unpack(page))
   redis.call('ZREM', KEYS[2], unpack(page))
+  if token then retoken(KEYS[3], page, token, drop_token) end
 end
 return n
 """
 
 # ARGV[1]: the namespace's key prefix; ARGV[2]: the chain's fields.
 # Returns {{stored, "i,j,..." (checkpoint indices: one string, not 1 reply per mark), {{worker, count, ...}}}}.
-_LOOKUP_LUA = _FIELDS_LUA + f"""
+_LOOKUP_LUA = _HOLDERS_LUA + f"""
 local ns, chain = ARGV[1], ARGV[2]
 local n = #chain / 8
 local pages = {{}}                 -- page k: fields of blocks (k-1)*{_PAGE}+1 .., cut once, read by every walk
@@ -184,6 +299,7 @@ local function page(k)
   end
   return pages[k]
 end
+local function field(i) return page(math.floor((i - 1) / {_PAGE}) + 1)[(i - 1) % {_PAGE} + 1] end
 local pages_n = math.ceil(n / {_PAGE})
 local marks, stored = {{}}, 0     -- the store walk: "1" block, "3" block + checkpoint, else a miss
 for k = 1, pages_n do
@@ -197,31 +313,68 @@ for k = 1, pages_n do
   if m < 0 then break end
 end
 local now = server_ms()
-local memory = {{}}
+local function live(key, i)
+  local d = redis.call('HGET', key, field(i))
+  return d and tonumber(d) > now
+end
+-- one worker's lease hash field by field, up to its first expired or missing lease
+local function walk(key)
+  local alive, count = nil, 0     -- a deadline string known to be live: a worker's leases share few
+  for k = 1, pages_n do
+    local got = redis.call('HMGET', key, unpack(page(k)))
+    local m = #got
+    for i = 1, m do
+      local v = got[i]
+      if v ~= alive then
+        if not v or tonumber(v) <= now then m = -1; break end
+        alive = v
+      end
+      count = count + 1
+    end
+    if m < 0 then break end
+  end
+  return count
+end
+local memory, counts, active, left = {{}}, {{}}, {{}}, 0
 if n > 0 then
-  local first = page(1)[1]
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':holders', '(' .. now, '+inf')) do
     local key = ns .. ':l:' .. w
-    local d = redis.call('HGET', key, first)
-    if d and tonumber(d) > now then
-      local alive, count = d, 0   -- a deadline string known to be live: a worker's leases share few
-      for k = 1, pages_n do
-        local got = redis.call('HMGET', key, unpack(page(k)))
-        local m = #got
-        for i = 1, m do
-          local v = got[i]
-          if v ~= alive then
-            if not v or tonumber(v) <= now then m = -1; break end
-            alive = v
-          end
-          count = count + 1
-        end
-        if m < 0 then break end
+    if live(key, 1) then
+      local token = redis.call('HGET', ns .. ':t', w)
+      -- a lease record past its deadline and not swept yet is in m still: walk this one's own hash
+      if token and #redis.call('ZRANGEBYSCORE', ns .. ':e:' .. w, '-inf', now, 'LIMIT', 0, 1) == 0 then
+        active[SEP .. token .. SEP] = w
+        left = left + 1
+      else
+        counts[w] = walk(key)
       end
-      memory[#memory + 1] = w
-      memory[#memory + 1] = count
     end
   end
+end
+if left > 0 then                  -- the holders walk: each block read once for every holder
+  local prev, i = nil, 0
+  for k = 1, pages_n do
+    local got = redis.call('HMGET', ns .. ':m', unpack(page(k)))
+    for j = 1, #got do
+      local v = got[j]
+      if v ~= prev then
+        for pat, w in pairs(active) do
+          if not v or not string.find(v, pat, 1, true) then
+            counts[w], active[pat], left = i, nil, left - 1
+          end
+        end
+        prev = v
+        if left == 0 then break end
+      end
+      i = i + 1
+    end
+    if left == 0 then break end
+  end
+  for _, w in pairs(active) do counts[w] = n end
+end
+for w, count in pairs(counts) do
+  memory[#memory + 1] = w
+  memory[#memory + 1] = count
 end
 return {{stored, table.concat(marks, ','), memory}}
 """
@@ -348,6 +501,10 @@ class RedisIndex(PrefixIndex):
         """The worker's lease hash and deadline set."""
         return [f"{self._ns}:l:{worker_id}", f"{self._ns}:e:{worker_id}"]
 
+    def _holder_keys(self) -> list[str]:
+        """m (block -> its holders' tokens), t (worker -> token), tn (the token counter)."""
+        return [f"{self._ns}:m", f"{self._ns}:t", f"{self._ns}:tn"]
+
     # -- PrefixIndex -------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[int]) -> LookupResult:
@@ -394,14 +551,14 @@ class RedisIndex(PrefixIndex):
         if not hashes:
             return
         ttl_ms = max(1, round(ttl_s * 1000))
-        keys = [*self._lease_keys(worker_id), f"{self._ns}:holders"]
+        keys = [*self._lease_keys(worker_id), f"{self._ns}:holders", *self._holder_keys()]
         fields = _chain_fields(hashes)
         self._write("publish_memory", lambda: self._publish_memory_script(keys=keys, args=[worker_id, ttl_ms, fields]))
 
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
         if hashes:
-            keys, fields = self._lease_keys(worker_id), _chain_fields(hashes)
-            self._write("remove_memory", lambda: self._remove_memory_script(keys=keys, args=[fields]))
+            keys, fields = [*self._lease_keys(worker_id), *self._holder_keys()[:2]], _chain_fields(hashes)
+            self._write("remove_memory", lambda: self._remove_memory_script(keys=keys, args=[worker_id, fields]))
 
     def clear(self) -> None:
         def clear_namespace() -> None:

@@ -185,8 +185,9 @@ def forget_leases(redis_url: str, namespace: str = "*") -> int:
     `redis_url`: an index lookup then knows no holder, only the KV events can tell where a prefix is."""
     client = redis.Redis.from_url(redis_url)
     try:
-        keys = [k for pattern in (f"kvmesh:{namespace}:[le]:*", f"kvmesh:{namespace}:holders")   # redis_index's layout
-                for k in client.scan_iter(match=pattern)]
+        patterns = [f"kvmesh:{namespace}:[le]:*",       # redis_index's layout: every lease record
+                    *(f"kvmesh:{namespace}:{name}" for name in ("holders", "m", "t", "tn"))]
+        keys = [k for pattern in patterns for k in client.scan_iter(match=pattern)]
         return client.delete(*keys) if keys else 0
     finally:
         client.close()

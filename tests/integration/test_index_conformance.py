@@ -173,6 +173,21 @@ def test_a_worker_whose_older_leases_expired_holds_only_the_renewed_ones(harness
     assert index.lookup(hs).memory == {"w1": 2}
 
 
+def test_a_worker_back_after_its_leases_ran_out_holds_only_what_it_publishes_again(harness: Harness) -> None:
+    index = harness.make(_fingerprint())
+    hs = _chain(index.fingerprint, 4)
+    ttl = harness.ttl_s
+    index.publish_memory("w1", hs, ttl)
+    index.publish_memory("w2", hs, ttl)
+    harness.wait(ttl * 1.2)                         # every lease of both is over
+    index.publish_memory("w1", hs[:1], ttl)         # w1 starts again, with its first block only
+    assert index.lookup(hs).memory == {"w1": 1}
+    index.publish_memory("w1", hs[2:], ttl)
+    assert index.lookup(hs).memory == {"w1": 1}     # block 1 is not held again: a gap
+    index.publish_memory("w1", hs[1:2], ttl)
+    assert index.lookup(hs).memory == {"w1": 4}
+
+
 def test_namespaces_isolate_fingerprints(harness: Harness) -> None:
     a, b = harness.make(_fingerprint()), harness.make(_fingerprint())
     hs = _chain(a.fingerprint)  # the *same* hash values published under both namespaces
@@ -257,6 +272,101 @@ def test_long_chains_give_redis_and_embedded_the_same_answers(redis_server: str,
         redis_index.close()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_leases_with_gaps_removals_and_restarts_give_redis_and_embedded_the_same_answers(
+        redis_server: str, seed: int) -> None:
+    """Redis counts holders from one hash of every block's holders (`m`), not worker by worker:
+    leases published with gaps, removed in the middle and at the ends, renewed, and a worker
+    that comes back after its leases ran out must count exactly as the embedded index does."""
+    import random
+    rng = random.Random(seed)
+    fp = _fingerprint()
+    hs = _chain(fp, 1200)
+    clock = FakeClock()
+    redis_index, embedded = RedisIndex(redis_server, fp), EmbeddedIndex(fp, clock=clock)
+    ttl = 0.5
+    try:
+        def both(op: str, *args) -> None:
+            for index in (redis_index, embedded):
+                getattr(index, op)(*args)
+
+        def check() -> None:
+            for chain in (hs, hs[:rng.randrange(1, 1200)], hs[rng.randrange(1, 1200):]):
+                assert redis_index.lookup(chain) == embedded.lookup(chain)
+
+        workers = [f"w{i}" for i in range(5)]
+        for _ in range(12):
+            w = rng.choice(workers)
+            a = rng.choice([0, 0, 1, 511, 512, 513, rng.randrange(1200)])
+            b = rng.choice([a + 1, 1200, rng.randrange(a + 1, 1201)])
+            kind = rng.choice(["publish", "publish", "gap", "remove", "remove_one"])
+            if kind == "publish":
+                both("publish_memory", w, hs[a:b], ttl * 100)
+            elif kind == "gap":
+                hole = rng.randrange(a, b)
+                both("publish_memory", w, hs[a:hole] + hs[hole + 1:b], ttl * 100)
+            elif kind == "remove":
+                both("remove_memory", w, hs[a:b])
+            else:
+                both("remove_memory", w, [hs[rng.randrange(a, b)]])
+            check()
+        # a worker whose leases all run out, then holds again: nothing of its earlier life counts
+        both("publish_memory", "brief", hs[:900], ttl)
+        check()
+        time.sleep(ttl * 1.2)
+        clock.now += ttl * 1.2
+        both("publish_memory", "brief", hs[:300] + hs[301:600], ttl * 100)
+        both("publish_memory", workers[0], hs[:10], ttl * 100)
+        check()
+        assert redis_index.lookup(hs).memory["brief"] == 300
+    finally:
+        redis_index.clear()
+        redis_index.close()
+
+
+def test_a_silent_workers_records_leave_the_holders_hash(redis_server: str) -> None:
+    """Once its leases have run out, another worker's publishes take a silent worker's
+    records out of the holders hash, and its entry with them (nothing of it is left)."""
+    fp = _fingerprint()
+    index = RedisIndex(redis_server, fp)
+    try:
+        hs = _chain(fp, 3000)
+        index.publish_memory("gone", hs, 0.3)
+        index.publish_memory("here", hs[:2], 60.0)
+        ns = f"kvmesh:{index.namespace}"
+        assert b"gone@" in b"".join(index._client.hvals(f"{ns}:m"))
+        time.sleep(0.4)
+        index.publish_memory("here", hs[:2], 60.0)      # takes up to 2,048 of its 3,000 records
+        assert index._client.zscore(f"{ns}:holders", "gone") is not None
+        index.publish_memory("here", hs[:2], 60.0)      # and the rest, and its entry
+        assert b"gone@" not in b"".join(index._client.hvals(f"{ns}:m"))
+        assert index._client.zscore(f"{ns}:holders", "gone") is None
+        assert not index._client.exists(f"{ns}:l:gone", f"{ns}:e:gone")
+        assert index._client.hget(f"{ns}:t", "gone") is None
+        assert index.lookup(hs).memory == {"here": 2}
+    finally:
+        index.clear()
+        index.close()
+
+
+def test_records_left_in_the_holders_hash_by_an_earlier_life_never_count(redis_server: str) -> None:
+    """A worker's lease keys can go (their TTL) while the holders hash, which every worker
+    renews, keeps its records: a worker that holds again gets a new token, so they never count."""
+    fp = _fingerprint()
+    index = RedisIndex(redis_server, fp)
+    try:
+        hs = _chain(fp, 4)
+        index.publish_memory("w1", hs, 0.3)
+        ns = f"kvmesh:{index.namespace}"
+        index._client.delete(f"{ns}:l:w1", f"{ns}:e:w1", f"{ns}:holders")   # as if they had expired
+        time.sleep(0.4)
+        index.publish_memory("w1", hs[:1], 60.0)
+        assert index.lookup(hs).memory == {"w1": 1}
+    finally:
+        index.clear()
+        index.close()
+
+
 def test_redis_hashes_stay_hashtables_so_a_page_read_is_not_a_scan(redis_server: str) -> None:
     """A hash of <= 512 small fields would be a listpack, where HMGET scans per field."""
     fp = _fingerprint()
@@ -266,7 +376,7 @@ def test_redis_hashes_stay_hashtables_so_a_page_read_is_not_a_scan(redis_server:
         index.publish_checkpoint(hs[0])
         index.publish_memory("w1", hs, 60.0)
         ns = f"kvmesh:{index.namespace}"
-        for key in (f"{ns}:s", f"{ns}:l:w1"):
+        for key in (f"{ns}:s", f"{ns}:l:w1", f"{ns}:m"):
             assert index._client.object("encoding", key) == b"hashtable", key
     finally:
         index.clear()
