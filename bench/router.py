@@ -153,8 +153,8 @@ def imbalance(values: list[float]) -> float | None:
 def replay(requests: list[TraceRequest], n: int, capacity_blocks: int, hw: Hardware, router: str = "events") -> dict:
     """One replay; `router`: "events" (the ingress's), "oracle" (the same scoring on the truth),
     "load" (the same scoring and events told no prefix: balance alone, the baseline for imbalance)
-    or "ideal" (the same scoring on the true loads, told no prefix: a balancer with perfect
-    information, the floor of imbalance for a router that places each arrival once)."""
+    or "ideal" (the same scoring on the true loads, told no prefix: a greedy balancer with perfect
+    information, what routing on exact loads reaches on this workload)."""
     bus = LocalEventBus(maxlen=1 << 20)
     index = KvEventIndex(bus.request_snapshot)
     follow = KvEventFollower(bus, index, poll_s=0.0)
@@ -198,7 +198,7 @@ def replay(requests: list[TraceRequest], n: int, capacity_blocks: int, hw: Hardw
         hit = chosen.run(req, req.t)
         hits, tokens = hits + hit, tokens + req.tokens
         work[chosen.name] += req.tokens - hit
-    warm = len(loads) // 10 if len(loads) >= 10 else 0
+    warm = len(loads) // 10             # the ramp from empty ranks left out of "steady"
     out = {"ranks": n, "hit_rate": hits / tokens, "load_imbalance": statistics.fmean(loads or [1.0]),
            "steady_load_imbalance": statistics.fmean(loads[warm:] or [1.0]),
            "queue_imbalance": statistics.fmean(queues or [1.0]),
