@@ -181,7 +181,7 @@ local function retoken(mkey, list, token, change)
     local old = redis.call('HMGET', mkey, unpack(page))
     local put, del = {{}}, {{}}
     for i = 1, #page do
-      local was = old[i] or nil
+      local was = old[i]            -- false: no value
       if was or change == add_token then
         local now = change(was, token)
         if now == false then del[#del + 1] = page[i]
@@ -222,11 +222,11 @@ _GC_FIELDS = 2048
 
 # KEYS[1]: the worker's lease hash; KEYS[2]: its deadline set; KEYS[3]: the holders set; KEYS[4]: m;
 # KEYS[5]: t (worker -> token); KEYS[6]: tn (the token counter).
-# ARGV[1]: worker id; ARGV[2]: ttl in ms; ARGV[3]: the fields. Returns server time (ms).
+# ARGV[1]: worker id; ARGV[2]: ttl in ms; ARGV[3]: the fields; ARGV[4]: the namespace's key prefix
+# (a silent worker's keys are named from it). Returns server time (ms).
 _PUBLISH_MEMORY_LUA = _HOLDERS_LUA + f"""
 local now = server_ms()
-local w, ttl, chain = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local ns = string.sub(KEYS[3], 1, #KEYS[3] - #':holders')
+local w, ttl, chain, ns = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local n, deadline = #chain / 8, now + ttl
 local token = redis.call('HGET', KEYS[5], w)
 local score = redis.call('ZSCORE', KEYS[3], w)
@@ -299,7 +299,6 @@ local function page(k)
   end
   return pages[k]
 end
-local function field(i) return page(math.floor((i - 1) / {_PAGE}) + 1)[(i - 1) % {_PAGE} + 1] end
 local pages_n = math.ceil(n / {_PAGE})
 local marks, stored = {{}}, 0     -- the store walk: "1" block, "3" block + checkpoint, else a miss
 for k = 1, pages_n do
@@ -313,10 +312,6 @@ for k = 1, pages_n do
   if m < 0 then break end
 end
 local now = server_ms()
-local function live(key, i)
-  local d = redis.call('HGET', key, field(i))
-  return d and tonumber(d) > now
-end
 -- one worker's lease hash field by field, up to its first expired or missing lease
 local function walk(key)
   local alive, count = nil, 0     -- a deadline string known to be live: a worker's leases share few
@@ -339,7 +334,8 @@ local memory, counts, active, left = {{}}, {{}}, {{}}, 0
 if n > 0 then
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':holders', '(' .. now, '+inf')) do
     local key = ns .. ':l:' .. w
-    if live(key, 1) then
+    local d = redis.call('HGET', key, page(1)[1])
+    if d and tonumber(d) > now then     -- its lease covers the chain's first block
       local token = redis.call('HGET', ns .. ':t', w)
       -- a lease record past its deadline and not swept yet is in m still: walk this one's own hash
       if token and #redis.call('ZRANGEBYSCORE', ns .. ':e:' .. w, '-inf', now, 'LIMIT', 0, 1) == 0 then
@@ -553,7 +549,7 @@ class RedisIndex(PrefixIndex):
         ttl_ms = max(1, round(ttl_s * 1000))
         keys = [*self._lease_keys(worker_id), f"{self._ns}:holders", *self._holder_keys()]
         fields = _chain_fields(hashes)
-        self._write("publish_memory", lambda: self._publish_memory_script(keys=keys, args=[worker_id, ttl_ms, fields]))
+        self._write("publish_memory", lambda: self._publish_memory_script(keys=keys, args=[worker_id, ttl_ms, fields, self._ns]))
 
     def remove_memory(self, worker_id: str, hashes: Sequence[int]) -> None:
         if hashes:
