@@ -131,6 +131,11 @@ class Cluster:
         return f"{busy:.0f} in flight on it"
 
 
+def not_correct(outcomes: list) -> list[str]:
+    """What went otherwise than a correct answer, for an assertion's message."""
+    return [f"{o.kind}: {o.detail}" for o in outcomes if o.kind != "correct"][:8]
+
+
 def kv_taken(metrics: dict) -> int:
     """Over the live workers of both pools: handoffs held + requests running or waiting +
     KV blocks and state slots in use."""
@@ -292,7 +297,7 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_refills(c
                            f"misses / {info['keyspace_hits']} hits since the restart; "
                            f"{handoffs(before, scrape(cluster.url))}"))
     assert not bad(outcomes), bad(outcomes)[:5]
-    assert r.correct == r.sent > 0 and r.clean == 0
+    assert r.correct == r.sent > 0 and r.clean == 0, not_correct(outcomes)
     assert keys_before > 0 and refilled > 0, "writes to the index did not resume after the restart"
     assert info["keyspace_misses"] > 0, "no lookup reached the restarted index"
     assert held == 0
@@ -338,7 +343,7 @@ def test_the_kv_event_stream_lost_mid_load_costs_no_answer_and_the_router_resync
                            f"{after['kv_event_snapshots_total'] - counts['kv_event_snapshots_total']:.0f} "
                            f"snapshots; {handoffs(before, scrape(cluster.url))}"))
     assert not bad(outcomes), bad(outcomes)[:5]
-    assert r.correct == r.sent > 0 and held == 0
+    assert r.correct == r.sent > 0 and held == 0, (held, not_correct(outcomes))
     print(repeat_goes_to_its_holder(cluster, 1), file=sys.__stdout__, flush=True)
 
 
@@ -395,7 +400,7 @@ def test_partition_between_prefill_and_decode_fails_handoffs_in_time_and_heals_w
     retries = total(after, "kvmesh_retries_total") - total(before, "kvmesh_retries_total")
     cut = [o for o in outcomes if o.start < t1 and o.end > t0]
     longest = max((o.end - max(o.start, t0) for o in cut), default=0.0)
-    r = cluster.record(row(f"partition P-/-D {partition_s:.0f} s (iptables DROP)", outcomes, held, t1,
+    cluster.record(row(f"partition P-/-D {partition_s:.0f} s (iptables DROP)", outcomes, held, t1,
                            f"{retries:.0f} retries, {timeouts:.0f} held caches released by timeout, clean "
                            f"errors: {clean_codes(outcomes)}; longest wait after the cut {longest:.1f} s; "
                            f"{handoffs(before, after)}"))
@@ -482,4 +487,4 @@ def test_a_decode_host_that_joins_late_takes_requests(cluster):
             f"tokens; {handoffs(before, scrape(cluster.url))}"), recover_s=joined["at"] - t0))
     assert not bad(outcomes), bad(outcomes)[:5]
     assert where[joined["worker"]] == ("Decode", joined["ip"]), where
-    assert r.correct == r.sent and held == 0
+    assert r.correct == r.sent and held == 0, (held, not_correct(outcomes))
