@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from workers.checkpoint.default_model import ensure_default_model
-from workers.engine import open_engine
-from workers.engine_config import EngineConfig
-from workers.model.args import ModelArgs
-from workers.model.moe import EXCHANGE_COLLECTIVES
-from workers.parallel.collectives import Collectives, init_method
-from workers.parallel.replica import LocalProcessLauncher
+from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.engine import open_engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.args import ModelArgs
+from kvmesh.workers.model.moe import EXCHANGE_COLLECTIVES
+from kvmesh.workers.parallel.collectives import Collectives, init_method
+from kvmesh.workers.parallel.replica import LocalProcessLauncher
 
 EXCHANGE_REPS = 200
 

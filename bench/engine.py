@@ -86,10 +86,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from workers.checkpoint.default_model import ensure_default_model  # noqa: E402
-from workers.engine import Engine
-from workers.engine_config import EngineConfig  # noqa: E402
-from workers.sampling.params import SamplingParams  # noqa: E402
+from kvmesh.workers.checkpoint.default_model import ensure_default_model  # noqa: E402
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
+from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
 FIRST_TOKEN_ID = 3          # ids below are bos / eos / pad in the default model
 WARMUP_SEED = 10_000
@@ -358,7 +358,7 @@ def speculative_main(engine: Engine, levels: list[int], args) -> list[str]:
     every (batch, k) is run once per round and the k alternate inside a round (their order
     rotating between rounds), so a burst of other load hits every k alike; the table shows
     medians. Greedy tokens of every k > 0 run are compared with the k = 0 run of its round."""
-    from workers.spec.mtp import MTPDrafter
+    from kvmesh.workers.spec.mtp import MTPDrafter
     if not len(engine.model.mtp):
         raise SystemExit("--speculative drafts with the checkpoint's MTP layer, and this one has none")
     ks = list(range(args.speculative + 1)) + ["auto"]      # auto: k by the batch (--speculative-auto's table)
@@ -416,7 +416,7 @@ def quantized_main(args, levels: list[int]) -> int:
     import tempfile
 
     from tests.quant_checkpoint import dequantize_checkpoint, random_released_checkpoint
-    from workers.checkpoint.inspect import resident_bytes
+    from kvmesh.workers.checkpoint.inspect import resident_bytes
     root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-quant-"))
     qdir = random_released_checkpoint(root / "fp8-fp4", QUANT_CONFIG)
     ddir = dequantize_checkpoint(qdir, root / "bf16")
@@ -471,7 +471,7 @@ def quantized_main(args, levels: list[int]) -> int:
 
 # ---- tensor parallelism -------------------------------------------------------------------------
 def tp_main(args, levels: list[int], sizes: list[int]) -> int:
-    from workers.parallel.replica import LocalProcessLauncher
+    from kvmesh.workers.parallel.replica import LocalProcessLauncher
     model_dir = Path(args.model) if args.model else ensure_default_model()
     rows, raw, tokens = [], [], {}
     for size in sizes:

@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.engine import KV_CACHE_BYTES, make_prompts, run_kvmesh  # noqa: E402
-from workers.checkpoint.default_model import ensure_default_model  # noqa: E402
-from workers.engine import Engine, open_engine  # noqa: E402
-from workers.engine_config import EngineConfig  # noqa: E402
-from workers.parallel.eplb import imbalance  # noqa: E402
-from workers.parallel.replica import LocalProcessLauncher  # noqa: E402
-from workers.sampling.params import SamplingParams  # noqa: E402
+from kvmesh.workers.checkpoint.default_model import ensure_default_model  # noqa: E402
+from kvmesh.workers.engine import Engine, open_engine  # noqa: E402
+from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
+from kvmesh.workers.parallel.eplb import imbalance  # noqa: E402
+from kvmesh.workers.parallel.replica import LocalProcessLauncher  # noqa: E402
+from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
 CANDIDATES = 256          # token ids scored in the calibration pass
 CALIBRATION_LEN = 16      # each candidate repeated this many times

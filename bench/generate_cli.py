@@ -43,7 +43,7 @@ def write_requests(path: Path, prompts: int, max_tokens: int) -> None:
 
 def run_generate(requests: Path, engine_args: list[str]) -> tuple[float, dict[str, list[int]], str]:
     """(wall seconds, id -> token ids, the drafts line or '-') of one `kvmesh generate`."""
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--input", str(requests), *engine_args]
+    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "generate", "--input", str(requests), *engine_args]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0

@@ -148,7 +148,7 @@ def compare(out, ref, exact: bool) -> tuple[bool, str]:
 
 
 def check_kernels(dev: Device, small: bool) -> list[Row]:
-    from kernels import torch_ops, triton_ops
+    from kvmesh.kernels import torch_ops, triton_ops
     rows = []
     for op, label, case, nbytes, flops, exact in kernel_cases(small, "cuda" if dev.cuda else "cpu"):
         tri, ref = getattr(triton_ops, op), getattr(torch_ops, op)
@@ -164,7 +164,7 @@ def check_gemms(dev: Device, small: bool) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from kernels import quant_ops, triton_quant
+    from kvmesh.kernels import quant_ops, triton_quant
     from tests.quant_checkpoint import quantize_fp4, quantize_fp8
     device, bf16, rows = "cuda" if dev.cuda else "cpu", torch.bfloat16, []
     fp8 = [(1, 256, 256), (8, 128, 512)] if small else [(1, 4096, 4096), (64, 32768, 1024), (2048, 4096, 4096)]
@@ -203,9 +203,9 @@ def check_gemms(dev: Device, small: bool) -> list[Row]:
 def decode_run(batch: int, tokens: int, device: str = "cuda", dtype: str = "bfloat16",
                **kw) -> tuple[list[list[int]], float]:
     """(greedy tokens, ms per step of the second, warm run) on the built-in model."""
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.engine_config import EngineConfig
+    from kvmesh.workers.sampling.params import SamplingParams
     engine = Engine(EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, **{"speculative_tokens": 0, **kw}))
     prompts = [f"The king said to his servants, number {i}:" for i in range(batch)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

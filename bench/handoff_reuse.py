@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.engine import Engine, EngineConfig  # noqa: E402
-from workers.request import Resume  # noqa: E402
-from workers.sampling.params import SamplingParams  # noqa: E402
+from kvmesh.workers.engine import Engine, EngineConfig  # noqa: E402
+from kvmesh.workers.request import Resume  # noqa: E402
+from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

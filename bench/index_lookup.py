@@ -21,7 +21,7 @@ and the load average; --json prints one JSON line per row.
 
 times the lease writes instead (median of 20 rounds: a new worker publishes an 8,192-block chain
 beside three holding its first half, renews it, publishes a step's 4 blocks, removes 512), and
-with --baseline-ref the same with kvstore/redis_index.py as it was at git revision REV, loaded
+with --baseline-ref the same with kvstore/index/redis_index.py as it was at git revision REV, loaded
 beside this one, the two alternated twice.
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore.hashing import PrefixHasher, hash_hex  # noqa: E402
-from kvstore.index_base import LookupResult  # noqa: E402
-from kvstore.redis_index import RedisIndex  # noqa: E402
+from kvmesh.kvstore.hashing import PrefixHasher, hash_hex  # noqa: E402
+from kvmesh.kvstore.index.base import LookupResult  # noqa: E402
+from kvmesh.kvstore.index.redis_index import RedisIndex  # noqa: E402
 from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis  # noqa: E402
 
 FINGERPRINT = "be4c0000000000000000000000000001"   # any hex fingerprint: a namespace of its own
@@ -186,16 +186,28 @@ def write_times(url: str, cls, rounds: int = 20) -> dict:
     return {name: statistics.median(xs) for name, xs in times.items()}
 
 
+# what redis_index.py imported before kvstore/ was cut into subpackages under `kvmesh`
+OLD_IMPORTS = {"kvstore.hashing": "kvmesh.kvstore.hashing", "kvstore.index_base": "kvmesh.kvstore.index.base",
+               "kvstore.log_once": "kvmesh.kvstore.log_once", "kvstore.redact": "kvmesh.kvstore.redact"}
+
+
 def baseline_class(rev: str):
-    """RedisIndex as kvstore/redis_index.py was at git revision `rev`."""
+    """RedisIndex as kvstore/index/redis_index.py was at git revision `rev`."""
     import importlib.util
     import subprocess
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:kvstore/redis_index.py"],
-                            check=True, capture_output=True, text=True).stdout
+    def show(path: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), "show", f"{rev}:{path}"], capture_output=True, text=True)
+    found = show("kvstore/index/redis_index.py")
+    if found.returncode:      # a revision before the `kvmesh` import name: its layout and its imports
+        found = show("kvstore/redis_index.py")
+        for old, new in OLD_IMPORTS.items():
+            found.stdout = found.stdout.replace(f"from {old} import", f"from {new} import")
+    found.check_returncode()
+    source = found.stdout
     path = Path(tempfile.mkdtemp(prefix="kvmesh-bench-")) / "baseline_redis_index.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("kvstore.baseline_redis_index", path)
+    spec = importlib.util.spec_from_file_location("kvmesh.kvstore.baseline_redis_index", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.RedisIndex
@@ -219,7 +231,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200, help="lookups timed per method and length")
     ap.add_argument("--json", action="store_true", help="one JSON line per row")
     ap.add_argument("--writes", action="store_true", help="time the lease writes instead of lookups")
-    ap.add_argument("--baseline-ref", default=None, help="with --writes: also kvstore/redis_index.py at this git revision")
+    ap.add_argument("--baseline-ref", default=None, help="with --writes: also kvstore/index/redis_index.py at this git revision")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-redis-") as workdir:
         server = PrivateRedis(REDIS_SERVER_BINARY, Path(workdir))

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels import torch_ops  # noqa: E402
+from kvmesh.kernels import torch_ops  # noqa: E402
 from tests.kernel_cases import attention_case, compressor_case, indexer_case  # noqa: E402
 
 PEAK_COPY_BYTES = 1 << 30
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     small = args.small or device == "cpu"
     triton_ops = None
     if device == "cuda":
-        from kernels import triton_ops
+        from kvmesh.kernels import triton_ops
         peak = peak_bandwidth_gbs()
         print(f"device: {torch.cuda.get_device_name()}  measured copy bandwidth: {peak:,.0f} GB/s")
     else:

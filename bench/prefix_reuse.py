@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from workers.engine import Engine
-from workers.engine_config import (
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import (
     EngineConfig,  # noqa: E402
     parse_bytes,  # noqa: E402
 )
-from workers.sampling.params import SamplingParams  # noqa: E402
+from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 QUESTION_TOKENS = 16

@@ -6,14 +6,14 @@
 
 Each simulated rank is an engine (`SimRank`): a KV pool of `--capacity-tokens` (blocks of the
 trace's 512 tokens; a running request's blocks pinned, the rest an LRU cache), a FIFO of prefill
-work at `--prefill-tokens-per-s` (kvstore/cost.py's `cold_ttft` of a prompt's computed tokens),
+work at `--prefill-tokens-per-s` (kvstore/policy/cost.py's `cold_ttft` of a prompt's computed tokens),
 decoding each request's `output_length` at one token per `--step-s` (cost.py's step time) beside
 it, and a real `KvEventPublisher` on a `LocalEventBus` (stored / removed as its pool changes, a
 heartbeat every simulated second). Its load, pushed with every event as an engine's is
 (`Engine.queued_tokens`), is its tokens left to prefill plus the context of every request it
 has (waiting or running). The router is the ingress's: a `KvEventIndex` fed by a
 `KvEventFollower`, the hint it gives (longest prefix per rank, pushed loads) and
-`cluster.serve.routing.rank_replicas` over every rank;
+`kvmesh.cluster.serve.routing.rank_replicas` over every rank;
 it charges the chosen rank what the request adds to its load (`KvEventIndex.charge`) until that
 rank's next event. The trace's `hash_ids` are the block hashes (they name prefixes already).
 Requests arrive in the trace's order, its clock sped up so the cold prefill work offered is
@@ -47,11 +47,11 @@ from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.messages import RouteHint  # noqa: E402
-from cluster.serve.routing import Candidate, rank_replicas  # noqa: E402
-from kvstore.cost import Hardware, cold_ttft  # noqa: E402
-from kvstore.kv_events import KvEventFollower, KvEventIndex, KvEventPublisher, LocalEventBus  # noqa: E402
-from kvstore.trace import TRACE_BLOCK, TraceRequest, load_trace  # noqa: E402
+from kvmesh.cluster.messages import RouteHint  # noqa: E402
+from kvmesh.cluster.serve.routing import Candidate, rank_replicas  # noqa: E402
+from kvmesh.kvstore.policy.cost import Hardware, cold_ttft  # noqa: E402
+from kvmesh.kvstore.index.kv_events import KvEventFollower, KvEventIndex, KvEventPublisher, LocalEventBus  # noqa: E402
+from kvmesh.kvstore.policy.trace import TRACE_BLOCK, TraceRequest, load_trace  # noqa: E402
 
 TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "traces",
                      "conversation_trace.jsonl")

@@ -128,7 +128,7 @@ def summarize(mode: str, reuse: bool, concurrency: int, results: list[dict], wal
 
 def handoff_bandwidth(repeats: int) -> list[dict]:
     """NIXL READ between two agents in this process vs a torch copy of the same bytes."""
-    from kvstore.nixl_transfer import KVTransferAgent
+    from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent
     rows = []
     for mb in HANDOFF_SIZES_MB:
         src = torch.randn(mb * MiB // 4)

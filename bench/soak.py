@@ -77,8 +77,8 @@ def prompts(n_groups: int = 48, per_group: int = 2, prefix: int = 256, suffix: i
 
 
 def cold_tokens(config, ps: list[list[int]]) -> list[list[int]]:
-    from workers.engine import Engine
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.sampling.params import SamplingParams
     engine = Engine(config.engine.model_copy(update={"store": None, "index": "local"}).engine_config())
     outs = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     return [o.token_ids for o in outs]

@@ -31,19 +31,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.cost import Hardware, ScheduledPeriods, simulate  # noqa: E402
-from kvstore.trace import (  # noqa: E402
+from kvmesh.kvstore.policy.cost import Hardware, ScheduledPeriods, simulate  # noqa: E402
+from kvmesh.kvstore.policy.trace import (  # noqa: E402
     load_trace,
     prompt_token_ids,
     sample_conversations,  # noqa: E402
 )
 from tests.helpers import BLOCK_TOKENS, write_tiny_checkpoint  # noqa: E402
-from workers.engine import Engine
-from workers.engine_config import (
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import (
     EngineConfig,  # noqa: E402
     parse_bytes,  # noqa: E402
 )
-from workers.replay import run_request, stored_payload  # noqa: E402
+from kvmesh.workers.replay import run_request, stored_payload  # noqa: E402
 
 SHARED_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 EXCERPT = ROOT / "tests" / "data" / "conversation_trace_excerpt.jsonl"
@@ -80,7 +80,7 @@ def engine(model: Path, policy: str, store: str, args, reuse: bool = True) -> En
 
 def warm(e: Engine) -> None:
     """First-call costs out of the way, on a prompt of its own (no store: nothing persisted)."""
-    from workers.replay import FIRST_TOKEN
+    from kvmesh.workers.replay import FIRST_TOKEN
     reuse, e.prefix.enabled = e.prefix.enabled, False
     e.generate([[5] * (3 * e.config.block_tokens + 1)], FIRST_TOKEN)
     e.prefix.enabled = reuse
@@ -89,7 +89,7 @@ def warm(e: Engine) -> None:
 def step_cost(model: Path, args) -> float:
     """Seconds of one forward step beyond its tokens: the same prompt in one step and in
     one step per block (medians of 3), prefix reuse off."""
-    from workers.replay import FIRST_TOKEN
+    from kvmesh.workers.replay import FIRST_TOKEN
     n = 32 * args.block_tokens
     times = {}
     for chunk in (n, args.block_tokens):

@@ -1,11 +1,11 @@
 """`build_app`: the Serve application for a ServeConfig.
 
-    serve run deploy/serve.yaml          (import_path: cluster.app:build_app, args: the config)
+    serve run deploy/serve.yaml          (import_path: kvmesh.cluster.app:build_app, args: the config)
     serve.run(build_app(config))         (tests, `kvmesh serve`)
 
 disaggregated:  Ingress ─▶ Prefill (own autoscaling)  ─▶ Decode (own autoscaling)
 colocated:      Ingress ─▶ Colocated
-Every pool routes with `cluster.serve.routing.KVAwareRouter`.
+Every pool routes with `kvmesh.cluster.serve.routing.KVAwareRouter`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pydantic import SecretStr
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.openai.auth import keys_from_env
-from cluster.config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
-from cluster.openai.ingress import Ingress
-from cluster.serve.pools import Colocated, Decode, Prefill
-from cluster.serve.routing import KVAwareRouter
+from kvmesh.cluster.openai.auth import keys_from_env
+from kvmesh.cluster.config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
+from kvmesh.cluster.openai.ingress import Ingress
+from kvmesh.cluster.serve.pools import Colocated, Decode, Prefill
+from kvmesh.cluster.serve.routing import KVAwareRouter
 
 ROUTING_STATS_PERIOD_S = 1.0
 HEALTH_CHECK_PERIOD_S = 2.0

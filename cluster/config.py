@@ -34,8 +34,8 @@ from pydantic import (
     model_validator,
 )
 
-from workers.engine_config import EngineConfig, parse_bytes
-from workers.model.args import ConfigError
+from kvmesh.workers.engine_config import EngineConfig, parse_bytes
+from kvmesh.workers.model.args import ConfigError
 
 MiB = 1 << 20
 HEAD_IP = "{head_ip}"
@@ -322,15 +322,15 @@ def check_parallel_sizes(config: ServeConfig) -> None:
     """A pool whose tensor_parallel_size or data_parallel_size cannot split the model fails here,
     before anything is deployed, when the checkpoint's config.json is readable where the app is
     built (else the replica fails at start-up with the same message)."""
-    from workers.checkpoint.default_model import default_model_dir
+    from kvmesh.workers.checkpoint.default_model import default_model_dir
     path = Path(config.engine.model or default_model_dir()) / "config.json"
     pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
     sized = [(name, getattr(config, name)) for name in pools]
     if not path.is_file() or all(p.ranks == 1 for _, p in sized):
         return
-    from workers.checkpoint.sharding import check_sizes
-    from workers.engine.data_parallel import check_dp_sizes
-    from workers.model.args import ModelArgs
+    from kvmesh.workers.checkpoint.sharding import check_sizes
+    from kvmesh.workers.engine.data_parallel import check_dp_sizes
+    from kvmesh.workers.model.args import ModelArgs
     args = ModelArgs.from_file(path)
     for name, pool in sized:
         try:

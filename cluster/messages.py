@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.kv_transport import Offer, TransferReport
-from workers.request import FirstToken
-from workers.sampling.params import SamplingParams
+from kvmesh.kvstore.transfer.kv_transport import Offer, TransferReport
+from kvmesh.workers.request import FirstToken
+from kvmesh.workers.sampling.params import SamplingParams
 
 if TYPE_CHECKING:       # the type only: importing the engine package here would load the whole engine
-    from workers.engine.stats import EngineStats
+    from kvmesh.workers.engine.stats import EngineStats
 
 __all__ = ["GenRequest", "RouteHint", "WorkerStats", "TransferReport", "Chunk", "Handoff"]
 
@@ -75,7 +75,7 @@ class Chunk:
 class Handoff:
     """Prefill -> decode: everything decode needs to continue a request.
 
-    `offer` says where the held blocks + state slot can be read (kvstore.kv_transport.Offer:
+    `offer` says where the held blocks + state slot can be read (kvstore.transfer.kv_transport.Offer:
     a NIXL description of the prefill worker's registered memory, or a Ray object) and
     carries the prefill engine's fingerprint; None when the first token ended the request."""
     request_id: str

@@ -1,7 +1,7 @@
 """Attention, compressor and indexer ops behind one API: torch on CPU, Triton on CUDA.
 
 `get_ops(backend, device)` returns a `KernelOps` whose three functions share the
-signatures of `kernels.torch_ops`. Triton is imported lazily, so `import kernels`
+signatures of `kvmesh.kernels.torch_ops`. Triton is imported lazily, so `import kvmesh.kernels`
 works on machines without it.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Triton sparse attention over the SWA window plus paged compressed entries (CSA / HCA / SWA).
 
-Same signature and semantics as `kernels.torch_ops.sparse_attention`. One program per
+Same signature and semantics as `kvmesh.kernels.torch_ops.sparse_attention`. One program per
 (query token, block of heads); the single shared K=V head makes the heads the M dimension
 of every dot, so one key tile serves BLOCK_H heads at once:
 

@@ -1,6 +1,6 @@
 """Triton compressor: softmax-gated pooling of closed windows -> RMSNorm -> interleaved RoPE.
 
-Same signature and semantics as `kernels.torch_ops.compress_windows`, plus an optional
+Same signature and semantics as `kvmesh.kernels.torch_ops.compress_windows`, plus an optional
 `out=` (an [N, d] view, e.g. slots of a cache block) that receives the entries in place.
 One program per window n. The softmax runs per channel over the window's slots:
 

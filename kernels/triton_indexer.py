@@ -1,6 +1,6 @@
 """Triton lightning indexer: paged key scoring, then a stable top-k.
 
-Same signature and semantics as `kernels.torch_ops.indexer_topk`. The kernel fills the
+Same signature and semantics as `kvmesh.kernels.torch_ops.indexer_topk`. The kernel fills the
 [T, Emax] score matrix, one program per (query token, BLOCK_E entries):
 
     score[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e]) * scale     if e < limit[t]

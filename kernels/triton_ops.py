@@ -1,4 +1,4 @@
-"""Triton implementations of V4's three hot attention ops, with `kernels.torch_ops`' API.
+"""Triton implementations of V4's three hot attention ops, with `kvmesh.kernels.torch_ops`' API.
 
     sparse_attention  -> kernels/triton_attention.py  (window + paged compressed entries, sinks)
     compress_windows  -> kernels/triton_compressor.py (gated pooling, RMSNorm, RoPE)

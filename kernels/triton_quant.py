@@ -1,4 +1,4 @@
-"""Triton twins of `kernels.quant_ops` (same signatures): GEMMs that read the weights as
+"""Triton twins of `kvmesh.kernels.quant_ops` (same signatures): GEMMs that read the weights as
 shipped and dequantize inside the tile loop, so no dense weight is ever materialized.
 
     fp8_linear          x [M, K] @ W[r0:r1].T, W block-scaled e4m3 [N, K] (+ [ceil(N/bn), ceil(K/bk)] scales)

@@ -89,7 +89,7 @@ def store_namespace(fingerprint: str, key_id: str | None = None) -> str:
     """The store directory and index namespace of one fingerprint's objects.
 
     Unkeyed: ``fingerprint[:16]``. Under a store key: ``{fingerprint[:16]}-k{key_id}``
-    (kvstore.mac.StoreKey.key_id), so objects of different keys, and unkeyed ones, never
+    (kvstore.store.mac.StoreKey.key_id), so objects of different keys, and unkeyed ones, never
     share a path or an index entry: a node with a wrong key loses only its own reuse.
     Block hashes do not depend on the key (nodes of any key agree on prefix identity).
     """

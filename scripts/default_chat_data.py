@@ -20,7 +20,7 @@ import json
 import random
 import re
 
-from cluster.chat.dsv4_encode import (ASSISTANT, CHAT, DSML, END_THINK, LATEST_REMINDER, TASK_TOKENS, THINK, THINKING, USER,
+from kvmesh.cluster.chat.dsv4_encode import (ASSISTANT, CHAT, DSML, END_THINK, LATEST_REMINDER, TASK_TOKENS, THINK, THINKING, USER,
                                encode_messages)
 
 # V4's tokens the encoder writes as one id each (besides BOS / EOS), in the order they are added

@@ -547,7 +547,7 @@ def run(args: argparse.Namespace) -> Path:
     if args.sample_tokens:
         print("greedy:", repr(sample(model, tok, SAMPLE_PROMPT, args.sample_tokens)), flush=True)
         if tok.token_to_id("<｜Assistant｜>") is not None:
-            from cluster.chat.dsv4_encode import encode_messages
+            from kvmesh.cluster.chat.dsv4_encode import encode_messages
             for mode in ("thinking", "chat"):
                 prompt = encode_messages([{"role": "user", "content": SAMPLE_CHAT}], mode)
                 print(f"greedy chat ({mode}):", repr(sample(model, tok, prompt, args.sample_tokens, markup=True)),

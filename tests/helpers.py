@@ -86,8 +86,8 @@ def tiny_engine(path: Path, name: str, **kw):
     """An engine on the tiny checkpoint `name` at `path`: its block size, an 8 MiB KV budget
     (per rank at data_parallel_size > 1: a DataParallelEngine), one schema compiler process
     (each imports xgrammar and torch: ~3 s of a core; the tests of the pool's size set theirs)."""
-    from workers.engine import open_engine
-    from workers.engine_config import EngineConfig
+    from kvmesh.workers.engine import open_engine
+    from kvmesh.workers.engine_config import EngineConfig
     kw.setdefault("kv_cache_bytes", 8 << 20)
     kw.setdefault("grammar_compile_workers", 1)
     return open_engine(EngineConfig(model=str(path), block_tokens=BLOCK_TOKENS[name], **kw))
@@ -118,7 +118,7 @@ def random_prompt(n: int, vocab: int = 300, seed: int = 0) -> list[int]:
 
 def random_cache(layout, num_blocks: int, num_slots: int, seed: int):
     """CacheTensors filled with seeded noise: distinct bytes everywhere a transfer could move."""
-    from kvstore.cache_tensors import CacheTensors
+    from kvmesh.kvstore.device.cache_tensors import CacheTensors
     cache = CacheTensors(layout, num_blocks=num_blocks, num_slots=num_slots, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     for t in cache.all_tensors():
@@ -133,10 +133,10 @@ def mtp_logits(path, tokens: list[int], block_tokens: int = 16, rows: list[int] 
     `MTPLayer.predict` and `Transformer.logits` through the layer's own head, as the drafter
     runs them; with `rows`, the layer runs past its K=V for those rows only (the logits are
     theirs) and the layer's window ring comes back too: (ring, logits)."""
-    from kvstore.cache_tensors import CacheTensors, LayerCache
-    from kvstore.layout import CacheLayout, LayoutParams, SWASpec
-    from workers.checkpoint.loader import load_model
-    from workers.model.step import StepInput
+    from kvmesh.kvstore.device.cache_tensors import CacheTensors, LayerCache
+    from kvmesh.kvstore.device.layout import CacheLayout, LayoutParams, SWASpec
+    from kvmesh.workers.checkpoint.loader import load_model
+    from kvmesh.workers.model.step import StepInput
     args, model = load_model(path)
     layout = CacheLayout.build(LayoutParams(args.layer_types, args.head_dim, args.index_head_dim, args.csa_ratio,
                                             args.hca_ratio, args.sliding_window, "float32", "auto",
@@ -289,8 +289,8 @@ def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, **parallel) -
 
     import pytest
 
-    from workers.parallel.collectives import RankFailed
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.parallel.collectives import RankFailed
+    from kvmesh.workers.sampling.params import SamplingParams
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for how, bound in (("stall", 3.0 + 5), ("kill", 5.0)):
         engine = tiny_engine(path, name, rank_timeout_s=3.0, **parallel)

@@ -1,4 +1,4 @@
-"""Inputs for the kernel ops (`kernels.torch_ops` API), shared by the kernel tests and bench.
+"""Inputs for the kernel ops (`kvmesh.kernels.torch_ops` API), shared by the kernel tests and bench.
 
 Every builder returns a dict of keyword arguments for one op, so `op(**case)` runs either
 implementation. Batches are ragged: sequence b has `seq_lens[b]` tokens and queries at its
@@ -138,8 +138,8 @@ def compile_kernels_for_cuda(arch: int = 90) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_attention as ta, triton_compressor as tc, triton_indexer as ti
-    from kernels.triton_common import attention_config
+    from kvmesh.kernels import triton_attention as ta, triton_compressor as tc, triton_indexer as ti
+    from kvmesh.kernels.triton_common import attention_config
 
     done = []
 

@@ -9,19 +9,19 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.block_pool import BlockPool
-from kvstore.cache_tensors import CacheTensors
-from kvstore.hashing import PrefixHasher
-from kvstore.host_cache import HostCache
-from kvstore.index import make_index
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from kvstore.planner import SwaPolicy, recompute_span
-from kvstore.state_slots import SlotPool
-from kvstore.store import ObjectStore
-from workers.engine.kv_manager import NO_HIT, KVCacheManager
-from workers.request import Sequence
-from workers.reuse.prefix_cache import PrefixCache
-from workers.sampling.params import SamplingParams
+from kvmesh.kvstore.device.block_pool import BlockPool
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.hashing import PrefixHasher
+from kvmesh.kvstore.store.host_cache import HostCache
+from kvmesh.kvstore.index.embedded import make_index
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.kvstore.policy.planner import SwaPolicy, recompute_span
+from kvmesh.kvstore.device.state_slots import SlotPool
+from kvmesh.kvstore.store.object_store import ObjectStore
+from kvmesh.workers.engine.kv_manager import NO_HIT, KVCacheManager
+from kvmesh.workers.request import Sequence
+from kvmesh.workers.reuse.prefix_cache import PrefixCache
+from kvmesh.workers.sampling.params import SamplingParams
 
 BT = 16
 FINGERPRINT = "5eed" * 16

@@ -10,7 +10,7 @@ import random
 import socket
 from typing import Any
 
-from cluster.config import ServeConfig
+from kvmesh.cluster.config import ServeConfig
 
 # replicas small enough that both pools, a colocated pool and two ingresses fit two cores
 SMALL_POOL = {"num_cpus": 0.25, "max_ongoing_requests": 16, "max_queued_requests": 64}
@@ -96,7 +96,7 @@ class LocalServe:
         (SHARED_APPS names) included: deployed here unless one is already running."""
         from ray import serve
 
-        from cluster.app import build_app
+        from kvmesh.cluster.app import build_app
         running = serve.status().applications
         apps = dict(apps)
         for name in shared:

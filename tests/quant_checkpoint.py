@@ -123,8 +123,8 @@ def quantize_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] = (128, 
 def random_released_checkpoint(dst: Path, config: dict, seed: int = 0, **quant_kw) -> Path:
     """A released-format checkpoint of any size straight from a config (no transformers model):
     random dense weights shaped by kvmesh's own model, quantized as `quantize_checkpoint` does."""
-    from workers.model.args import ModelArgs
-    from workers.model.transformer import Transformer
+    from kvmesh.workers.model.args import ModelArgs
+    from kvmesh.workers.model.transformer import Transformer
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(ModelArgs.from_dict(config)).state_dict().items()}
     g = torch.Generator().manual_seed(seed)
@@ -151,7 +151,7 @@ def random_released_checkpoint(dst: Path, config: dict, seed: int = 0, **quant_k
 def dequantize_checkpoint(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """The same weights dense (FP8/FP4 dequantized to `dtype`, quantization_config dropped):
     the baseline a released checkpoint is compared against."""
-    from kernels.quant_ops import dequant_fp4, dequant_fp8
+    from kvmesh.kernels.quant_ops import dequant_fp4, dequant_fp8
     tensors = load_file(str(src / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     q = cfg.pop("quantization_config")

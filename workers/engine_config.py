@@ -14,12 +14,12 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvstore.mac import MIN_KEY_BYTES
-from kvstore.planner import PolicyError, SwaPolicy
-from kvstore.redact import redact_url
-from kvstore.timed_io import DEFAULT_READ_TIMEOUT_S
-from workers.model.args import ConfigError
-from workers.spec.draft_rule import DraftRule
+from kvmesh.kvstore.store.mac import MIN_KEY_BYTES
+from kvmesh.kvstore.policy.planner import PolicyError, SwaPolicy
+from kvmesh.kvstore.redact import redact_url
+from kvmesh.kvstore.timed_io import DEFAULT_READ_TIMEOUT_S
+from kvmesh.workers.model.args import ConfigError
+from kvmesh.workers.spec.draft_rule import DraftRule
 
 DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -126,7 +126,7 @@ class EngineConfig:
     store_read_timeout_s: float | None = setting(DEFAULT_READ_TIMEOUT_S, "a store read slower than this (s) "
                                                                          "is a miss")
     store_scrub_interval_s: float = setting(600.0, "seconds between background scrub passes over this "
-                                                   "deployment's store namespace (kvstore/scrub.py; 0 = off)")
+                                                   "deployment's store namespace (kvstore/store/scrub.py; 0 = off)")
     store_scrub_pass_bytes: int = setting(1 << 30, "object bytes one background scrub pass reads at most (the next "
                                                    "resumes where it stopped)", unit="bytes")
     max_schema_bytes: int = setting(64 << 10, "largest response_format JSON schema (canonical JSON); larger is a "

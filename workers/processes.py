@@ -23,8 +23,8 @@ from multiprocessing.process import BaseProcess
 from typing import Callable
 
 # imported once by the fork server (names, not imports: a module missing here is skipped)
-PRELOAD = ["torch", "xgrammar", "workers.parallel.replica", "workers.engine.dp_rank",
-           "workers.sampling.grammar_worker"]
+PRELOAD = ["torch", "xgrammar", "kvmesh.workers.parallel.replica", "kvmesh.workers.engine.dp_rank",
+           "kvmesh.workers.sampling.grammar_worker"]
 
 
 def start_child(target: Callable[..., None], args: tuple, name: str) -> BaseProcess:

@@ -1,6 +1,6 @@
 """Replay a request trace through one engine, one request at a time, in arrival order.
 
-Each request's prompt is its hash ids' deterministic blocks (`kvstore.trace`); it runs to
+Each request's prompt is its hash ids' deterministic blocks (`kvmesh.kvstore.policy.trace`); it runs to
 its first token (outputs are not replayed: a conversation's next turn carries them as
 hash ids of its own). Per request it records what reuse did — tokens restored from each
 tier, tokens recomputed, time to first token — and the first token and its logprob, which
@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from kvstore.trace import TraceRequest, prompt_token_ids
-from workers.engine.engine import Engine
-from workers.sampling.params import SamplingParams
+from kvmesh.kvstore.policy.trace import TraceRequest, prompt_token_ids
+from kvmesh.workers.engine.engine import Engine
+from kvmesh.workers.sampling.params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -1,7 +1,7 @@
 """A request's life in the engine: tokens, progress, cache handles, outputs, and the messages
 for moving a prefilled request from one engine to another.
 
-The source engine holds the request (`HeldKV`, kvstore.kv_transport) and a KVTransport
+The source engine holds the request (`HeldKV`, kvstore.transfer.kv_transport) and a KVTransport
 offers it; the destination engine continues it from a `Resume`, whose `load` fills the
 blocks and slot it allocated (usually `KVTransport.load` of the offer).
 
@@ -13,8 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from kvstore.kv_transport import HeldKV
-from workers.sampling.params import SamplingParams
+from kvmesh.kvstore.transfer.kv_transport import HeldKV
+from kvmesh.workers.sampling.params import SamplingParams
 
 if TYPE_CHECKING:     # types only: the API layer builds requests without torch
     import torch

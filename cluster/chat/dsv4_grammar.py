@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 import re
 
-from workers.sampling.params import InvalidRequestError
+from kvmesh.workers.sampling.params import InvalidRequestError
 
-from cluster.chat import json_schema
-from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, PARAM_CLOSE, escape_name
+from kvmesh.cluster.chat import json_schema
+from kvmesh.cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, PARAM_CLOSE, escape_name
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")

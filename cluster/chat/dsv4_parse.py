@@ -25,7 +25,7 @@ import json
 import uuid
 from typing import NamedTuple
 
-from cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, PARAM_CLOSE, THINK, unescape_name
+from kvmesh.cluster.chat.dsv4_encode import CALLS_CLOSE, CALLS_OPEN, DSML, END_THINK, PARAM_CLOSE, THINK, unescape_name
 
 INVOKE_OPEN, INVOKE_CLOSE = f'<{DSML}invoke name="', f"</{DSML}invoke>"
 PARAM_OPEN = f'<{DSML}parameter name="'

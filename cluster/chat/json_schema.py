@@ -33,7 +33,7 @@ import copy
 import math
 import re
 
-from workers.sampling.params import InvalidRequestError
+from kvmesh.workers.sampling.params import InvalidRequestError
 
 FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                      "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from cluster.chat import dsv4_encode
-from cluster.errors import bad_request
+from kvmesh.cluster.chat import dsv4_encode
+from kvmesh.cluster.errors import bad_request
 
 
 def plain_chat_prompt(messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:

@@ -6,7 +6,7 @@
     simulate.py    kvmesh simulate: a SWA policy projected to V4's shape on a request trace
     store.py       kvmesh store: list / verify / clean the shared store's namespaces
     serve.py       kvmesh serve: the Serve app on a local or running Ray (serve_flags.py: vLLM's flags)
-    node_role.py   `python -m cluster.cli.node_role`: a `ray up` machine's pool resources
+    node_role.py   `python -m kvmesh.cluster.cli.node_role`: a `ray up` machine's pool resources
 
 A command module that fails to import is an error at start-up, never a missing command.
 """

@@ -1,6 +1,6 @@
-"""`python -m cluster.cli ...`: the `kvmesh` command."""
+"""`python -m kvmesh.cluster.cli ...`: the `kvmesh` command."""
 import sys
 
-from cluster.cli import main
+from kvmesh.cluster.cli import main
 
 sys.exit(main())

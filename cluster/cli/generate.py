@@ -20,7 +20,7 @@ FIELDS = {"id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_
 
 def parse_line(line: str, lineno: int):
     """-> (id, prompt, SamplingParams); raises InvalidRequestError naming the problem."""
-    from workers.sampling.params import InvalidRequestError, SamplingParams
+    from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -46,8 +46,8 @@ def parse_line(line: str, lineno: int):
 
 
 def run_batch_file(config, input_path: Path, output_path: Path | None) -> int:
-    from workers.engine import open_engine
-    from workers.sampling.params import InvalidRequestError
+    from kvmesh.workers.engine import open_engine
+    from kvmesh.workers.sampling.params import InvalidRequestError
     try:
         lines = input_path.read_text().splitlines()
     except OSError as e:
@@ -137,7 +137,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     import dataclasses
     from typing import get_type_hints
 
-    from workers.engine_config import EngineConfig
+    from kvmesh.workers.engine_config import EngineConfig
     hints = get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         if not f.metadata.get("cli", True):
@@ -165,13 +165,13 @@ def engine_config(args: argparse.Namespace):
     import dataclasses
     import os
 
-    from workers.engine_config import EngineConfig
+    from kvmesh.workers.engine_config import EngineConfig
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)}
     return EngineConfig(store_key=os.environ.get("KVMESH_STORE_KEY") or None, **flags)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from workers.model.args import ConfigError
+    from kvmesh.workers.model.args import ConfigError
 
     try:
         config = engine_config(args)

@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from kvstore.layout import CacheLayout, LayoutParams
-    from workers.model.args import ConfigError, ModelArgs
+    from kvmesh.kvstore.device.layout import CacheLayout, LayoutParams
+    from kvmesh.workers.model.args import ConfigError, ModelArgs
     if not (args.model or args.config):
         print("kvmesh layout: give --model DIR or --config config.json", file=sys.stderr)
         return 2
@@ -58,9 +58,9 @@ def format_kv_dtypes(layouts: dict) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from kvstore.layout import CacheLayout, LayoutParams
-    from workers.checkpoint.inspect import format_stats, resident_bytes, weight_stats
-    from workers.checkpoint.loader import CheckpointError, load_model
+    from kvmesh.kvstore.device.layout import CacheLayout, LayoutParams
+    from kvmesh.workers.checkpoint.inspect import format_stats, resident_bytes, weight_stats
+    from kvmesh.workers.checkpoint.loader import CheckpointError, load_model
     try:
         stats = weight_stats(Path(args.model))
         margs, model = load_model(args.model, dtype=args.dtype)

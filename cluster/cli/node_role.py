@@ -1,7 +1,7 @@
 """The pool a machine of an on-premises `ray up` cluster joins, as `ray start --resources`.
 
     ray start --address=$RAY_HEAD_IP:6379 \\
-        --resources="$(python -m cluster.cli.node_role ~/kvmesh/.ray-cluster.json "$RAY_CLOUD_INSTANCE_ID")"
+        --resources="$(python -m kvmesh.cluster.cli.node_role ~/kvmesh/.ray-cluster.json "$RAY_CLOUD_INSTANCE_ID")"
 
 MACHINE is the machine's entry in `worker_ips` (Ray's autoscaler v2 exports it as
 RAY_CLOUD_INSTANCE_ID); without it, any of the machine's IPv4 addresses is looked up.
@@ -82,7 +82,7 @@ def node_resources(config: dict, machines: Iterable[str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not 1 <= len(argv) <= 2:
-        print("usage: python -m cluster.cli.node_role CLUSTER_CONFIG [MACHINE]", file=sys.stderr)
+        print("usage: python -m kvmesh.cluster.cli.node_role CLUSTER_CONFIG [MACHINE]", file=sys.stderr)
         return 2
     try:
         config = yaml.safe_load(Path(argv[0]).expanduser().read_text()) or {}

@@ -6,7 +6,7 @@
 
 `--config` is a config.json or a released shape (V4-Flash, V4-Pro: workers/checkpoint/released.py);
 `--model` reads the checkpoint's safetensors headers (bytes as stored). The numbers are
-`workers.checkpoint.sizing`'s; nothing is loaded. Rows are TP sizes (every rank holds the same
+`kvmesh.workers.checkpoint.sizing`'s; nothing is loaded. Rows are TP sizes (every rank holds the same
 cache) and DP sizes with expert parallelism (each DP rank its own cache: the KV a node holds
 grows with the ranks). A DP + EP replica may span several nodes (`nodes` > 1: whole nodes, `--gpus`
 ranks on each); `--nodes auto` (the default) adds those rows only where nothing fits on one node,
@@ -45,9 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _sources(args: argparse.Namespace):
-    from workers.checkpoint.released import RELEASED_CONFIGS
-    from workers.checkpoint.sizing import split_from_checkpoint, split_from_config
-    from workers.model.args import ModelArgs
+    from kvmesh.workers.checkpoint.released import RELEASED_CONFIGS
+    from kvmesh.workers.checkpoint.sizing import split_from_checkpoint, split_from_config
+    from kvmesh.workers.model.args import ModelArgs
     if args.model:
         model_args = ModelArgs.from_file(Path(args.model) / "config.json")
         return args.model, model_args, split_from_checkpoint(args.model)
@@ -59,9 +59,9 @@ def _sources(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from workers.checkpoint.loader import CheckpointError
-    from workers.checkpoint.sizing import DEFAULT_RESERVE, SizingError, format_plan, parse_nodes, plan
-    from workers.model.args import ConfigError
+    from kvmesh.workers.checkpoint.loader import CheckpointError
+    from kvmesh.workers.checkpoint.sizing import DEFAULT_RESERVE, SizingError, format_plan, parse_nodes, plan
+    from kvmesh.workers.model.args import ConfigError
     try:
         nodes = parse_nodes(args.nodes)
         label, model_args, weights = _sources(args)

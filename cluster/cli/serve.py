@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.cli.serve_flags import add_vllm_flags
+from kvmesh.cluster.cli.serve_flags import add_vllm_flags
 
 DEFAULT_PORT = 8000
 LOCAL_MIN_CPUS = 4   # logical CPUs for a local Ray, so the default pools fit a small laptop
@@ -97,8 +97,8 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
     """The ServeConfig `kvmesh serve` runs: the config file (or the defaults), then the flags.
     ConfigFileError (ServeFlagError) where they do not validate, disagree, or give a parallel size
     that does not split the model (checked here, before Ray starts)."""
-    from cluster.config import check_parallel_sizes, load_config, read_config_file
-    from cluster.cli.serve_flags import flag_overrides
+    from kvmesh.cluster.config import check_parallel_sizes, load_config, read_config_file
+    from kvmesh.cluster.cli.serve_flags import flag_overrides
     data = read_config_file(args.config)
     overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode,
                                    "ingress.api_keys": keys or None}.items() if v is not None}
@@ -113,7 +113,7 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
 def check_one_node(config) -> None:
     """A local Ray is one node: a pool whose replica spans several (data_parallel_size_local) could
     never be placed there, so it fails here rather than waiting for nodes that never come."""
-    from cluster.config import ConfigFileError
+    from kvmesh.cluster.config import ConfigFileError
     pools = ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
     for name in pools:
         pool = getattr(config, name)
@@ -125,8 +125,8 @@ def check_one_node(config) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.openai.auth import keys_from_env
-    from cluster.config import ConfigFileError
+    from kvmesh.cluster.openai.auth import keys_from_env
+    from kvmesh.cluster.config import ConfigFileError
     keys = (args.api_key or []) + keys_from_env()
     try:
         config = serve_config(args, keys)
@@ -141,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from kvmesh.cluster.app import build_app
     start_ray(args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="kvmesh", route_prefix="/")

@@ -24,9 +24,9 @@ import dataclasses
 import json
 from typing import Any, get_args
 
-from workers.engine_config import EngineConfig
+from kvmesh.workers.engine_config import EngineConfig
 
-from cluster.config import ConfigFileError, IngressConfig, PoolConfig
+from kvmesh.cluster.config import ConfigFileError, IngressConfig, PoolConfig
 
 POOLS = ("prefill", "decode")
 # PoolConfig's: they size the placement group

@@ -5,7 +5,7 @@
 
 `--config` is a released shape (V4-Pro, V4-Flash), a config.json or a checkpoint directory.
 The trace's blocks keep their size (`--block-tokens`, default the trace's 512), so lengths
-are the trace's own. The model is `kvstore.cost`; `--json` prints one object per policy.
+are the trace's own. The model is `kvmesh.kvstore.policy.cost`; `--json` prints one object per policy.
 """
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def layout_for(config: str, dtype: str, block_tokens: int):
     from dataclasses import replace
 
-    from kvstore.cost import V4_SHAPES
-    from kvstore.layout import CacheLayout, LayoutParams
+    from kvmesh.kvstore.policy.cost import V4_SHAPES
+    from kvmesh.kvstore.device.layout import CacheLayout, LayoutParams
     if config in V4_SHAPES:
         params = V4_SHAPES[config]
     else:
-        from workers.model.args import ConfigError, ModelArgs
+        from kvmesh.workers.model.args import ConfigError, ModelArgs
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         if not path.exists():
@@ -65,9 +65,9 @@ def layout_for(config: str, dtype: str, block_tokens: int):
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from kvstore.cost import Hardware, policies_for, simulate
-    from kvstore.layout import LayoutError
-    from kvstore.trace import TraceError, load_trace
+    from kvmesh.kvstore.policy.cost import Hardware, policies_for, simulate
+    from kvmesh.kvstore.device.layout import LayoutError
+    from kvmesh.kvstore.policy.trace import TraceError, load_trace
     try:
         layout = layout_for(args.config, args.kv_cache_dtype, args.block_tokens)
         periods = [int(p) for p in args.periods.split(",") if p]

@@ -2,14 +2,14 @@
 
 Wired into the main CLI with `add_parser(subparsers)`; the parsed
 arguments go to `run_store(args)`, which returns a process exit code. Also
-runnable alone: `python -m cluster.cli.store store stats --store /path`.
+runnable alone: `python -m kvmesh.cluster.cli.store store stats --store /path`.
 
 Every command works per namespace (`{root}/{fingerprint[:16]}`, or
 `{root}/{fingerprint[:16]}-k{key_id}` for objects written under a store key): all
 namespaces under the store root, those of one fingerprint (`--fingerprint`, the full
 fingerprint or its 16-char prefix), or one namespace by name (`--namespace`, as `stats`
 prints it: how an old key's namespace is removed after a key rotation). `--capacity` is
-per namespace, as it is for `ObjectStore`. Only `scrub` reads objects' contents (kvstore.scrub):
+per namespace, as it is for `ObjectStore`. Only `scrub` reads objects' contents (kvstore.store.scrub):
 it verifies MACs in the namespace of the key in $KVMESH_STORE_KEY, and checksums alone in
 every other namespace (a key is never applied to another key's objects).
 """
@@ -22,12 +22,12 @@ import os
 import sys
 from typing import TextIO
 
-from kvstore.index import make_index
-from kvstore.mac import StoreKey
-from kvstore.objects import KINDS
-from kvstore.scrub import REASONS, ScrubReport, Scrubber
-from kvstore.store import ObjectStore, list_namespaces
-from kvstore.store_fs import STALE_TMP_S
+from kvmesh.kvstore.index.embedded import make_index
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.store.objects import KINDS
+from kvmesh.kvstore.store.scrub import REASONS, ScrubReport, Scrubber
+from kvmesh.kvstore.store.object_store import ObjectStore, list_namespaces
+from kvmesh.kvstore.store.store_fs import STALE_TMP_S
 
 STORE_KEY_ENV = "KVMESH_STORE_KEY"
 

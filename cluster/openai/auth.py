@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from fastapi.params import Depends as Dependency
 from pydantic import SecretStr
 
-from cluster.errors import APIError
+from kvmesh.cluster.errors import APIError
 
 ENV_VAR = "KVMESH_API_KEY"
 OPEN_PATHS = frozenset({"/health"})

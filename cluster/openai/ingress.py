@@ -21,21 +21,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from workers.checkpoint.default_model import ensure_default_model
-from workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
-from cluster.config import ServeConfig
-from cluster.errors import APIError, bad_request
-from cluster.openai.auth import ApiKeys, require_api_key
-from cluster.openai.limits import WorkerLimits, read_body
-from cluster.openai.protocol import package_version
-from cluster.openai.serving import PREPARE_THREADS, ServedModel, ServingContext, error_response, to_api_error
-from cluster.openai.serving_chat import ServingChat
-from cluster.openai.serving_completion import ServingCompletion
-from cluster.openai.serving_tokenize import ServingTokenize
-from cluster.serve.dispatch import Dispatcher
-from cluster.serve.locator import PrefixLocator
-from cluster.serve.metrics import Metrics, scrape_pools
+from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.errors import APIError, bad_request
+from kvmesh.cluster.openai.auth import ApiKeys, require_api_key
+from kvmesh.cluster.openai.limits import WorkerLimits, read_body
+from kvmesh.cluster.openai.protocol import package_version
+from kvmesh.cluster.openai.serving import PREPARE_THREADS, ServedModel, ServingContext, error_response, to_api_error
+from kvmesh.cluster.openai.serving_chat import ServingChat
+from kvmesh.cluster.openai.serving_completion import ServingCompletion
+from kvmesh.cluster.openai.serving_tokenize import ServingTokenize
+from kvmesh.cluster.serve.dispatch import Dispatcher
+from kvmesh.cluster.serve.locator import PrefixLocator
+from kvmesh.cluster.serve.metrics import Metrics, scrape_pools
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand

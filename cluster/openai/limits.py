@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from cluster.errors import bad_request, body_too_large
+from kvmesh.cluster.errors import bad_request, body_too_large
 
 if TYPE_CHECKING:
-    from cluster.serve.locator import PrefixLocator
+    from kvmesh.cluster.serve.locator import PrefixLocator
 
 
 async def read_body(request, limit: int) -> bytes:

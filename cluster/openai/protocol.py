@@ -15,10 +15,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from workers.sampling.params import check_schema
-from workers.sampling.params import MAX_N, InvalidRequestError, SamplingParams
+from kvmesh.workers.sampling.params import check_schema
+from kvmesh.workers.sampling.params import MAX_N, InvalidRequestError, SamplingParams
 
-from cluster.errors import APIError, bad_request
+from kvmesh.cluster.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -119,7 +119,7 @@ class _Request(BaseModel):
             return None
         if f.type == "json_object":
             return ("json_object", "")
-        from cluster.chat.json_schema import check
+        from kvmesh.cluster.chat.json_schema import check
         try:
             return ("json_schema", check_schema(check(f.json_schema.schema_, "response_format.json_schema.schema")))
         except InvalidRequestError as e:
@@ -348,7 +348,7 @@ class ChatCompletionRequest(_Request):
             return super().guide
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request("cannot be combined with tool_choice required or a named function", "response_format")
-        from cluster.chat.dsv4_grammar import tool_call_grammar
+        from kvmesh.cluster.chat.dsv4_grammar import tool_call_grammar
         name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         try:
             return ("ebnf", tool_call_grammar(self.offered_tools, self.thinking_mode, self.parallel_tool_calls, name))

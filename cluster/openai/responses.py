@@ -17,9 +17,9 @@ import json
 import time
 from typing import NamedTuple
 
-from cluster.chat.dsv4_parse import ReplyParser, ToolCall
-from cluster.messages import Chunk
-from cluster.chat.detokenizer import Detokenizer
+from kvmesh.cluster.chat.dsv4_parse import ReplyParser, ToolCall
+from kvmesh.cluster.messages import Chunk
+from kvmesh.cluster.chat.detokenizer import Detokenizer
 
 
 class Delta(NamedTuple):

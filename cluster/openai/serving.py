@@ -25,17 +25,17 @@ from typing import AsyncGenerator, AsyncIterator, Callable, NamedTuple, TypeVar
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray.serve.exceptions import BackPressureError
 
-from workers.checkpoint.tokenizer import Tokenizer
-from workers.sampling.params import InvalidRequestError
+from kvmesh.workers.checkpoint.tokenizer import Tokenizer
+from kvmesh.workers.sampling.params import InvalidRequestError
 
-from cluster.errors import APIError, WorkerFailed, bad_request, model_not_found, overloaded
-from cluster.messages import Chunk, GenRequest
-from cluster.openai.limits import Limits, WorkerLimits
-from cluster.openai.protocol import parse_body
-from cluster.openai.responses import Choice, Delta, Reply, sse
-from cluster.openai.validate import Body, Prompts, gen_request
-from cluster.serve.dispatch import RETRYABLE, Dispatcher
-from cluster.serve.metrics import Metrics, RequestTimer
+from kvmesh.cluster.errors import APIError, WorkerFailed, bad_request, model_not_found, overloaded
+from kvmesh.cluster.messages import Chunk, GenRequest
+from kvmesh.cluster.openai.limits import Limits, WorkerLimits
+from kvmesh.cluster.openai.protocol import parse_body
+from kvmesh.cluster.openai.responses import Choice, Delta, Reply, sse
+from kvmesh.cluster.openai.validate import Body, Prompts, gen_request
+from kvmesh.cluster.serve.dispatch import RETRYABLE, Dispatcher
+from kvmesh.cluster.serve.metrics import Metrics, RequestTimer
 
 log = logging.getLogger(__name__)
 PREPARE_THREADS = 4      # bodies prepared at once per ingress replica; more wait their turn

@@ -5,11 +5,11 @@ In V4's format a reply is parsed into reasoning, content and tool calls (`ReplyF
 stream opens with the assistant role for every choice before any token."""
 from __future__ import annotations
 
-from cluster.chat.template import chat_prompt_ids
-from cluster.openai.protocol import ChatCompletionRequest
-from cluster.openai.responses import Choice, Delta, Reply, ReplyFormat
-from cluster.openai.serving import OpenAIServing
-from cluster.openai.validate import Prompts
+from kvmesh.cluster.chat.template import chat_prompt_ids
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest
+from kvmesh.cluster.openai.responses import Choice, Delta, Reply, ReplyFormat
+from kvmesh.cluster.openai.serving import OpenAIServing
+from kvmesh.cluster.openai.validate import Prompts
 
 
 class ServingChat(OpenAIServing):

@@ -5,10 +5,10 @@ Choice `p * n + i` is sequence i of prompt p; a streamed choice carries its prom
 echo on its first event only, and its logprobs' text offsets continue from what was sent."""
 from __future__ import annotations
 
-from cluster.openai.protocol import CompletionRequest
-from cluster.openai.responses import Choice, Delta, Reply
-from cluster.openai.serving import OpenAIServing
-from cluster.openai.validate import Prompts
+from kvmesh.cluster.openai.protocol import CompletionRequest
+from kvmesh.cluster.openai.responses import Choice, Delta, Reply
+from kvmesh.cluster.openai.serving import OpenAIServing
+from kvmesh.cluster.openai.validate import Prompts
 
 
 class ServingCompletion(OpenAIServing):

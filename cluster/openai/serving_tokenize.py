@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from cluster.chat.template import chat_prompt_ids
-from cluster.errors import bad_request
-from cluster.openai.protocol import DetokenizeRequest, TokenizeRequest, parse_body
-from cluster.openai.serving import ServingContext
+from kvmesh.cluster.chat.template import chat_prompt_ids
+from kvmesh.cluster.errors import bad_request
+from kvmesh.cluster.openai.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from kvmesh.cluster.openai.serving import ServingContext
 
 
 class ServingTokenize:

@@ -10,15 +10,15 @@ import dataclasses
 import re
 from typing import NamedTuple
 
-from workers.sampling.params import check_schema_size
-from workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.sampling.params import check_schema_size
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
-from cluster.chat.dsv4_grammar import after_reasoning
-from cluster.errors import bad_request
-from cluster.messages import GenRequest
-from cluster.openai.limits import Limits
-from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.openai.responses import ReplyFormat
+from kvmesh.cluster.chat.dsv4_grammar import after_reasoning
+from kvmesh.cluster.errors import bad_request
+from kvmesh.cluster.messages import GenRequest
+from kvmesh.cluster.openai.limits import Limits
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.openai.responses import ReplyFormat
 
 Body = CompletionRequest | ChatCompletionRequest
 

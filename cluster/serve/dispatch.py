@@ -21,13 +21,13 @@ from typing import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 
-from workers.errors import EngineDeadError, RankFailed
+from kvmesh.workers.errors import EngineDeadError, RankFailed
 
-from cluster.messages import Chunk, GenRequest, Handoff, RouteHint
-from cluster.serve.metrics import Metrics
-from cluster.serve.routing import decode_hint
-from cluster.errors import WorkerFailed, WorkerStalled
-from cluster.serve.transfer import HandoffError
+from kvmesh.cluster.messages import Chunk, GenRequest, Handoff, RouteHint
+from kvmesh.cluster.serve.metrics import Metrics
+from kvmesh.cluster.serve.routing import decode_hint
+from kvmesh.cluster.errors import WorkerFailed, WorkerStalled
+from kvmesh.cluster.serve.transfer import HandoffError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Which worker rank already holds a prompt's prefix in memory, and how loaded each rank is.
 
-With a shared index (Redis) the locator follows the engines' KV events (kvstore/kv_events.py)
+With a shared index (Redis) the locator follows the engines' KV events (kvstore/index/kv_events.py)
 on a thread of its own: a hint is a walk of an in-memory per-rank index, no round trip. While no
 publisher is heard from (events not flowing yet, or the stream down), it asks the prefix index
 instead, one lookup per request. With the embedded index every worker has its own, so the
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.hashing import PrefixHasher
-from kvstore.index import PrefixIndex, make_index
-from kvstore.kv_events import KvEventFollower, KvEventIndex
+from kvmesh.kvstore.hashing import PrefixHasher
+from kvmesh.kvstore.index.embedded import PrefixIndex, make_index
+from kvmesh.kvstore.index.kv_events import KvEventFollower, KvEventIndex
 
-from cluster.messages import RouteHint
+from kvmesh.cluster.messages import RouteHint
 
 log = logging.getLogger(__name__)
 SHARED_INDEX_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -33,7 +33,7 @@ class PrefixLocator:
         """Called once the workers report their model fingerprint and index namespace (which
         carries their store key's id; None: the engine has no index)."""
         if fingerprint and self.spec.startswith(SHARED_INDEX_SCHEMES) and self.index is None:
-            from kvstore.kv_event_stream import RedisEventStream  # lazy: embedded users need no redis
+            from kvmesh.kvstore.index.kv_event_stream import RedisEventStream  # lazy: embedded users need no redis
 
             self.hasher = PrefixHasher(fingerprint, block_tokens)
             self.index = make_index(self.spec, fingerprint, namespace=namespace)

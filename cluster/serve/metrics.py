@@ -34,9 +34,9 @@ from typing import Awaitable, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from workers.engine.stats import StoreCounters
+from kvmesh.workers.engine.stats import StoreCounters
 
-from cluster.messages import RouteHint, TransferReport, WorkerStats
+from kvmesh.cluster.messages import RouteHint, TransferReport, WorkerStats
 
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
@@ -91,7 +91,7 @@ class WorkerSnapshots:
 
     @staticmethod
     def _scrubbed(workers: list[WorkerStats]) -> CounterMetricFamily:
-        """Objects the background store scrub checked (kvstore/scrub.py), by what became of them."""
+        """Objects the background store scrub checked (kvstore/store/scrub.py), by what became of them."""
         family = CounterMetricFamily("kvmesh_store_scrub_objects", "store objects the background scrub checked: "
                                      "ok, removed (unusable) or quarantined (unusable, not removable)",
                                      labels=["pool", "worker", "result"])

@@ -4,7 +4,7 @@
     Prefill.prefill(req) -> Handoff   prompt -> first token; the cache stays held
     Decode.decode(req, handoff)       pulls the held cache (NIXL READ or Ray object), streams the rest
 
-Each class is plain Python; `cluster.app` turns it into a deployment with the pool's
+Each class is plain Python; `kvmesh.cluster.app` turns it into a deployment with the pool's
 options. A worker's id is its Serve replica id (the router pins follow-ups by it).
 
 A data-parallel prefill or decode replica (engine/data_parallel.py) keeps this code: each rank
@@ -22,15 +22,15 @@ import time
 import ray
 from ray import serve
 
-from kvstore.kv_transport import KVTransport, Offer
-from kvstore.nixl_transfer import NixlTransport
-from workers.engine.async_engine import AsyncEngine
-from workers.request import Resume
+from kvmesh.kvstore.transfer.kv_transport import KVTransport, Offer
+from kvmesh.kvstore.transfer.nixl_transfer import NixlTransport
+from kvmesh.workers.engine.async_engine import AsyncEngine
+from kvmesh.workers.request import Resume
 
-from cluster.config import ServeConfig
-from cluster.messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
-from cluster.serve.routing import NO_HINT, rank_hint
-from cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
+from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
+from kvmesh.cluster.serve.routing import NO_HINT, rank_hint
+from kvmesh.cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
 log = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.005
@@ -46,7 +46,7 @@ class _Worker:
         self.dp_ranks = pool.data_parallel_size
         self.launcher = None
         if pool.ranks > 1:     # ranks 1..N-1 (TP or DP): actors in this replica's placement group
-            from cluster.serve.ranks import RayRankLauncher
+            from kvmesh.cluster.serve.ranks import RayRankLauncher
             self.launcher = RayRankLauncher(pool.rank_bundle(), f"kvmesh-rank:{self.POOL}:{self.worker_id}",
                                             pool.ranks_per_bundle)
         engine_config = config.pool_engine(pool, self.worker_id)

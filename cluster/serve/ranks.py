@@ -30,8 +30,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.parallel.collectives import RankFailed
-from workers.parallel.replica import run_rank
+from kvmesh.workers.parallel.collectives import RankFailed
+from kvmesh.workers.parallel.replica import run_rank
 
 log = logging.getLogger(__name__)
 CHECK_PERIOD_S = 0.25    # `check` runs before every step; a dead rank also fails the step's collective at once

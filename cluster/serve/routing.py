@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.messages import RouteHint
+from kvmesh.cluster.messages import RouteHint
 
 NO_HINT = RouteHint()
 RANK_MARK = "/dp"          # "{worker_id}/dp{rank}": a data-parallel rank's name in the prefix index

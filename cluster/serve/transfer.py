@@ -1,4 +1,4 @@
-"""The handoff's transports in the cluster: NIXL (kvstore.nixl_transfer) and Ray objects.
+"""The handoff's transports in the cluster: NIXL (kvstore.transfer.nixl_transfer) and Ray objects.
 
     prefill worker                                   decode worker
     offer = await engine.offer_held(rid, transport)  ──▶ Loader(offer, ...).load(cache, block_ids, slot, reused)
@@ -7,7 +7,7 @@ Order of preference on the decode side: a NIXL READ straight from the prefill wo
 registered memory (which also notifies it to release); else the Ray-object copy of the same
 tensors (the offer itself when prefill had no NIXL, or one fetched from the prefill worker
 after a failed READ; never after a READ that timed out, whose bytes may still land). Every
-failure is a HandoffError (kvstore.kv_transport).
+failure is a HandoffError (kvstore.transfer.kv_transport).
 
 Decode-side reuse: the decode engine passes `reused`, the leading prompt blocks its own device
 pool already holds (same prefix hashes); the READ moves only the others + the state slot, and
@@ -34,7 +34,7 @@ from typing import Callable
 
 import ray
 
-from kvstore.kv_transport import (GatheredTransport, HandoffError, KVTransport, Offer, PortableLoad, TransferInFlight,
+from kvmesh.kvstore.transfer.kv_transport import (GatheredTransport, HandoffError, KVTransport, Offer, PortableLoad, TransferInFlight,
                                   TransferReport)
 
 __all__ = ["HandoffError", "Loader", "RayTransport", "NIXL_UNAVAILABLE", "READ_FAILED"]

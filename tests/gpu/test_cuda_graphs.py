@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint  # noqa: E402
-from workers.engine.cuda_graphs import graph_blockers  # noqa: E402
-from workers.sampling.params import SamplingParams  # noqa: E402
+from kvmesh.workers.engine.cuda_graphs import graph_blockers  # noqa: E402
+from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
 MAX_LEN = 1024
 

@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels import torch_ops, triton_ops  # noqa: E402
-from kernels.triton_attention import _sparse_attn_kernel  # noqa: E402
+from kvmesh.kernels import torch_ops, triton_ops  # noqa: E402
+from kvmesh.kernels.triton_attention import _sparse_attn_kernel  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 from tests.kernel_cases import attention_case, compressor_case, indexer_case  # noqa: E402
 

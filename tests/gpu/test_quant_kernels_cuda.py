@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels import quant_ops, triton_quant  # noqa: E402
+from kvmesh.kernels import quant_ops, triton_quant  # noqa: E402
 from tests.quant_checkpoint import quantize_fp4, quantize_fp8  # noqa: E402
 
 if isinstance(triton_quant._fp8_linear_kernel, InterpretedFunction):

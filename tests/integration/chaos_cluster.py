@@ -118,8 +118,8 @@ def hosts_with_ray(n: int, name: str, net: str, pools: dict[int, str], head_env:
 def cold_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The offline single-process engine's greedy tokens: what every answer is checked against."""
     from tests.local_serve import small_config
-    from workers.engine import Engine
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.sampling.params import SamplingParams
     outs = Engine(small_config().engine.engine_config()).generate(
         prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     return [o.token_ids for o in outs]

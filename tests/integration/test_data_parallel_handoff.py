@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from cluster.serve.transfer import Loader, RayTransport
-from kvstore.kv_transport import HandoffError, Offer
+from kvmesh.cluster.serve.transfer import Loader, RayTransport
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, Offer
 from tests.helpers import BLOCK_TOKENS, random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.request import FirstToken, Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.request import FirstToken, Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a private Ray and gloo ranks
 

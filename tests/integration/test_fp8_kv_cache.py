@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.helpers import assert_same_run, random_prompt, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.request import Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.request import Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 NAME, BT = "swa_csa_hca", 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -91,7 +91,7 @@ def test_fp8_handoff_equals_a_single_engine_fp8_run(model_dir, cold, transport):
     agents = []
     if transport == "nixl":
         pytest.importorskip("nixl._api")
-        from kvstore.nixl_transfer import KVTransferAgent
+        from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent
         src = KVTransferAgent("fp8-prefill", prefill.cache.all_tensors())
         dst = KVTransferAgent("fp8-decode", decode.cache.all_tensors())
         agents = [src, dst]

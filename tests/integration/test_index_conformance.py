@@ -10,10 +10,10 @@ from typing import Callable, Iterator, NamedTuple
 
 import pytest
 
-from kvstore.hashing import PrefixHasher, store_namespace
-from kvstore.mac import StoreKey
-from kvstore.index import EmbeddedIndex, IndexStats, LookupResult, PrefixIndex, make_index
-from kvstore.redis_index import RedisIndex
+from kvmesh.kvstore.hashing import PrefixHasher, store_namespace
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.index.embedded import EmbeddedIndex, IndexStats, LookupResult, PrefixIndex, make_index
+from kvmesh.kvstore.index.redis_index import RedisIndex
 
 
 def _fingerprint() -> str:
@@ -394,7 +394,7 @@ def test_redis_outage_is_a_miss_then_reuse_resumes(redis_process, caplog: pytest
     assert index.lookup(hs).stored == 6
     redis_process.stop()
     try:
-        with caplog.at_level(logging.WARNING, logger="kvstore.redis_index"):
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.index.redis_index"):
             for _ in range(10):
                 assert index.lookup(hs) == LookupResult(0, (), {})
                 index.publish_blocks(hs)
@@ -402,7 +402,7 @@ def test_redis_outage_is_a_miss_then_reuse_resumes(redis_process, caplog: pytest
                 index.remove_blocks(hs)
                 index.clear()
                 time.sleep(0.02)
-        warned = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvstore.redis_index"]
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvmesh.kvstore.index.redis_index"]
         assert len(warned) == 1     # another module's KV-event thread on the same Redis may warn too: not this index's
         assert not index.stats().healthy and index.stats().errors >= 1
     finally:

@@ -14,9 +14,9 @@ import pytest
 from tests.conftest import REDIS_PASSWORD as PASSWORD
 from tests.helpers import random_prompt, write_tiny_checkpoint
 from tests.local_serve import free_port
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
 
 BT = 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""KV events over a real private redis-server (kvstore/kv_event_stream.py): publisher -> stream ->
+"""KV events over a real private redis-server (kvstore/index/kv_event_stream.py): publisher -> stream ->
 router index, snapshots on a gap or a late-joining router, trimming, and Redis restarted empty."""
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import uuid
 import pytest
 import redis
 
-from cluster.messages import RouteHint
-from cluster.serve.locator import PrefixLocator
-from cluster.serve.routing import Candidate, decode_hint, rank_replicas
-from kvstore.hashing import PrefixHasher
-from kvstore.kv_event_stream import RedisEventStream, decode, encode
-from kvstore.kv_events import SNAPSHOT, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher
+from kvmesh.cluster.messages import RouteHint
+from kvmesh.cluster.serve.locator import PrefixLocator
+from kvmesh.cluster.serve.routing import Candidate, decode_hint, rank_replicas
+from kvmesh.kvstore.hashing import PrefixHasher
+from kvmesh.kvstore.index.kv_event_stream import RedisEventStream, decode, encode
+from kvmesh.kvstore.index.kv_events import SNAPSHOT, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
 
 STORE_BYTES = 256 << 10     # the eviction test's store: well under its 24 prompts' blocks
 

@@ -12,15 +12,15 @@ import pytest
 import ray
 import torch
 
-from cluster.serve.transfer import RayTransport
-from kvstore.cache_tensors import CacheTensors
-from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from kvstore.nixl_transfer import KVTransferAgent, NixlTransport
+from kvmesh.cluster.serve.transfer import RayTransport
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, HeldKV, KVTransport, Offer
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent, NixlTransport
 from tests import helpers
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.request import Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.request import Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a local Ray (the Ray-object transport)
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from cluster.serve.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader, RayTransport
-from kvstore.cache_tensors import CacheTensors
-from kvstore.kv_transport import HandoffError, HeldKV, Offer
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from kvstore.nixl_transfer import KVTransferAgent, NixlTransport, RemoteKV
+from kvmesh.cluster.serve.transfer import NIXL_UNAVAILABLE, READ_FAILED, Loader, RayTransport
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, HeldKV, Offer
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent, NixlTransport, RemoteKV
 from tests import helpers
 
 pytestmark = pytest.mark.slow     # a local Ray (the Ray-object fallback)

@@ -26,8 +26,8 @@ HEAL_WITHIN_S = 30.0
 
 AGENT = """
 import json, os, pickle, subprocess, sys, time, torch
-from kvstore.nixl_transfer import KVTransferAgent
-from kvstore.kv_transport import HandoffError, TransferInFlight
+from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, TransferInFlight
 role, ip, peer, folder = sys.argv[1:5]
 N = 1 << 20
 if role == "source":

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from kvstore.cache_tensors import CacheTensors
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from kvstore.nixl_transfer import KVTransferAgent, RemoteKV, TransferError, coalesce, make_agent
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent, RemoteKV, TransferError, coalesce, make_agent
 from tests import helpers
 
 pytest.importorskip("nixl._api")

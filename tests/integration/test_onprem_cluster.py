@@ -178,8 +178,8 @@ def placement(launcher: Launcher) -> dict[str, list[str]]:
 def test_ray_up_onprem_serves_prefill_and_decode_on_their_hosts_and_ray_down_stops_all(hosts, launcher, capsys):
     head, prefill, decode = hosts.ips
     url = f"http://{head}:8000"
-    from workers.engine import Engine
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.sampling.params import SamplingParams
     cold = Engine(small_config().engine.engine_config()).generate(
         [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].token_ids
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.planner import recompute_span
+from kvmesh.kvstore.policy.planner import recompute_span
 from tests.helpers import assert_same_run, random_prompt, reference_greedy, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
 
 NAME, BT, WINDOW, LAYERS, MAX_RATIO = "swa_csa_hca", 16, 8, 3, 16
 PERIOD = 2 * BT
@@ -119,7 +119,7 @@ def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_d
     writer.flush()
     files = {p.stem: p for p in tmp_path.rglob("block/*.kv")}
     chain = writer.prefix.chain(writer.seqs.get("x") or _seq(BASE), 12)
-    from kvstore.hashing import hash_hex
+    from kvmesh.kvstore.hashing import hash_hex
     corrupt, truncate = files[hash_hex(chain[4])], files[hash_hex(chain[8])]
     data = bytearray(corrupt.read_bytes())
     data[-10] ^= 0xFF
@@ -137,7 +137,7 @@ def test_corrupt_and_truncated_objects_are_misses_and_output_stays_exact(model_d
 
 
 def _seq(tokens):
-    from workers.request import Sequence
+    from kvmesh.workers.request import Sequence
     return Sequence("x", list(tokens), GREEDY)
 
 
@@ -187,7 +187,7 @@ def test_a_second_kvmesh_generate_process_reuses_what_the_first_wrote(model_dir,
     results = []
     for run in range(2):
         out = tmp_path / f"out{run}.jsonl"
-        cmd = [sys.executable, "-m", "cluster.cli", "generate", "--model", str(model_dir), "--input",
+        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "generate", "--model", str(model_dir), "--input",
                str(tmp_path / "in.jsonl"), "--output", str(out), "--block-tokens", str(BT), "--kv-cache-bytes", "16MiB",
                "--store", str(tmp_path / "store"), "--index", spec, "--swa-policy", "full"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)

@@ -12,15 +12,15 @@ import time
 import httpx
 import pytest
 
-from cluster.chat.dsv4_encode import CHAT as CHAT_MODE
-from cluster.chat.dsv4_encode import END_THINK, THINKING, encode_messages
+from kvmesh.cluster.chat.dsv4_encode import CHAT as CHAT_MODE
+from kvmesh.cluster.chat.dsv4_encode import END_THINK, THINKING, encode_messages
 from scripts.default_chat_data import TOOLS
 from tests.helpers import random_prompt, sse_events
 from tests.local_serve import small_config
-from workers.checkpoint.default_model import default_model_dir
-from workers.checkpoint.tokenizer import load_tokenizer
-from workers.engine import Engine
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.checkpoint.default_model import default_model_dir
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster and three Serve apps
 
@@ -227,7 +227,7 @@ def held(app: str) -> int:
 def test_prefill_releases_the_cache_once_decode_has_read_it_or_after_the_timeout(urls, client):
     from ray import serve
 
-    from cluster.messages import GenRequest
+    from kvmesh.cluster.messages import GenRequest
     for _ in range(3):
         client.post(f"{urls['disaggregated']}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 3})
     deadline = time.monotonic() + 5

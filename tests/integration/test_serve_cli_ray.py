@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.cli import main
+from kvmesh.cluster.cli import main
 from tests.local_serve import free_port, small_config
 from tests.integration.test_serve_fake_cluster import stop_cluster
 

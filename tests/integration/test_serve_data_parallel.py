@@ -19,12 +19,12 @@ import ray
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
-from cluster.serve.locator import PrefixLocator
+from kvmesh.cluster.serve.locator import PrefixLocator
 from tests.helpers import (BLOCK_TOKENS, assert_clean_end, assert_same_run, random_prompt, sse_events, stream_and_kill,
                            tiny_engine, write_tiny_checkpoint)
 from tests.integration.chaos_cluster import scrape
 from tests.local_serve import small_config
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster, a Serve app with a gloo rank actor
 

@@ -16,9 +16,9 @@ from ray import serve
 
 from tests.integration.test_index_faults import out_of_memory, read_only
 from tests.local_serve import small_config
-from workers.engine import Engine
-from workers.engine.stats import EngineStats
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine.stats import EngineStats
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
 

@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import BLOCK_TOKENS, assert_same_run, random_prompt, tiny_engine, write_tiny_checkpoint
 from tests.integration.chaos_cluster import scrape
 from tests.local_serve import small_config
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster, Serve apps with gloo rank actors
 

@@ -11,8 +11,8 @@ from ray import serve
 
 from tests.helpers import assert_clean_end, stream_and_kill
 from tests.local_serve import small_config
-from workers.engine import Engine
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster and Serve apps
 

@@ -95,7 +95,7 @@ CHECK = """
 import json, sys, time
 import httpx, ray
 from ray import serve
-from cluster.app import build_app
+from kvmesh.cluster.app import build_app
 from tests.local_serve import free_port, small_config
 
 ray.init(address=sys.argv[1], logging_level="ERROR")

@@ -15,12 +15,12 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.messages import GenRequest, RouteHint
-from kvstore.hashing import PrefixHasher
-from kvstore.index import make_index
+from kvmesh.cluster.messages import GenRequest, RouteHint
+from kvmesh.kvstore.hashing import PrefixHasher
+from kvmesh.kvstore.index.embedded import make_index
 from tests.local_serve import small_config
-from workers.engine import Engine
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.sampling.params import SamplingParams
 
 BLOCK = 128
 PROMPT = [3 + (i * 7919) % 256 for i in range(3 * BLOCK + 40)]     # three full blocks and a tail

@@ -15,12 +15,12 @@ import ray
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
-from cluster.app import build_app
-from cluster.config import ConfigFileError
+from kvmesh.cluster.app import build_app
+from kvmesh.cluster.config import ConfigFileError
 from tests.helpers import BLOCK_TOKENS, assert_clean_end, random_prompt, stream_and_kill, write_tiny_checkpoint
 from tests.local_serve import small_config
-from workers.engine import Engine
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # a Ray cluster, Serve apps with gloo rank actors
 

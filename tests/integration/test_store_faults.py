@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.hashing import store_namespace
-from kvstore.mac import StoreKey
-from kvstore.objects import decode_object, encode_object
-from kvstore.store import FINGERPRINT_FILE
+from kvmesh.kvstore.hashing import store_namespace
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.store.objects import decode_object, encode_object
+from kvmesh.kvstore.store.object_store import FINGERPRINT_FILE
 from tests.helpers import random_prompt, undeletable, write_tiny_checkpoint
-from workers.engine import Engine, StoreUnavailable
-from workers.engine.async_engine import AsyncEngine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine, StoreUnavailable
+from kvmesh.workers.engine.async_engine import AsyncEngine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
 
 BT = 16
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -102,13 +102,13 @@ def test_an_undeletable_corrupt_object_is_quarantined_not_retried(model_dir, col
     corrupt(path)
     with undeletable(path):
         reader = engine(model_dir, tmp_path)
-        with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.store.object_store"):
             outs = [reader.generate([PROMPT], GREEDY)[0] for _ in range(3)]
         assert all(o.token_ids == cold for o in outs)
         s = reader.prefix.store.stats()
         assert s.corrupt == 1 and s.quarantined == 1     # read once, never again
         assert path.exists()
-        named = [r for r in caplog.records if r.name == "kvstore.store" and str(path) in r.getMessage()]
+        named = [r for r in caplog.records if r.name == "kvmesh.kvstore.store.object_store" and str(path) in r.getMessage()]
         assert len(named) == 2                             # the cause, then "cannot remove": once each
         restarted = engine(model_dir, tmp_path)            # the quarantine is in the store: not read again
         assert restarted.generate([PROMPT], GREEDY)[0].token_ids == cold
@@ -143,7 +143,7 @@ def test_a_corrupt_namespace_marker_is_rewritten_and_reuse_goes_on(model_dir, co
 def test_a_store_that_cannot_be_opened_degrades_to_no_reuse_unless_required(model_dir, cold, tmp_path, caplog):
     not_a_dir = tmp_path / "store"
     not_a_dir.write_text("a file where the store should be")
-    with caplog.at_level(logging.WARNING, logger="workers.engine.builder"):
+    with caplog.at_level(logging.WARNING, logger="kvmesh.workers.engine.builder"):
         e = engine(model_dir, not_a_dir)
     assert e.prefix.store is None and "without prefix reuse" in caplog.text
     assert e.generate([PROMPT], GREEDY)[0].token_ids == cold
@@ -204,7 +204,7 @@ def test_key_rotation_keeps_old_key_nodes_reusing_until_the_old_namespace_is_rem
     """docs/deploy.md's rotation, step by step: new-key nodes start a namespace of their own
     while old-key nodes go on reusing theirs; once none runs the old key, `kvmesh store gc
     --namespace OLD --all` removes the old objects and nothing of the new key's."""
-    from cluster.cli.store import main as store_cli
+    from kvmesh.cluster.cli.store import main as store_cli
     full = (len(PROMPT) - 1) // BT * BT
     seed_store(model_dir, tmp_path, store_key=KEY_A)                        # before: everyone on key A
     new, _ = run_once(model_dir, tmp_path, store_key=KEY_B)                # 1. the first node on key B

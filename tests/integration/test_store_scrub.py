@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from cluster.messages import WorkerStats
-from cluster.serve.metrics import WorkerSnapshots
-from kvstore.index import make_index
+from kvmesh.cluster.messages import WorkerStats
+from kvmesh.cluster.serve.metrics import WorkerSnapshots
+from kvmesh.kvstore.index.embedded import make_index
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
 
 BT = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = random_prompt(100, seed=31)        # 6 full blocks
 KEY = "s" * 32
-CLI = [sys.executable, "-m", "cluster.cli", "store", "scrub"]
+CLI = [sys.executable, "-m", "kvmesh.cluster.cli", "store", "scrub"]
 
 
 @pytest.fixture(scope="module")

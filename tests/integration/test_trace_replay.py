@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cost import Hardware, ScheduledPeriods, object_sizes, simulate
-from kvstore.trace import load_trace
+from kvmesh.kvstore.policy.cost import Hardware, ScheduledPeriods, object_sizes, simulate
+from kvmesh.kvstore.policy.trace import load_trace
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.replay import replay, stored_payload
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.replay import replay, stored_payload
+from kvmesh.workers.sampling.params import SamplingParams
 
 NAME, BT = "swa_csa_hca", 16
 PERIOD = 4 * BT
@@ -94,8 +94,8 @@ def test_trace_replay_equals_cold_run_and_the_cost_model_predicts_it_exactly(mod
 
 
 def test_auto_hits_more_than_periodic_and_stores_a_fraction_of_full(requests):
-    from kvstore.layout import CacheLayout, LayoutParams
-    from kvstore.planner import SwaPolicy
+    from kvmesh.kvstore.device.layout import CacheLayout, LayoutParams
+    from kvmesh.kvstore.policy.planner import SwaPolicy
     layout = CacheLayout.build(LayoutParams(("sliding_attention", "compressed_sparse_attention",
                                              "heavily_compressed_attention"), 32, 16, 4, 16, 8, "float32"), BT)
     out = {p: simulate(requests, layout, SwaPolicy.parse(p, BT), ANY_HW) for p in ("full", f"periodic:{PERIOD}",

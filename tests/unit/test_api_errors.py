@@ -8,10 +8,10 @@ import json
 
 from ray.exceptions import RayActorError
 
-from cluster.errors import WorkerFailed
-from cluster.openai.ingress import _unhandled, to_api_error
-from workers.errors import EngineDeadError
-from workers.sampling.params import InvalidRequestError
+from kvmesh.cluster.errors import WorkerFailed
+from kvmesh.cluster.openai.ingress import _unhandled, to_api_error
+from kvmesh.workers.errors import EngineDeadError
+from kvmesh.workers.sampling.params import InvalidRequestError
 
 
 def test_a_dead_worker_is_a_503_with_retry_after():

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from tests.helpers import random_prompt, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.engine.async_engine import AsyncEngine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine.async_engine import AsyncEngine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
 NAME, BLOCK = "swa_csa_hca", 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

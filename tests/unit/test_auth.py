@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.errors import APIError
-from cluster.openai.auth import ApiKeys, keys_from_env
-from cluster.config import ServeConfig
+from kvmesh.cluster.errors import APIError
+from kvmesh.cluster.openai.auth import ApiKeys, keys_from_env
+from kvmesh.cluster.config import ServeConfig
 
 
 def test_only_a_listed_bearer_key_passes_and_health_stays_open():
@@ -37,7 +37,7 @@ def test_keys_never_appear_in_the_config_repr_or_dump():
 
 
 def test_build_app_takes_keys_from_the_environment(monkeypatch):
-    import cluster.app as app
+    import kvmesh.cluster.app as app
     seen = {}
     monkeypatch.setenv("KVMESH_API_KEY", "sk-env-1,sk-env-2")
     monkeypatch.setattr(app.Ingress, "options", lambda **kw: type("D", (), {"bind": lambda self, c, p: seen.update(c=c)})())
@@ -64,7 +64,7 @@ def test_the_ingress_asks_every_route_but_health_for_the_key(monkeypatch, root_p
     a string annotation, would make FastAPI ask for a query parameter instead)."""
     from fastapi.testclient import TestClient
     from ray import cloudpickle, serve
-    from cluster.openai.ingress import api
+    from kvmesh.cluster.openai.ingress import api
     api = cloudpickle.loads(cloudpickle.dumps(api))
     ingress = type("Ingress", (), {"keys": ApiKeys(["sk-one"]), "config": ServeConfig()})()
     monkeypatch.setattr(serve, "get_replica_context", lambda: type("Ctx", (), {"servable_object": ingress}))

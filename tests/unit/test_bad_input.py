@@ -10,10 +10,10 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.checkpoint.loader import CheckpointError
-from workers.engine import Engine
-from workers.model.args import CSA, HCA, SWA, ModelArgs
-from workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams
+from kvmesh.workers.checkpoint.loader import CheckpointError
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.model.args import CSA, HCA, SWA, ModelArgs
+from kvmesh.workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams
 
 NAME, BLOCK = "swa_csa_hca", 16
 WQ_A = "model.layers.1.attn.wq_a.weight"

@@ -1,10 +1,10 @@
-"""The block pool (kvstore/block_pool.py, DESIGN §1): refcounted blocks, a hash -> block map
+"""The block pool (kvstore/device/block_pool.py, DESIGN §1): refcounted blocks, a hash -> block map
 that outlives a release (revival), LRU eviction of cached blocks that reports the hashes it drops."""
 from __future__ import annotations
 
 import pytest
 
-from kvstore.block_pool import BlockPool, OutOfBlocks
+from kvmesh.kvstore.device.block_pool import BlockPool, OutOfBlocks
 
 
 def test_allocate_release_and_refcount():

@@ -1,4 +1,4 @@
-"""The cache tensors (kvstore/cache_tensors.py) are what the layout spec names: for every layer
+"""The cache tensors (kvstore/device/cache_tensors.py) are what the layout spec names: for every layer
 type, compute dtype, KV dtype and SWA policy, the allocated tensors, their typed views and their
 bytes are the specs' (and the layout's sizes); `size_pools` splits a memory budget into state
 slots and blocks. The `full` policy's copies happen in the cache layer (`append_kv`,
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.cache_tensors import CacheTensors, size_pools
-from kvstore.fp8_kv import Fp8EntryFormat
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
+from kvmesh.kvstore.device.cache_tensors import CacheTensors, size_pools
+from kvmesh.kvstore.device.fp8_kv import Fp8EntryFormat
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
 from tests.unit.test_layout import V4_PRO
-from workers.model.step import StepInput
+from kvmesh.workers.model.step import StepInput
 
 TYPES = (SWA, CSA, HCA, CSA)
 BT = 16

@@ -10,10 +10,10 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from cluster.openai.protocol import ChatCompletionRequest
-from cluster.chat.template import plain_chat_prompt, render_chat
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest
+from kvmesh.cluster.chat.template import plain_chat_prompt, render_chat
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -122,7 +122,7 @@ def test_reserved_template_kwargs_are_a_bad_request():
 
 
 def test_generation_stops_on_the_tokenizers_end_of_turn_token(tmp_path):
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.sampling.params import SamplingParams
     ckpt = write_tiny_checkpoint(tmp_path / "m", "swa_csa_hca")
     prompt = random_prompt(20, seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0)

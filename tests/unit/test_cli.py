@@ -1,5 +1,5 @@
 """The `kvmesh` command line: the console script as a subprocess where it matters (a mixed
-batch, the layout table), `cluster.cli.main` in-process for the rest (same code, no start-up cost)."""
+batch, the layout table), `kvmesh.cluster.cli.main` in-process for the rest (same code, no start-up cost)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from workers.engine_config import EplbConfig
+from kvmesh.cluster.cli import main
+from kvmesh.workers.engine_config import EplbConfig
 from tests.helpers import random_prompt, write_tiny_checkpoint
 
 NAME, BLOCK = "swa_csa_hca", 16
@@ -190,12 +190,12 @@ def test_generate_with_speculative_tokens_on_a_checkpoint_without_mtp_exits_2_na
 
 
 def serve_args(*argv: str):
-    from cluster.cli import build_parser
+    from kvmesh.cluster.cli import build_parser
     return build_parser().parse_args(["serve", *argv])
 
 
 def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_differ():
-    from cluster.cli.serve import serve_config
+    from kvmesh.cluster.cli.serve import serve_config
     config = serve_config(serve_args("--tensor-parallel-size", "2", "--enable-expert-parallel", "--kv-cache-dtype",
                                      "fp8", "--max-model-len", "4096", "--max-num-seqs", "8",
                                      "--decode-max-num-seqs", "32", "--prefill-tensor-parallel-size", "1",
@@ -232,7 +232,7 @@ def test_serve_speaks_vllm_flags_for_both_pools_and_the_pool_forms_where_they_di
 
 
 def test_serve_flags_that_agree_with_the_config_file_are_accepted(tmp_path):
-    from cluster.cli.serve import serve_config
+    from kvmesh.cluster.cli.serve import serve_config
     path = tmp_path / "kvmesh.yaml"
     path.write_text("engine: {max_num_seqs: 16, kv_cache_dtype: fp8}\ndecode: {engine: {max_num_seqs: 32}}\n"
                     "prefill:\n")                                   # an empty section takes the flags too
@@ -306,9 +306,9 @@ def test_an_eplb_config_flag_that_is_no_json_object_is_a_usage_error(capsys):
 
 
 def test_generate_exits_1_with_an_error_field_when_the_engine_fails(tmp_path, monkeypatch):
-    from cluster.cli.generate import run_batch_file
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
+    from kvmesh.cluster.cli.generate import run_batch_file
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.engine_config import EngineConfig
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi", "max_tokens": 2}\n')
 
     def broken_step(self):

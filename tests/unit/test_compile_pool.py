@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from workers.checkpoint.tokenizer import BYTE_OFFSET
-from workers.sampling.compile_pool import LARGE_TEXT_BYTES, CompilePool
-from workers.sampling.grammar import GrammarLimits, GuideCompiler
-from workers.sampling.grammar_worker import CompileBudgetExceeded
+from kvmesh.workers.checkpoint.tokenizer import BYTE_OFFSET
+from kvmesh.workers.sampling.compile_pool import LARGE_TEXT_BYTES, CompilePool
+from kvmesh.workers.sampling.grammar import GrammarLimits, GuideCompiler
+from kvmesh.workers.sampling.grammar_worker import CompileBudgetExceeded
 
 VOCAB = BYTE_OFFSET + 256
 SMALL = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})

@@ -1,4 +1,4 @@
-"""The SWA cost model (kvstore.cost) on its own: object sizes equal what the cache stores,
+"""The SWA cost model (kvstore.policy.cost) on its own: object sizes equal what the cache stores,
 its store evicts as ObjectStore does, the tuner follows the hardware, and `kvmesh
 simulate` prints one result per policy."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli import main
-from kvstore.cache_tensors import CacheTensors
-from kvstore.cost import V4_SHAPES, Hardware, PeriodTuner, StoreModel, object_sizes, simulate
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from kvstore.planner import PolicyError, SwaPolicy
-from kvstore.store import ObjectStore
-from kvstore.trace import TraceError, TraceRequest, load_trace, parse_line, prompt_token_ids, scaled_tokens
+from kvmesh.cluster.cli import main
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.policy.cost import V4_SHAPES, Hardware, PeriodTuner, StoreModel, object_sizes, simulate
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.kvstore.policy.planner import PolicyError, SwaPolicy
+from kvmesh.kvstore.store.object_store import ObjectStore
+from kvmesh.kvstore.policy.trace import TraceError, TraceRequest, load_trace, parse_line, prompt_token_ids, scaled_tokens
 
 EXCERPT = Path(__file__).resolve().parents[1] / "data" / "conversation_trace_excerpt.jsonl"
 TINY = LayoutParams((SWA, CSA, HCA), 32, 16, 4, 16, 8, "float32")
@@ -144,7 +144,7 @@ def test_simulate_table_and_bad_arguments(capsys, tmp_path):
 
 
 def test_auto_period_fits_prefill_speed_and_step_cost_from_the_engines_steps():
-    from workers.reuse.auto_policy import AutoPeriod
+    from kvmesh.workers.reuse.auto_policy import AutoPeriod
     auto = AutoPeriod(CacheLayout.build(TINY, 16))
     for tokens in (16, 64, 256, 16, 512, 32, 128, 1024):
         auto.observe_prefill(tokens, 0.010 + tokens / 5000)

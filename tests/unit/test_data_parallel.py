@@ -19,11 +19,11 @@ import pytest
 from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, assert_same_outputs,
                            random_prompt, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.checkpoint.sharding import check_sizes
-from workers.engine import EngineProtocol
-from workers.model.args import ConfigError, ModelArgs
-from workers.model.quant import QuantExperts
-from workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.checkpoint.sharding import check_sizes
+from kvmesh.workers.engine import EngineProtocol
+from kvmesh.workers.model.args import ConfigError, ModelArgs
+from kvmesh.workers.model.quant import QuantExperts
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
 

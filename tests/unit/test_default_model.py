@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cluster.chat.dsv4_encode import CHAT, END_THINK, THINKING, encode_messages
-from cluster.chat.dsv4_parse import ReplyParser
+from kvmesh.cluster.chat.dsv4_encode import CHAT, END_THINK, THINKING, encode_messages
+from kvmesh.cluster.chat.dsv4_parse import ReplyParser
 from scripts.default_chat_data import V4_TOKENS
 from tests.helpers import random_prompt, reference_greedy
-from workers.checkpoint.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
-from workers.checkpoint.loader import CheckpointError
-from workers.checkpoint.tokenizer import HFTokenizer, load_tokenizer
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.model.args import CSA, HCA, SWA, ModelArgs
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.checkpoint.default_model import DEFAULT_MODEL_FILES, default_model_dir, ensure_default_model
+from kvmesh.workers.checkpoint.loader import CheckpointError
+from kvmesh.workers.checkpoint.tokenizer import HFTokenizer, load_tokenizer
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.args import CSA, HCA, SWA, ModelArgs
+from kvmesh.workers.sampling.params import SamplingParams
 
 PROMPT = "The king said to his servants,"
 
@@ -43,8 +43,8 @@ def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
 
 
 def test_default_model_ships_inside_the_package(default_dir):
-    import workers.checkpoint
-    assert default_dir == Path(workers.checkpoint.__file__).parent / "default_checkpoint" == default_model_dir()
+    import kvmesh.workers.checkpoint
+    assert default_dir == Path(kvmesh.workers.checkpoint.__file__).parent / "default_checkpoint" == default_model_dir()
     assert all((default_dir / name).is_file() for name in DEFAULT_MODEL_FILES)
     assert (default_dir / "model.safetensors").stat().st_size < 16 << 20
 

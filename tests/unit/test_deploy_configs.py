@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ConfigFileError, load_config
-from cluster.cli.node_role import NodeRoleError, node_resources, pools_of
+from kvmesh.cluster.config import ConfigFileError, load_config
+from kvmesh.cluster.cli.node_role import NodeRoleError, node_resources, pools_of
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 YAMLS = sorted(DEPLOY.glob("*.yaml"))
@@ -74,9 +74,9 @@ def test_serve_config_passes_serve_and_kvmesh_validation(path):
 def test_the_v4_pro_walk_through_is_the_plans_served_row_on_its_cluster():
     """serve-v4-pro.yaml asks for the layout `kvmesh plan` serves for V4-Pro on 8 x 80 GiB (TP 1 x DP 24
     over 3 nodes), on exactly the three nodes of cluster-v4-pro.yaml that carry its resource."""
-    from workers.checkpoint.released import RELEASED_CONFIGS
-    from workers.checkpoint.sizing import plan, split_from_config
-    from workers.model.args import ModelArgs
+    from kvmesh.workers.checkpoint.released import RELEASED_CONFIGS
+    from kvmesh.workers.checkpoint.sizing import plan, split_from_config
+    from kvmesh.workers.model.args import ModelArgs
     pool = yaml.safe_load((DEPLOY / "serve-v4-pro.yaml").read_text())["applications"][0]["args"]["colocated"]
     cluster = yaml.safe_load((DEPLOY / "cluster-v4-pro.yaml").read_text())
     gpu = cluster["available_node_types"]["v4pro_gpu"]
@@ -130,7 +130,7 @@ def test_onprem_unknown_pool_is_rejected():
 
 
 def test_node_role_finds_the_machine_by_its_interface_addresses():
-    from cluster.cli.node_role import interface_addresses
+    from kvmesh.cluster.cli.node_role import interface_addresses
     config = onprem()
     assert "127.0.0.1" in interface_addresses()
     config["provider"]["worker_ips"].append("127.0.0.1")

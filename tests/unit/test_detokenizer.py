@@ -3,8 +3,8 @@ decoded text and hold back partial UTF-8, stop strings end the text before them 
 chunks, the earliest of several), and each token decodes a bounded window."""
 from __future__ import annotations
 
-from cluster.chat.detokenizer import Detokenizer
-from workers.checkpoint.tokenizer import ByteTokenizer
+from kvmesh.cluster.chat.detokenizer import Detokenizer
+from kvmesh.workers.checkpoint.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -9,12 +9,12 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError
 
-from cluster.errors import WorkerFailed
-from cluster.serve.dispatch import Dispatcher, continuation, prefill_budget_s
-from cluster.messages import Chunk, GenRequest, Handoff
-from cluster.serve.metrics import Metrics
-from workers.request import FirstToken
-from workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.cluster.errors import WorkerFailed
+from kvmesh.cluster.serve.dispatch import Dispatcher, continuation, prefill_budget_s
+from kvmesh.cluster.messages import Chunk, GenRequest, Handoff
+from kvmesh.cluster.serve.metrics import Metrics
+from kvmesh.workers.request import FirstToken
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
 
 class Stream:

@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from cluster.errors import APIError
-from cluster.openai.protocol import ChatCompletionRequest, TokenizeRequest, parse_body
-from cluster.chat.dsv4_encode import BOS, REASONING_EFFORT_MAX, encode_messages
-from cluster.chat.template import chat_prompt_ids
+from kvmesh.cluster.errors import APIError
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest, TokenizeRequest, parse_body
+from kvmesh.cluster.chat.dsv4_encode import BOS, REASONING_EFFORT_MAX, encode_messages
+from kvmesh.cluster.chat.template import chat_prompt_ids
 from tests.helpers import V4_SPECIAL, write_v4_tokenizer
 from tests.unit.fixtures.dsv4_golden import GOLDEN
-from workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                               "parameters": {"type": "object", "properties": {

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from cluster.openai.protocol import ChatCompletionRequest
-from cluster.chat.dsv4_parse import ReplyParser
-from cluster.chat.template import chat_prompt_ids
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest
+from kvmesh.cluster.chat.dsv4_parse import ReplyParser
+from kvmesh.cluster.chat.template import chat_prompt_ids
 from tests.helpers import tiny_engine, write_tiny_checkpoint, write_v4_tokenizer
-from workers.sampling.params import InvalidRequestError
+from kvmesh.workers.sampling.params import InvalidRequestError
 
 NAME = "swa_csa_hca"
 TOOLS = [
@@ -98,7 +98,7 @@ def test_tool_choice_needs_known_tools_and_excludes_json_mode():
 
 
 def test_an_uncompilable_grammar_is_an_invalid_request_naming_tools(engine):
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.sampling.params import SamplingParams
     with pytest.raises(InvalidRequestError, match="tools"):
         engine.add_request("bad-ebnf", [5, 6], SamplingParams(guide=("ebnf", "root ::= (")))
 
@@ -106,7 +106,7 @@ def test_an_uncompilable_grammar_is_an_invalid_request_naming_tools(engine):
 def test_json_mode_in_thinking_mode_reasons_first_then_gives_the_object(engine):
     """response_format with V4 thinking: the grammar lets the reasoning and `</think>` come
     first, so the JSON lands in content, not in reasoning_content."""
-    from cluster.chat.dsv4_grammar import after_reasoning
+    from kvmesh.cluster.chat.dsv4_grammar import after_reasoning
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     body = ChatCompletionRequest.model_validate({

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cluster.chat.dsv4_encode import END_THINK, PARAM_CLOSE
-from cluster.chat.dsv4_grammar import tool_call_grammar
-from cluster.chat.dsv4_parse import ReplyParser
+from kvmesh.cluster.chat.dsv4_encode import END_THINK, PARAM_CLOSE
+from kvmesh.cluster.chat.dsv4_grammar import tool_call_grammar
+from kvmesh.cluster.chat.dsv4_parse import ReplyParser
 from tests.helpers import write_v4_tokenizer
-from workers.checkpoint.tokenizer import load_tokenizer
-from workers.sampling.grammar import GuideCompiler
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.sampling.grammar import GuideCompiler
 
 jsonschema = pytest.importorskip("jsonschema")
 VOCAB, EOS = 300, 1

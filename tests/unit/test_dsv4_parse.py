@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.chat.dsv4_encode import escape_name, render_tool_calls, unescape_name
-from cluster.chat.dsv4_parse import ReplyParser
-from cluster.messages import Chunk
-from cluster.openai.responses import Reply, ReplyFormat
+from kvmesh.cluster.chat.dsv4_encode import escape_name, render_tool_calls, unescape_name
+from kvmesh.cluster.chat.dsv4_parse import ReplyParser
+from kvmesh.cluster.messages import Chunk
+from kvmesh.cluster.openai.responses import Reply, ReplyFormat
 from tests.helpers import write_v4_tokenizer
-from workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
 D = "｜DSML｜"
 

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.cli.generate import engine_config
-from cluster.config import ConfigFileError, ServeConfig, load_config
-from workers.engine import EngineConfig as ReExported
-from workers.engine_config import EngineConfig, parse_bytes
-from workers.model.args import ConfigError
+from kvmesh.cluster.cli import build_parser
+from kvmesh.cluster.cli.generate import engine_config
+from kvmesh.cluster.config import ConfigFileError, ServeConfig, load_config
+from kvmesh.workers.engine import EngineConfig as ReExported
+from kvmesh.workers.engine_config import EngineConfig, parse_bytes
+from kvmesh.workers.model.args import ConfigError
 
 BAD = [("swa_policy", "sometimes", "full, periodic:P"), ("swa_policy", "periodic:100", "multiple of block_tokens"),
        ("index", "http://redis:6379", "redis://"), ("device", "gpu", "cuda:N"),

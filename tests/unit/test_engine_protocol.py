@@ -6,8 +6,8 @@ import inspect
 import pytest
 
 from tests.helpers import tiny_engine, write_tiny_checkpoint
-from workers.engine import DataParallelEngine, Engine, EngineProtocol
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import DataParallelEngine, Engine, EngineProtocol
+from kvmesh.workers.sampling.params import SamplingParams
 
 METHODS = sorted(n for n, v in vars(EngineProtocol).items() if inspect.isfunction(v) and not n.startswith("_"))
 

@@ -13,7 +13,7 @@ from tests.helpers import (
     tiny_engine,
     write_tiny_checkpoint,
 )
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LOGPROB_TOL = 2e-4

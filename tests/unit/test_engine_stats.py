@@ -2,9 +2,9 @@
 over data-parallel ranks, the trip through pickle (Ray), and what the ingress's collector reads."""
 import pickle
 
-from cluster.messages import WorkerStats
-from cluster.serve.metrics import WorkerSnapshots
-from workers.engine.stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters, summed
+from kvmesh.cluster.messages import WorkerStats
+from kvmesh.cluster.serve.metrics import WorkerSnapshots
+from kvmesh.workers.engine.stats import EngineCounters, EngineStats, Histogram, ReuseCounters, StoreCounters, summed
 
 REUSE_NAMES = ["prefix_query_tokens", "prefix_hit_tokens", "reuse_hits", "reuse_hit_tokens", "reuse_bytes_loaded",
                "reuse_blocks_from_store", "reuse_blocks_from_memory", "reuse_recomputed_tokens", "reuse_errors"]

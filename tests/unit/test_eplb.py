@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from workers.engine_config import EngineConfig, EplbConfig
-from workers.model.args import ConfigError
-from workers.model.expert_map import ExpertMap, logical_to_physical
-from workers.parallel.collectives import Collectives, init_method
-from workers.parallel.eplb import (balanced_packing, imbalance, rebalance_experts, replicate_experts,
+from kvmesh.workers.engine_config import EngineConfig, EplbConfig
+from kvmesh.workers.model.args import ConfigError
+from kvmesh.workers.model.expert_map import ExpertMap, logical_to_physical
+from kvmesh.workers.parallel.collectives import Collectives, init_method
+from kvmesh.workers.parallel.eplb import (balanced_packing, imbalance, rebalance_experts, replicate_experts,
                                    static_placement)
-from workers.model.shard import SingleRank
-from workers.parallel.expert_balance import ExpertBalancer, move_experts, plan_moves
+from kvmesh.workers.model.shard import SingleRank
+from kvmesh.workers.parallel.expert_balance import ExpertBalancer, move_experts, plan_moves
 
 
 def rank_loads(load: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, ranks: int) -> torch.Tensor:

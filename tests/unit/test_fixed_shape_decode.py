@@ -7,8 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.engine.cuda_graphs import buckets_up_to
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine.cuda_graphs import buckets_up_to
+from kvmesh.workers.sampling.params import SamplingParams
 
 MAX_LEN = 256       # the fixed-shape path gathers entries up to max_model_len: keep it small on CPU
 
@@ -106,7 +106,7 @@ def test_a_graph_that_cannot_be_captured_leaves_eager_decoding_with_the_same_tok
     engine = tiny_engine(path, name, max_model_len=MAX_LEN)
     engine.enable_decode_graphs(capture=True)
     assert engine.runner.graphs is not None
-    with caplog.at_level("WARNING", logger="workers.engine.runner"):
+    with caplog.at_level("WARNING", logger="kvmesh.workers.engine.runner"):
         got = run(engine, prompts, 12)
     assert engine.runner.graphs is None
     assert sum("CUDA graphs off" in r.getMessage() for r in caplog.records) == 1

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from cluster.cli import main
-from kvstore.cache_tensors import CacheTensors
-from kvstore.fp8_kv import Fp8EntryFormat
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.cluster.cli import main
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.device.fp8_kv import Fp8EntryFormat
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
 from tests.unit.test_cli import V4_PRO
 
 V4_FLASH = {**V4_PRO, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
@@ -81,7 +81,7 @@ def test_kvmesh_layout_reports_both_kv_dtypes_per_token_and_per_million(tmp_path
 def test_serve_config_passes_kv_cache_dtype_and_rejects_unknown_ones():
     from pydantic import ValidationError
 
-    from cluster.config import EngineSettings
+    from kvmesh.cluster.config import EngineSettings
     assert EngineSettings(kv_cache_dtype="fp8").engine_config().kv_cache_dtype == "fp8"
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         EngineSettings(kv_cache_dtype="int4")

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.engine.async_engine import AsyncEngine
-from workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.engine.async_engine import AsyncEngine
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
 NAME = "swa_csa_hca"
 SHORT = random_prompt(23, seed=3)

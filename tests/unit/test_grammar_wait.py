@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.sampling.params import SamplingParams
 
 NAME = "swa_csa_hca"
 SHORT = random_prompt(23, seed=3)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.kv_transport import GatheredTransport
+from kvmesh.kvstore.transfer.kv_transport import GatheredTransport
 from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_mtp_checkpoint,
                            write_tiny_checkpoint)
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.request import FirstToken, Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.request import FirstToken, Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

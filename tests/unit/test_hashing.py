@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvstore.hashing import (
+from kvmesh.kvstore.hashing import (
     PrefixHasher,
     block_hashes,
     fingerprint_seed,
@@ -57,7 +57,7 @@ def test_chain_matches_the_design_formula(block_tokens: int) -> None:
 def test_hashes_are_stable_across_processes() -> None:
     tokens = list(range(1000, 1300))
     script = (
-        "import json, sys; from kvstore.hashing import PrefixHasher; "
+        "import json, sys; from kvmesh.kvstore.hashing import PrefixHasher; "
         f"print(json.dumps(PrefixHasher({FP!r}, 32).hashes(list(range(1000, 1300)))))"
     )
     results = set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import hc_mix as hm
+from kvmesh.kernels import hc_mix as hm
 from tests.unit.test_step_cost import OpCounter
 
 

@@ -10,12 +10,12 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from cluster.chat.dsv4_encode import render_tool_calls
-from cluster.chat.dsv4_grammar import tool_call_grammar
-from cluster.chat.json_schema import check
-from cluster.errors import APIError
-from cluster.openai.protocol import ChatCompletionRequest
-from workers.sampling.params import InvalidRequestError
+from kvmesh.cluster.chat.dsv4_encode import render_tool_calls
+from kvmesh.cluster.chat.dsv4_grammar import tool_call_grammar
+from kvmesh.cluster.chat.json_schema import check
+from kvmesh.cluster.errors import APIError
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest
+from kvmesh.workers.sampling.params import InvalidRequestError
 
 WHERE = "response_format.json_schema.schema"
 

@@ -1,10 +1,10 @@
-"""The event-fed per-rank index (kvstore/kv_events.py): order, gaps, epochs, silence, snapshots."""
+"""The event-fed per-rank index (kvstore/index/kv_events.py): order, gaps, epochs, silence, snapshots."""
 from __future__ import annotations
 
 import random
 import time
 
-from kvstore.kv_events import (CLEARED, STORED, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher,
+from kvmesh.kvstore.index.kv_events import (CLEARED, STORED, KvEvent, KvEventFollower, KvEventIndex, KvEventPublisher,
                                LocalEventBus)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.kv_parts import BT, block_data, compute, make_parts, prompt_of, request
-from kvstore.kv_transport import TransferInFlight
-from workers.engine.kv_manager import NO_HIT, KVLoadError
-from workers.request import FirstToken, Resume
+from kvmesh.kvstore.transfer.kv_transport import TransferInFlight
+from kvmesh.workers.engine.kv_manager import NO_HIT, KVLoadError
+from kvmesh.workers.request import FirstToken, Resume
 
 
 def test_admission_takes_a_slot_and_the_blocks_of_the_first_chunk():

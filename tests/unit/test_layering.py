@@ -9,15 +9,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cluster", "workers", "kernels", "kvstore")
-BELOW_ENGINE = ("workers.model", "workers.checkpoint", "workers.sampling", "workers.spec", "workers.reuse",
-                "workers.parallel", "workers.request", "workers.engine_config")
+BELOW_ENGINE = tuple(f"kvmesh.workers.{p}" for p in ("model", "checkpoint", "sampling", "spec", "reuse", "parallel",
+                                                      "request", "engine_config"))
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
     for top in PACKAGES:
         for path in sorted((root / top).rglob("*.py")):
-            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            name = ".".join(("kvmesh",) + path.relative_to(root).with_suffix("").parts)
             out[name.removesuffix(".__init__")] = path
     return out
 
@@ -49,12 +49,12 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
 
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The module graph folded onto subpackages: `cluster.serve.pools` counts as `cluster.serve`;
-    a module directly in a top package (`cluster.app`) stays itself."""
+    """The module graph folded onto subpackages: `kvmesh.cluster.serve.pools` counts as `kvmesh.cluster.serve`;
+    a module directly in a top package (`kvmesh.cluster.app`) stays itself."""
     def unit(name: str) -> str:
         parts = name.split(".")
-        return ".".join(parts[:2]) if len(parts) > 2 or name in subpackages else name
-    subpackages = {n for n in graph if len(n.split(".")) == 2 and n.rsplit(".", 1)[0] in PACKAGES
+        return ".".join(parts[:3]) if len(parts) > 3 or name in subpackages else name
+    subpackages = {n for n in graph if len(n.split(".")) == 3 and n.split(".")[1] in PACKAGES
                    and any(m.startswith(n + ".") for m in graph)}
     out: dict[str, set[str]] = {}
     for name, targets in graph.items():
@@ -117,7 +117,7 @@ def test_no_subpackage_imports_itself_back_through_another(graph):
 
 def test_nothing_below_the_engine_imports_it(graph):
     bad = sorted((m, t) for m, targets in graph.items() for t in targets
-                 if m.startswith(BELOW_ENGINE) and (t == "workers.engine" or t.startswith("workers.engine.")))
+                 if m.startswith(BELOW_ENGINE) and (t == "kvmesh.workers.engine" or t.startswith("kvmesh.workers.engine.")))
     assert bad == []
 
 
@@ -126,14 +126,17 @@ def test_workers_keeps_at_most_twelve_modules_at_its_top():
     assert len(top) <= 12, top
 
 
-def test_cluster_is_cut_into_subpackages():
-    top = [p.name for p in (ROOT / "cluster").glob("*.py")]
-    subpackages = [p.parent.name for p in (ROOT / "cluster").glob("*/__init__.py")]
+@pytest.mark.parametrize("package", ["cluster", "kvstore"])
+def test_a_package_is_cut_into_subpackages(package):
+    """At most 8 modules directly in it (its __init__ included), at least 3 subpackages."""
+    top = [p.name for p in (ROOT / package).glob("*.py")]
+    subpackages = [p.parent.name for p in (ROOT / package).glob("*/__init__.py")]
     assert len(top) <= 8 and len(subpackages) >= 3, (top, subpackages)
 
 
 @pytest.mark.parametrize("package", ["cluster", "cluster/openai", "cluster/chat", "cluster/serve", "cluster/cli",
-                                     "kvstore", "workers/engine"])
+                                     "kvstore", "kvstore/device", "kvstore/store", "kvstore/index",
+                                     "kvstore/transfer", "kvstore/policy", "workers/engine"])
 def test_a_package_file_map_names_each_of_its_modules_and_subpackages(package):
     """The docstring of these packages' __init__ is their file map: a reader finds every file there."""
     root = ROOT / package
@@ -153,12 +156,30 @@ def test_the_checker_finds_a_ring_between_subpackages(tmp_path):
     for sub in ("openai", "chat"):
         (tmp_path / "cluster" / sub).mkdir()
         (tmp_path / "cluster" / sub / "__init__.py").write_text("")
-    (tmp_path / "cluster" / "openai" / "ingress.py").write_text("from cluster.chat.template import render\n")
+    (tmp_path / "cluster" / "openai" / "ingress.py").write_text("from kvmesh.cluster.chat.template import render\n")
     (tmp_path / "cluster" / "chat" / "template.py").write_text("def render():\n    from ..openai import protocol\n")
     (tmp_path / "cluster" / "openai" / "protocol.py").write_text("")
     g = import_graph(tmp_path)
     assert rings(g) == []
-    assert rings(package_graph(g)) == [["cluster.chat", "cluster.openai"]]
+    assert rings(package_graph(g)) == [["kvmesh.cluster.chat", "kvmesh.cluster.openai"]]
+
+
+def test_the_checker_finds_a_ring_between_kvstore_subpackages(tmp_path):
+    """The checker itself, on kvstore's cut: store -> index is allowed, and an index module that
+    reaches back into the store (a relative import inside a function) closes a subpackage ring."""
+    for top in PACKAGES:
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "__init__.py").write_text("")
+    for sub in ("store", "index"):
+        (tmp_path / "kvstore" / sub).mkdir()
+        (tmp_path / "kvstore" / sub / "__init__.py").write_text("")
+    (tmp_path / "kvstore" / "store" / "object_store.py").write_text("from kvmesh.kvstore.index.embedded import X\n")
+    (tmp_path / "kvstore" / "index" / "embedded.py").write_text("X = 1\n")
+    (tmp_path / "kvstore" / "index" / "redis_index.py").write_text("def f():\n    from ..store import objects\n")
+    (tmp_path / "kvstore" / "store" / "objects.py").write_text("")
+    g = import_graph(tmp_path)
+    assert rings(g) == []
+    assert rings(package_graph(g)) == [["kvmesh.kvstore.index", "kvmesh.kvstore.store"]]
 
 
 def test_the_checker_finds_a_ring_through_a_function_level_import(tmp_path):
@@ -169,15 +190,15 @@ def test_the_checker_finds_a_ring_through_a_function_level_import(tmp_path):
     (pkg / "model").mkdir()
     for d in (pkg, pkg / "engine", pkg / "model"):
         (d / "__init__.py").write_text("")
-    (pkg / "engine" / "loop.py").write_text("from workers.model.net import Net\n")
+    (pkg / "engine" / "loop.py").write_text("from kvmesh.workers.model.net import Net\n")
     (pkg / "model" / "net.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.engine import loop\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvmesh.workers.engine import loop\n"
         "def f():\n    from ..engine.loop import x\n")
     for top in PACKAGES[:1] + PACKAGES[2:]:
         (tmp_path / top).mkdir()
     g = import_graph(tmp_path)
-    assert rings(g) == [["workers.engine.loop", "workers.model.net"]]
-    assert "workers.engine" in g["workers.model.net"] and "workers.engine.loop" in g["workers.model.net"]
+    assert rings(g) == [["kvmesh.workers.engine.loop", "kvmesh.workers.model.net"]]
+    assert "kvmesh.workers.engine" in g["kvmesh.workers.model.net"] and "kvmesh.workers.engine.loop" in g["kvmesh.workers.model.net"]
 
 
 @pytest.mark.slow       # a subprocess importing Ray Serve and FastAPI
@@ -186,7 +207,7 @@ def test_the_ingress_loads_no_torch_and_no_numba():
     imports: each Serve ingress replica would pay ~3 s of a core for them (docs/testing.md)."""
     import subprocess
     import sys
-    code = ("import sys, cluster.openai.ingress, cluster.serve.dispatch, cluster.config; "
+    code = ("import sys, kvmesh.cluster.openai.ingress, kvmesh.cluster.serve.dispatch, kvmesh.cluster.config; "
             "print(sorted(m for m in ('torch', 'numba', 'xgrammar') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120)

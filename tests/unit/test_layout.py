@@ -1,4 +1,4 @@
-"""The cache layout (kvstore/layout.py, DESIGN §1): bytes per token, per block and per state
+"""The cache layout (kvstore/device/layout.py, DESIGN §1): bytes per token, per block and per state
 slot for each layer type, checked by hand and against V4-Pro's shapes; block sizes and dtypes it
 refuses."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvstore.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutError, LayoutParams
 
 V4_PRO_TYPES = (HCA, HCA) + (CSA, HCA) * 29 + (CSA,)
 V4_PRO = LayoutParams(layer_types=V4_PRO_TYPES, head_dim=512, index_head_dim=128, csa_ratio=4, hca_ratio=128,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from cluster.errors import APIError
-from cluster.openai.limits import read_body
+from kvmesh.cluster.errors import APIError
+from kvmesh.cluster.openai.limits import read_body
 
 
 def test_body_limit_refuses_declared_and_streamed_bodies():

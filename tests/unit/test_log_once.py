@@ -1,7 +1,7 @@
-"""kvstore.log_once: each cause is a warning once, then debug lines; causes are per owner."""
+"""kvmesh.kvstore.log_once: each cause is a warning once, then debug lines; causes are per owner."""
 import logging
 
-from kvstore.log_once import LogOnce
+from kvmesh.kvstore.log_once import LogOnce
 
 log = logging.getLogger("kvmesh.test.log_once")
 

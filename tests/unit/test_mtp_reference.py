@@ -145,9 +145,9 @@ def test_mtp_layer_run_for_a_few_rows_gives_their_logits_and_writes_every_row_to
 def test_mtp_drafter_proposes_the_reference_argmax_from_the_main_streams_and_the_sampled_token(models):
     """After the prefill step the drafter's first draft is the reference MTP's argmax at the
     prompt's last position, fed the token the engine just sampled there."""
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.engine_config import EngineConfig
+    from kvmesh.workers.sampling.params import SamplingParams
     path, ref, mtp = models
     tokens = random_prompt(PROMPT, seed=4)
     engine = Engine(EngineConfig(model=str(path), block_tokens=16, kv_cache_bytes=8 << 20, speculative_tokens=1))

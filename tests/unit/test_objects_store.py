@@ -1,6 +1,6 @@
 """Store objects and the object store (DESIGN §4, invariant 5): what is read back is
 exactly what was written, or it is a counted, unpublished miss; an object MAC'd under one key
-(kvstore/mac.py) is refused under another and without a MAC."""
+(kvstore/store/mac.py) is refused under another and without a MAC."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli.store import add_parser, run_store
-from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint, store_namespace
-from kvstore.mac import StoreKey
-from kvstore.index import EmbeddedIndex, make_index
-from kvstore.kv_events import KvEventIndex, KvEventPublisher, LocalEventBus
-from kvstore.objects import (
+from kvmesh.cluster.cli.store import add_parser, run_store
+from kvmesh.kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint, store_namespace
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.index.embedded import EmbeddedIndex, make_index
+from kvmesh.kvstore.index.kv_events import KvEventIndex, KvEventPublisher, LocalEventBus
+from kvmesh.kvstore.store.objects import (
     CHECKSUM_OFFSET,
     DATA_ALIGN,
     MAGIC,
@@ -29,7 +29,7 @@ from kvstore.objects import (
     decode_object,
     encode_object,
 )
-from kvstore.store import ObjectStore, list_namespaces
+from kvmesh.kvstore.store.object_store import ObjectStore, list_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 FP = model_fingerprint({"model_type": "deepseek_v4"}, "w0", "bfloat16", 4, 1)
@@ -360,7 +360,7 @@ def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
     store, _ = _store(tmp_path)
     store.put("checkpoint", HS[0], None, 4, _tensors())
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli.store", "store", "stats", "--store", str(tmp_path / "store")],
+        [sys.executable, "-m", "kvmesh.cluster.cli.store", "store", "stats", "--store", str(tmp_path / "store")],
         cwd=REPO, capture_output=True, text=True, check=True,
     )
     assert "checkpoint" in result.stdout and FP[:16] in result.stdout
@@ -376,6 +376,6 @@ def test_an_object_macd_with_one_key_is_rejected_under_another_and_without_a_mac
         decode_object(bytearray(good), FP, 7, "block", key=b)
     with pytest.raises(UnauthenticatedObjectError):
         decode_object(bytearray(encode_object(FP, "block", 7, None, 16, t)), FP, 7, "block", key=a)
-    assert "k" * 16 not in repr(a) and len(pytest.importorskip("kvstore.mac").StoreKey("z" * 16).mac([b""])) == 32
+    assert "k" * 16 not in repr(a) and len(pytest.importorskip("kvmesh.kvstore.store.mac").StoreKey("z" * 16).mac([b""])) == 32
     with pytest.raises(ValueError):
         StoreKey("short")

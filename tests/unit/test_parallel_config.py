@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import ConfigFileError, PoolConfig, check_parallel_sizes, load_config
+from kvmesh.cluster.config import ConfigFileError, PoolConfig, check_parallel_sizes, load_config
 
 
 class Worker:

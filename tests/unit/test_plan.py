@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from cluster.cli import main
+from kvmesh.cluster.cli import main
 from tests.helpers import TINY_BASE, TINY_CONFIGS, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.checkpoint.released import RELEASED_CONFIGS
-from workers.checkpoint.sizing import (
+from kvmesh.workers.checkpoint.released import RELEASED_CONFIGS
+from kvmesh.workers.checkpoint.sizing import (
     GiB,
     SizingError,
     format_plan,
@@ -22,7 +22,7 @@ from workers.checkpoint.sizing import (
     split_from_checkpoint,
     split_from_config,
 )
-from workers.model.args import ModelArgs
+from kvmesh.workers.model.args import ModelArgs
 
 NAME = "swa_csa_hca"
 TINY = {"model_type": "deepseek_v4", **TINY_BASE, **TINY_CONFIGS[NAME], "torch_dtype": "float32"}
@@ -263,8 +263,8 @@ def test_plan_with_bad_inputs_exits_2_with_a_message(argv, message, capsys):
 @pytest.mark.parametrize("raw", [TINY, RELEASED_CONFIGS["V4-Flash"], RELEASED_CONFIGS["V4-Pro"]],
                          ids=["tiny", "V4-Flash", "V4-Pro"])
 def test_plan_and_the_engine_agree_on_which_sizes_divide_the_model(raw):
-    from workers.checkpoint.sharding import check_sizes
-    from workers.model.args import ConfigError
+    from kvmesh.workers.checkpoint.sharding import check_sizes
+    from kvmesh.workers.model.args import ConfigError
     a = ModelArgs.from_dict(raw)
     for tp in range(1, 17):
         for ep in (False, True):

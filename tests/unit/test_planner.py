@@ -1,7 +1,7 @@
 """The restore planner on its own: what each SWA policy loads and recomputes."""
 import pytest
 
-from kvstore.planner import MISS, Availability, PolicyError, SwaPolicy, plan_restore, recompute_span
+from kvmesh.kvstore.policy.planner import MISS, Availability, PolicyError, SwaPolicy, plan_restore, recompute_span
 
 BT = 16
 FULL, ZERO, PERIODIC = SwaPolicy("full"), SwaPolicy("zero"), SwaPolicy("periodic", 32)

@@ -8,10 +8,10 @@ import os
 
 import torch
 
-from kvstore.tiers import nbytes
+from kvmesh.kvstore.store.tiers import nbytes
 from tests.kv_parts import BT, block_data, compute, make_parts, prompt_of, request
-from workers.engine.kv_manager import NO_HIT
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine.kv_manager import NO_HIT
+from kvmesh.workers.sampling.params import SamplingParams
 
 
 def same_blocks(cache, blocks, want) -> bool:

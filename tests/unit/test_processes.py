@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import sys
 
-from workers.processes import PRELOAD, start_child
+from kvmesh.workers.processes import PRELOAD, start_child
 
 
 def _report(conn) -> None:

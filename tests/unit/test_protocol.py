@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cluster.errors import APIError
-from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from kvmesh.cluster.errors import APIError
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 
 def test_request_models_accept_openai_shapes_and_name_bad_fields():
@@ -68,13 +68,13 @@ DELETE = object()
 def test_every_malformed_chat_body_is_a_400_naming_a_field_and_no_other_error(base):
     """Each field of a full chat body replaced by values of other types (or removed): the body is
     accepted and rendered, or refused with a 400 that names a field; nothing else escapes."""
-    from cluster.chat.template import chat_prompt_ids
-    from cluster.openai.limits import Limits
-    from cluster.openai.protocol import TokenizeRequest
-    from cluster.openai.responses import ReplyFormat
-    from cluster.openai.validate import Prompts, gen_request
-    from workers.checkpoint.default_model import ensure_default_model
-    from workers.checkpoint.tokenizer import load_tokenizer
+    from kvmesh.cluster.chat.template import chat_prompt_ids
+    from kvmesh.cluster.openai.limits import Limits
+    from kvmesh.cluster.openai.protocol import TokenizeRequest
+    from kvmesh.cluster.openai.responses import ReplyFormat
+    from kvmesh.cluster.openai.validate import Prompts, gen_request
+    from kvmesh.workers.checkpoint.default_model import ensure_default_model
+    from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
     tok = load_tokenizer(ensure_default_model())
     limits = Limits(max_model_len=4096, vocab_size=tok.vocab_size, max_schema_bytes=1 << 16)
     tokenize_fields = set(TokenizeRequest.model_fields)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import quant_ops
+from kvmesh.kernels import quant_ops
 from tests.quant_checkpoint import quantize_fp4, quantize_fp8, random_released_checkpoint
 
 
@@ -64,8 +64,8 @@ def _rss() -> int:
 
 @pytest.mark.slow     # writes and loads a ~100M-parameter checkpoint
 def test_a_100m_parameter_checkpoint_stays_within_10_percent_of_its_file_bytes(tmp_path):
-    from workers.checkpoint.inspect import weight_stats
-    from workers.checkpoint.loader import load_model
+    from kvmesh.workers.checkpoint.inspect import weight_stats
+    from kvmesh.workers.checkpoint.loader import load_model
     path = random_released_checkpoint(tmp_path / "big", BIG)
     file_bytes = (path / "model.safetensors").stat().st_size
     stats = weight_stats(path)
@@ -73,7 +73,7 @@ def test_a_100m_parameter_checkpoint_stays_within_10_percent_of_its_file_bytes(t
     rss0 = _rss()
     _, model = load_model(path)
     rss_growth = _rss() - rss0
-    from workers.checkpoint.inspect import resident_bytes
+    from kvmesh.workers.checkpoint.inspect import resident_bytes
     resident = resident_bytes(model)
     assert resident <= 1.10 * file_bytes and resident >= 0.9 * file_bytes
     assert rss_growth <= 1.25 * file_bytes

@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same_run, random_prompt, reference_greedy, write_tiny_checkpoint
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.checkpoint.loader import CheckpointError, load_model
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.model.quant import FP8Linear, QuantExperts
-from workers.request import Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.checkpoint.loader import CheckpointError, load_model
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.quant import FP8Linear, QuantExperts
+from kvmesh.workers.request import Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 NAME, BT = "swa_csa_hca", 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -96,7 +96,7 @@ def test_quantized_restore_from_the_store_equals_the_cold_run(dense_dir, tmp_pat
 
 def test_quantized_handoff_over_nixl_equals_a_single_engine_run(dense_dir, tmp_path):
     pytest.importorskip("nixl._api")
-    from kvstore.nixl_transfer import KVTransferAgent
+    from kvmesh.kvstore.transfer.nixl_transfer import KVTransferAgent
     qdir = quantize_checkpoint(dense_dir, tmp_path / "q", **FORMATS["ue8m0_fp4"])
     prompt = random_prompt(75, seed=3)
     single = engine(qdir).generate([prompt], GREEDY)[0]
@@ -215,7 +215,7 @@ def test_quantized_tensors_without_quantization_config_fail(flash_dir, tmp_path)
 
 
 def test_kvmesh_inspect_reports_dtypes_mtp_resident_bytes_and_kv_per_token(flash_dir, capsys):
-    from cluster.cli import main
+    from kvmesh.cluster.cli import main
     assert main(["inspect", "--model", str(flash_dir), "--block-tokens", str(BT)]) == 0
     out = capsys.readouterr().out
     for dtype in ("F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"):

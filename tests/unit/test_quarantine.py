@@ -1,16 +1,16 @@
-"""kvstore.quarantine on a real folder: what is persisted (undeletable objects) and what is this
+"""kvmesh.kvstore.store.quarantine on a real folder: what is persisted (undeletable objects) and what is this
 process's only (hung reads), lifting, and a damaged or unreadable list costing only a re-read."""
 import logging
 
 import pyarrow.fs as pafs
 
-from kvstore.hashing import hash_hex
-from kvstore.log_once import LogOnce
-from kvstore.quarantine import QUARANTINE_FILE, Quarantine
+from kvmesh.kvstore.hashing import hash_hex
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.store.quarantine import QUARANTINE_FILE, Quarantine
 
 
 def quarantine(path) -> Quarantine:
-    return Quarantine(pafs.LocalFileSystem(), str(path), LogOnce(logging.getLogger("kvstore.store")))
+    return Quarantine(pafs.LocalFileSystem(), str(path), LogOnce(logging.getLogger("kvmesh.kvstore.store.object_store")))
 
 
 def test_only_undeletable_objects_are_persisted_and_lifting_rewrites_the_list(tmp_path):
@@ -30,6 +30,6 @@ def test_a_damaged_line_loses_only_its_entry_and_an_unreadable_list_is_ignored(t
     assert [("block", h) in q for h in (5, 6, 7)] == [True, False, True]
     (tmp_path / QUARANTINE_FILE).unlink()
     (tmp_path / QUARANTINE_FILE).mkdir()                 # a directory where the list belongs
-    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+    with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.store.object_store"):
         assert ("block", 5) not in quarantine(tmp_path)
     assert "unreadable" in caplog.text

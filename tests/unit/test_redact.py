@@ -1,7 +1,7 @@
 """Secrets in URLs (kvstore/redact.py): what is logged never shows the password."""
 from __future__ import annotations
 
-from kvstore.redact import redact_url
+from kvmesh.kvstore.redact import redact_url
 
 
 def test_urls_lose_their_password_in_logs():

@@ -2,8 +2,8 @@
 free KV memory; a data-parallel rank (`{replica}/dp{rank}`) is a cache location of its replica."""
 from __future__ import annotations
 
-from cluster.messages import RouteHint
-from cluster.serve.routing import Candidate, best_rank, decode_hint, location, rank_cost, rank_hint, rank_replicas
+from kvmesh.cluster.messages import RouteHint
+from kvmesh.cluster.serve.routing import Candidate, best_rank, decode_hint, location, rank_cost, rank_hint, rank_replicas
 
 
 def test_longest_in_memory_prefix_wins_then_load_then_free_kv():

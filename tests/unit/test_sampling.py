@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.helpers import random_prompt, reference_model, tiny_engine, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.sampling.params import InvalidRequestError, SamplingParams
-from workers.sampling.sampler import sample
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.sampling.sampler import sample
 
 NAME, BLOCK = "swa_csa_hca", 16
 PROMPT = random_prompt(23, seed=3)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.engine import Engine
-from workers.sampling.params import InvalidRequestError, SamplingParams
-from workers.sampling.sampler import SampleRow, sample_batch
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.sampling.sampler import SampleRow, sample_batch
 
 NAME, BLOCK = "swa_csa_hca", 16
 PROMPT = random_prompt(100, seed=3)          # 6 full blocks + a partial one

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.app import build_app
-from cluster.cli import build_parser
-from cluster.config import ConfigFileError, ServeConfig, load_config
+from kvmesh.cluster.app import build_app
+from kvmesh.cluster.cli import build_parser
+from kvmesh.cluster.config import ConfigFileError, ServeConfig, load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SERVE_FILES = ["serve.yaml", "serve-local-cluster.yaml", "serve-cluster.yaml"]
@@ -20,7 +20,7 @@ def test_serve_files_are_valid_serve_configs_with_separately_scaled_pools(name, 
     monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "pw")     # the cluster recipe's Redis has a password
     raw = yaml.safe_load((DEPLOY / name).read_text())
     ServeDeploySchema.model_validate(raw)
-    assert raw["applications"][0]["import_path"] == "cluster.app:build_app"
+    assert raw["applications"][0]["import_path"] == "kvmesh.cluster.app:build_app"
     config = load_config(DEPLOY / name)
     assert config.mode == "disaggregated"
     prefill, decode = (config.prefill.deployment_options("P"), config.decode.deployment_options("D"))

@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from cluster.chat.dsv4_encode import encode_messages, encode_segments
-from cluster.chat.template import chat_prompt_ids
-from cluster.errors import APIError
-from cluster.openai.protocol import ChatCompletionRequest
+from kvmesh.cluster.chat.dsv4_encode import encode_messages, encode_segments
+from kvmesh.cluster.chat.template import chat_prompt_ids
+from kvmesh.cluster.errors import APIError
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest
 from tests.helpers import write_v4_tokenizer
 from tests.unit.fixtures.dsv4_golden import GOLDEN
-from workers.checkpoint.default_model import ensure_default_model
-from workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps(
     {"q": "(x)!", "n": [1, {"k": "v>"}], "s": "a\n\n"})}}

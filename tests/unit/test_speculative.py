@@ -9,10 +9,10 @@ import pytest
 
 from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, random_prompt, tiny_engine, write_mtp_checkpoint,
                            write_tiny_checkpoint)
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
-from workers.spec.speculative import DraftLimits, OracleDrafter
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
+from kvmesh.workers.spec.speculative import DraftLimits, OracleDrafter
 
 MAX_TOKENS = 30     # crosses windows of 6/8/24, compressor windows of 4/8/16 and blocks of 8/16/32
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -96,7 +96,7 @@ def test_drafts_rejected_at_each_position_are_rolled_back(checkpoint, cold, k, w
     entry, tail and overlap state must not survive), or at one output position in three (offset
     0, 1 or 2: steps of k = 3 reject their first, second or third draft): greedy output is the
     cold output, and window-closing drafts were really proposed."""
-    from workers.spec import speculative
+    from kvmesh.workers.spec import speculative
     name, path = checkpoint
     ref, _ = cold
     engine = tiny_engine(path, name)
@@ -222,8 +222,8 @@ def test_speculation_is_on_by_default_with_an_mtp_layer_and_off_otherwise(tmp_pa
 
 
 def test_a_draft_rule_picks_k_by_the_batch_and_a_bad_one_is_a_config_error():
-    from workers.model.args import ConfigError
-    from workers.spec.speculative import DraftRule
+    from kvmesh.workers.model.args import ConfigError
+    from kvmesh.workers.spec.speculative import DraftRule
     rule = DraftRule.parse("1:2,2:1,16:0")
     assert [rule.for_batch(n) for n in (1, 2, 15, 16, 64)] == [2, 1, 1, 0, 0] and rule.k == 2
     assert EngineConfig(speculative_tokens="3").speculative_tokens == 3                  # a flag's string
@@ -251,7 +251,7 @@ def test_auto_drafts_follow_the_batch_and_leave_greedy_output_unchanged(mtp_chec
 
 
 def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):
-    from workers.model.args import ConfigError
+    from kvmesh.workers.model.args import ConfigError
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     with pytest.raises(ConfigError, match="MTP"):
         Engine(EngineConfig(model=str(path), block_tokens=16, kv_cache_bytes=8 << 20, speculative_tokens=1))
@@ -260,8 +260,8 @@ def test_speculative_tokens_without_an_mtp_layer_fail_at_start_up(tmp_path):
 def test_speculation_figures_are_in_engine_stats_and_metrics(checkpoint, cold):
     """Acceptance rate, drafts per step and tokens per step follow the counters, and /metrics
     exports them as kvmesh_worker_spec_* gauges."""
-    from cluster.messages import WorkerStats
-    from cluster.serve.metrics import WorkerSnapshots
+    from kvmesh.cluster.messages import WorkerStats
+    from kvmesh.cluster.serve.metrics import WorkerSnapshots
     name, path = checkpoint
     ref, _ = cold
     engine = tiny_engine(path, name)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.kv_transport import GatheredTransport
+from kvmesh.kvstore.transfer.kv_transport import GatheredTransport
 from tests.helpers import random_prompt
-from workers.engine import open_engine
-from workers.engine_config import EngineConfig
-from workers.request import Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.engine import open_engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.request import Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
 
@@ -136,8 +136,8 @@ def handed_off_like_one_process(engine, variant: str) -> None:
 
 
 def test_each_ranks_acceptance_is_in_rank_stats_and_metrics():
-    from cluster.messages import WorkerStats
-    from cluster.serve.metrics import WorkerSnapshots
+    from kvmesh.cluster.messages import WorkerStats
+    from kvmesh.cluster.serve.metrics import WorkerSnapshots
     engine = engine_with(**PARALLEL["dp2"], **EPLB)
     try:
         engine.generate(PROMPTS, GREEDY)

@@ -1,10 +1,10 @@
-"""The state-slot pool (kvstore/state_slots.py, DESIGN §1): each slot handed out once, a
+"""The state-slot pool (kvstore/device/state_slots.py, DESIGN §1): each slot handed out once, a
 double free caught."""
 from __future__ import annotations
 
 import pytest
 
-from kvstore.state_slots import OutOfSlots, SlotPool
+from kvmesh.kvstore.device.state_slots import OutOfSlots, SlotPool
 
 
 def test_slot_pool_allocates_each_slot_once():

@@ -6,7 +6,7 @@ import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.sampling.params import SamplingParams
 
 
 class OpCounter(TorchDispatchMode):
@@ -61,7 +61,7 @@ def test_indexer_picks_of_a_mixed_batch_equal_each_sequence_alone():
     are what each sequence gets on its own."""
     import torch
 
-    from kernels import torch_ops
+    from kvmesh.kernels import torch_ops
     from tests.kernel_cases import indexer_case
     seq_lens, n_q = [9, 40, 23, 61, 17], [1, 6, 1, 1, 4]
     args = indexer_case(seq_lens, n_q, 4, 16, ratio=4, epb=4, topk=5, integer=True)

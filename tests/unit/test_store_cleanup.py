@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.hashing import PrefixHasher, model_fingerprint
-from kvstore.index import EmbeddedIndex
-from kvstore.objects import (
+from kvmesh.kvstore.hashing import PrefixHasher, model_fingerprint
+from kvmesh.kvstore.index.embedded import EmbeddedIndex
+from kvmesh.kvstore.store.objects import (
     CHECKSUM_OFFSET,
     DATA_ALIGN,
     PREFIX_SIZE,
@@ -23,7 +23,7 @@ from kvstore.objects import (
     decode_object,
     encode_object,
 )
-from kvstore.store import QUARANTINE_FILE, ObjectStore
+from kvmesh.kvstore.store.object_store import QUARANTINE_FILE, ObjectStore
 from tests.helpers import undeletable
 
 FP = model_fingerprint({"model_type": "deepseek_v4"}, "w0", "bfloat16", 4, 1)

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli.store import main as store_cli
-from kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint
-from kvstore.index import EmbeddedIndex
-from kvstore.mac import StoreKey
-from kvstore.objects import PREFIX_SIZE, encode_object
-from kvstore.persist import PutJob, WriteBehind
-from kvstore.scrub import Scrubber, ScrubSchedule
-from kvstore.store import ObjectStore
-from kvstore.store_fs import NotAFileError, open_regular
+from kvmesh.cluster.cli.store import main as store_cli
+from kvmesh.kvstore.hashing import PrefixHasher, hash_hex, model_fingerprint
+from kvmesh.kvstore.index.embedded import EmbeddedIndex
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.store.objects import PREFIX_SIZE, encode_object
+from kvmesh.kvstore.store.persist import PutJob, WriteBehind
+from kvmesh.kvstore.store.scrub import Scrubber, ScrubSchedule
+from kvmesh.kvstore.store.object_store import ObjectStore
+from kvmesh.kvstore.store.store_fs import NotAFileError, open_regular
 from tests.helpers import undeletable
 
 FP = model_fingerprint({"model_type": "deepseek_v4"}, "w0", "bfloat16", 4, 1)

@@ -14,13 +14,13 @@ import pytest
 from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, assert_same_outputs,
                            random_prompt, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
-from workers.checkpoint.loader import load_model
-from workers.model.args import ConfigError
-from workers.model.quant import QuantExperts
-from workers.model.shard import Shard
-from workers.request import Resume
-from workers.sampling.params import SamplingParams
-from workers.spec.speculative import OracleDrafter
+from kvmesh.workers.checkpoint.loader import load_model
+from kvmesh.workers.model.args import ConfigError
+from kvmesh.workers.model.quant import QuantExperts
+from kvmesh.workers.model.shard import Shard
+from kvmesh.workers.request import Resume
+from kvmesh.workers.sampling.params import SamplingParams
+from kvmesh.workers.spec.speculative import OracleDrafter
 
 pytestmark = pytest.mark.slow     # gloo process groups: rank 1 is a spawned process
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvstore.timed_io import IoTimeoutError, TimedRunner
+from kvmesh.kvstore.timed_io import IoTimeoutError, TimedRunner
 
 
 def test_a_hung_read_times_out_and_the_runner_keeps_working(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from workers.checkpoint.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvmesh.workers.checkpoint.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def write_word_level(path, words):

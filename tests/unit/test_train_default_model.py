@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from scripts.default_chat_data import V4_TOKENS
-from workers.checkpoint.tokenizer import load_tokenizer
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling.params import SamplingParams
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.sampling.params import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_default_model.py"
 SMOKE = ["--steps", "3", "--max-chars", "30000", "--seq-len", "64", "--batch", "2", "--vocab-size", "512",
@@ -166,7 +166,7 @@ def test_chat_stage_adds_v4s_tokens_as_new_rows_and_leaves_the_old_logits(train_
 def test_chat_batches_are_the_encoders_conversations_with_loss_on_the_replies_only(train_script):
     """Each conversation row is kvmesh's encoder's text; the labelled tokens are exactly the
     assistant turns after the prompt's mode token (reasoning, </think>, content, DSML calls, EOS)."""
-    from cluster.chat.dsv4_encode import ASSISTANT, END_THINK, EOS
+    from kvmesh.cluster.chat.dsv4_encode import ASSISTANT, END_THINK, EOS
     text = train_script.corpus_text(max_chars=200_000)
     tok = train_script.train_tokenizer(text, 512)
     train_script.grow_vocab(train_script.build_model({**train_script.MODEL_CONFIG, "vocab_size": 512}, 0), tok, 0)

@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels import get_ops, torch_ops, triton_ops  # noqa: E402
-from kernels.triton_attention import _sparse_attn_kernel  # noqa: E402
-from kernels.triton_indexer import indexer_scores_paged  # noqa: E402
+from kvmesh.kernels import get_ops, torch_ops, triton_ops  # noqa: E402
+from kvmesh.kernels.triton_attention import _sparse_attn_kernel  # noqa: E402
+from kvmesh.kernels.triton_indexer import indexer_scores_paged  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 from tests.kernel_cases import attention_case, compressor_case, indexer_case  # noqa: E402
 
@@ -246,9 +246,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 def test_engine_on_triton_backend_equals_torch_backend(tmp_path):
     pytest.importorskip("transformers")
     from tests.helpers import BLOCK_TOKENS, random_prompt, write_tiny_checkpoint
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
-    from workers.sampling.params import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.engine_config import EngineConfig
+    from kvmesh.workers.sampling.params import SamplingParams
 
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     prompts = [random_prompt(n, seed=n) for n in (1, 37)]

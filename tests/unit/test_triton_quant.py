@@ -1,5 +1,5 @@
 """Triton FP8 block-scaled GEMM and FP4 grouped expert GEMM == the torch reference
-(`kernels.quant_ops`), run by the Triton interpreter on CPU (small shapes: it is slow)."""
+(`kvmesh.kernels.quant_ops`), run by the Triton interpreter on CPU (small shapes: it is slow)."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels import quant_ops, triton_quant  # noqa: E402
+from kvmesh.kernels import quant_ops, triton_quant  # noqa: E402
 from tests.quant_checkpoint import quantize_fp4, quantize_fp8  # noqa: E402
 
 if not isinstance(triton_quant._fp8_linear_kernel, InterpretedFunction):
@@ -69,13 +69,13 @@ def test_fp4_grouped_expert_gemm_matches_torch(counts, n, k, ue8m0, dtype):
 
 
 def test_quant_experts_grouped_path_equals_the_per_expert_torch_path():
-    from workers.model.quant import QuantExperts, QuantFormat
+    from kvmesh.workers.model.quant import QuantExperts, QuantFormat
     e, n, k, t, topk = 4, 32, 64, 9, 2
     weights = {}
     for w, shape in (("w1", (n, k)), ("w3", (n, k)), ("w2", (k, n))):
         qs = [quantize_fp4(torch.randn(shape, generator=_gen(20 + i)) * 0.1, True) for i in range(e)]
         weights[w] = (torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs]))
-    from workers.model.moe import swiglu
+    from kvmesh.workers.model.moe import swiglu
     experts = QuantExperts(weights, QuantFormat(expert_dtype="fp4"), limit=10.0, act=swiglu)
     x = torch.randn(t, k, generator=_gen(3))
     idx = torch.stack([torch.randperm(e, generator=_gen(30 + i))[:topk] for i in range(t)])

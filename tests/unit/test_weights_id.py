@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import write_tiny_checkpoint
-from workers.checkpoint import weights_id
+from kvmesh.workers.checkpoint import weights_id
 
 
 @pytest.fixture(scope="module")

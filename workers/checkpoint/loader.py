@@ -19,12 +19,12 @@ from typing import Callable, NamedTuple
 import torch
 from safetensors import safe_open
 
-from workers.model.args import ConfigError, ModelArgs
-from workers.model.layers import Rope
-from workers.model.moe import Experts, swiglu
-from workers.model.quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
-from workers.model.shard import SINGLE, Shard
-from workers.model.transformer import Transformer
+from kvmesh.workers.model.args import ConfigError, ModelArgs
+from kvmesh.workers.model.layers import Rope
+from kvmesh.workers.model.moe import Experts, swiglu
+from kvmesh.workers.model.quant import FP8Linear, QuantExperts, QuantFormat, QuantFormatError, check_fp4, check_fp8
+from kvmesh.workers.model.shard import SINGLE, Shard
+from kvmesh.workers.model.transformer import Transformer
 
 from .sharding import own_experts, shard_state, split_shared
 

@@ -22,9 +22,9 @@ import re
 
 import torch
 
-from kernels.quant_ops import FP4_GROUP
-from workers.model.args import ConfigError, ModelArgs
-from workers.model.quant import QuantFormat
+from kvmesh.kernels.quant_ops import FP4_GROUP
+from kvmesh.workers.model.args import ConfigError, ModelArgs
+from kvmesh.workers.model.quant import QuantFormat
 
 LAYER = r"^(?:layers|mtp)\.\d+\."
 SPLITS = [   # (pattern, dim without / with expert parallelism)

@@ -44,10 +44,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.layout import CacheLayout, LayoutParams
-from kvstore.planner import SwaPolicy
-from workers.model.args import ModelArgs
-from workers.model.quant import QuantFormat
+from kvmesh.kvstore.device.layout import CacheLayout, LayoutParams
+from kvmesh.kvstore.policy.planner import SwaPolicy
+from kvmesh.workers.model.args import ModelArgs
+from kvmesh.workers.model.quant import QuantFormat
 
 from .loader import FP32_PARAM, canonical_name, weight_files
 
@@ -157,7 +157,7 @@ def split_from_config(args: ModelArgs, mtp_layers: int | None = None) -> WeightS
     tensor sized by `StoredSize`."""
     import torch
 
-    from workers.model.transformer import Transformer
+    from kvmesh.workers.model.transformer import Transformer
     quant = QuantFormat.from_config(args.raw)
     size = StoredSize(quant, DTYPE_BYTES.get(args.torch_dtype, 2))
     mtp = int(args.raw.get("num_nextn_predict_layers") or 0) if mtp_layers is None else mtp_layers

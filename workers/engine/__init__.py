@@ -21,9 +21,9 @@ sampling/, spec/, reuse/ and parallel/; none of them imports it.
 """
 from importlib import import_module
 
-from workers.engine_config import EngineConfig
+from kvmesh.workers.engine_config import EngineConfig
 
-# the rest on first use (PEP 562): the API layer reads `workers.engine.stats` (its metrics' types)
+# the rest on first use (PEP 562): the API layer reads `kvmesh.workers.engine.stats` (its metrics' types)
 # and must not load torch and the model by importing this package (tests/unit/test_layering.py)
 _LAZY = {"StoreUnavailable": ".builder", "DataParallelEngine": ".data_parallel", "open_engine": ".data_parallel",
          "Engine": ".engine", "EngineProtocol": ".protocol"}

@@ -15,12 +15,12 @@ import logging
 import threading
 from typing import AsyncIterator
 
-from kvstore.kv_transport import KVTransport, Offer
-from workers.engine_config import EngineConfig
-from workers.parallel.replica import RankLauncher
-from workers.request import HeldKV, RequestOutput, Resume
-from workers.sampling.params import InvalidRequestError, SamplingParams
-from workers.errors import EngineDeadError
+from kvmesh.kvstore.transfer.kv_transport import KVTransport, Offer
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.parallel.replica import RankLauncher
+from kvmesh.workers.request import HeldKV, RequestOutput, Resume
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.workers.errors import EngineDeadError
 
 from .data_parallel import DataParallelEngine, open_engine
 from .protocol import EngineProtocol

@@ -18,34 +18,34 @@ from pathlib import Path
 
 import torch
 
-from kvstore.block_pool import BlockPool
-from kvstore.cache_tensors import CacheTensors, size_pools
-from kvstore.hashing import PrefixHasher, model_fingerprint, store_namespace
-from kvstore.host_cache import HostCache
-from kvstore.index import PrefixIndex, make_index
-from kvstore.kv_events import KvEventPublisher
-from kvstore.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
-from kvstore.mac import StoreKey
-from kvstore.mirror import MirroredCache
-from kvstore.planner import SwaPolicy, recompute_span
-from kvstore.redact import redact_url
-from kvstore.scrub import Scrubber, ScrubSchedule
-from kvstore.state_slots import SlotPool
-from kvstore.store import ObjectStore
-from workers.checkpoint.loader import load_model
-from workers.checkpoint.sharding import check_sizes
-from workers.checkpoint.tokenizer import load_tokenizer
-from workers.checkpoint.weights_id import weights_identity
-from workers.engine_config import EngineConfig
-from workers.model.args import ModelArgs
-from workers.model.shard import SINGLE, Shard
-from workers.model.transformer import Transformer
-from workers.parallel.collectives import Collectives
-from workers.parallel.eplb import static_placement
-from workers.parallel.expert_balance import ExpertBalancer
-from workers.parallel.replica import Leader, LocalProcessLauncher, RankLauncher
-from workers.reuse.auto_policy import AutoPeriod
-from workers.reuse.prefix_cache import PrefixCache
+from kvmesh.kvstore.device.block_pool import BlockPool
+from kvmesh.kvstore.device.cache_tensors import CacheTensors, size_pools
+from kvmesh.kvstore.hashing import PrefixHasher, model_fingerprint, store_namespace
+from kvmesh.kvstore.store.host_cache import HostCache
+from kvmesh.kvstore.index.embedded import PrefixIndex, make_index
+from kvmesh.kvstore.index.kv_events import KvEventPublisher
+from kvmesh.kvstore.device.layout import LAYOUT_VERSION, CacheLayout, LayoutParams
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.device.mirror import MirroredCache
+from kvmesh.kvstore.policy.planner import SwaPolicy, recompute_span
+from kvmesh.kvstore.redact import redact_url
+from kvmesh.kvstore.store.scrub import Scrubber, ScrubSchedule
+from kvmesh.kvstore.device.state_slots import SlotPool
+from kvmesh.kvstore.store.object_store import ObjectStore
+from kvmesh.workers.checkpoint.loader import load_model
+from kvmesh.workers.checkpoint.sharding import check_sizes
+from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
+from kvmesh.workers.checkpoint.weights_id import weights_identity
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.args import ModelArgs
+from kvmesh.workers.model.shard import SINGLE, Shard
+from kvmesh.workers.model.transformer import Transformer
+from kvmesh.workers.parallel.collectives import Collectives
+from kvmesh.workers.parallel.eplb import static_placement
+from kvmesh.workers.parallel.expert_balance import ExpertBalancer
+from kvmesh.workers.parallel.replica import Leader, LocalProcessLauncher, RankLauncher
+from kvmesh.workers.reuse.auto_policy import AutoPeriod
+from kvmesh.workers.reuse.prefix_cache import PrefixCache
 
 from .kv_manager import KVCacheManager
 from .runner import ModelRunner
@@ -61,7 +61,7 @@ class StoreUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class EngineParts:
     """What `build` wires, read by name. Under tensor parallelism `cache` is rank 0's recording
-    mirror (kvstore/mirror.py) of the cache the forward writes, which only the runner holds."""
+    mirror (kvstore/device/mirror.py) of the cache the forward writes, which only the runner holds."""
     args: ModelArgs
     model: Transformer
     tokenizer: object
@@ -172,7 +172,7 @@ def kv_events(config: EngineConfig, index: PrefixIndex | None, worker: str) -> K
     prefix cache publishes the device and host tiers, the store its store tier."""
     if index is None or config.index == "local" or not config.prefix_reuse:
         return None
-    from kvstore.kv_event_stream import RedisEventStream  # lazy: embedded users need no redis
+    from kvmesh.kvstore.index.kv_event_stream import RedisEventStream  # lazy: embedded users need no redis
 
     return KvEventPublisher(worker, RedisEventStream(config.index, index.namespace)).start()
 

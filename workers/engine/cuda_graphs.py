@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.cache_tensors import CacheTensors
-from workers.model.moe import grouped_mm_runs
-from workers.model.step import StepInput
-from workers.model.transformer import Transformer
-from workers.request import Sequence
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.workers.model.moe import grouped_mm_runs
+from kvmesh.workers.model.step import StepInput
+from kvmesh.workers.model.transformer import Transformer
+from kvmesh.workers.request import Sequence
 
 # inputs per row, in the static int64 buffer [len(FIELDS), bucket]
 FIELDS = ("tokens", "positions", "slots", "ring_from", "keep_tokens")

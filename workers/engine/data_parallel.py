@@ -49,15 +49,15 @@ import logging
 import time
 from pathlib import Path
 
-from kvstore.kv_transport import HandoffError, KVTransport, Offer, PortableLoad
-from kvstore.nixl_transfer import NixlTransport
-from workers.checkpoint.default_model import ensure_default_model
-from workers.engine_config import EngineConfig
-from workers.model.args import ConfigError, ModelArgs
-from workers.parallel.collectives import Collectives, RankFailed, init_method
-from workers.parallel.replica import Liveness, LocalProcessLauncher, RankLauncher, Stop
-from workers.request import HeldKV, RequestOutput, Resume
-from workers.sampling.params import InvalidRequestError, SamplingParams
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, KVTransport, Offer, PortableLoad
+from kvmesh.kvstore.transfer.nixl_transfer import NixlTransport
+from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.args import ConfigError, ModelArgs
+from kvmesh.workers.parallel.collectives import Collectives, RankFailed, init_method
+from kvmesh.workers.parallel.replica import Liveness, LocalProcessLauncher, RankLauncher, Stop
+from kvmesh.workers.request import HeldKV, RequestOutput, Resume
+from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
 from .dp_rank import (Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
                       ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
@@ -99,7 +99,7 @@ class DataParallelEngine:
         if not hasattr(self.launcher, "main"):
             raise ConfigError(f"data_parallel_size={self.size}: {type(self.launcher).__name__} cannot start "
                               f"data-parallel ranks (it has no `main` to run; LocalProcessLauncher and "
-                              f"cluster.serve.ranks.RayRankLauncher do)")
+                              f"kvmesh.cluster.serve.ranks.RayRankLauncher do)")
         self.launcher.main = run_dp_rank                     # each rank a whole engine, not a TP follower
         store = Collectives.host_store(self.launcher.host, self.size, config.rank_timeout_s)
         method = init_method(self.launcher.host, store)

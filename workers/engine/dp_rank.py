@@ -32,13 +32,13 @@ import logging
 import traceback
 from dataclasses import dataclass
 
-from kvstore.block_pool import BlockPool
-from kvstore.kv_transport import GatheredTransport, HandoffError, KVTransport, Offer, TransferInFlight, TransferReport
-from workers.engine_config import EngineConfig
-from workers.parallel.collectives import Collectives
-from workers.parallel.replica import Stop, rank_device
-from workers.request import RequestOutput, Resume
-from workers.sampling.params import SamplingParams
+from kvmesh.kvstore.device.block_pool import BlockPool
+from kvmesh.kvstore.transfer.kv_transport import GatheredTransport, HandoffError, KVTransport, Offer, TransferInFlight, TransferReport
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.parallel.collectives import Collectives
+from kvmesh.workers.parallel.replica import Stop, rank_device
+from kvmesh.workers.request import RequestOutput, Resume
+from kvmesh.workers.sampling.params import SamplingParams
 
 from .engine import Engine
 from .stats import EngineStats

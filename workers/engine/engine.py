@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from kvstore.kv_transport import HandoffError, KVTransport, Offer
-from kvstore.nixl_transfer import NixlTransport, make_agent
-from workers.checkpoint.default_model import ensure_default_model
-from workers.engine_config import EngineConfig
-from workers.model.args import ConfigError
-from workers.parallel.collectives import Collectives, RankFailed
-from workers.parallel.replica import RankLauncher
-from workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
-from workers.sampling.grammar import GrammarLimits, Guide, GuideCompiler
-from workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
-from workers.spec.mtp import MTPDrafter
-from workers.spec.speculative import Drafter, DraftLimits, Speculator
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, KVTransport, Offer
+from kvmesh.kvstore.transfer.nixl_transfer import NixlTransport, make_agent
+from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.args import ConfigError
+from kvmesh.workers.parallel.collectives import Collectives, RankFailed
+from kvmesh.workers.parallel.replica import RankLauncher
+from kvmesh.workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
+from kvmesh.workers.sampling.grammar import GrammarLimits, Guide, GuideCompiler
+from kvmesh.workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
+from kvmesh.workers.spec.mtp import MTPDrafter
+from kvmesh.workers.spec.speculative import Drafter, DraftLimits, Speculator
 
 from .builder import StoreUnavailable, balancer, build, start_ranks
 from .grammar_wait import GrammarWait
@@ -58,7 +58,7 @@ class Engine:
                  dp: Collectives | None = None):
         if config.data_parallel_size > 1 and dp is None:
             raise ConfigError(f"data_parallel_size={config.data_parallel_size}: build the engine with "
-                              f"workers.engine.open_engine(config) (a DataParallelEngine), not Engine(config)")
+                              f"kvmesh.workers.engine.open_engine(config) (a DataParallelEngine), not Engine(config)")
         self.config, self.dp = config, dp
         self.model_dir = model_dir = Path(config.model) if config.model else ensure_default_model()
         self.ranks = start_ranks(config, model_dir, launcher)

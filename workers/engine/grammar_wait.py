@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from workers.request import Sequence
+from kvmesh.workers.request import Sequence
 
 
 class GrammarWait:

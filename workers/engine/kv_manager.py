@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from kvstore.block_pool import BlockPool
-from kvstore.cache_tensors import CacheTensors
-from kvstore.kv_transport import TransferInFlight
-from kvstore.state_slots import SlotPool
-from workers.request import Resume, Sequence
-from workers.reuse.prefix_cache import PrefixCache, Restore
+from kvmesh.kvstore.device.block_pool import BlockPool
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.transfer.kv_transport import TransferInFlight
+from kvmesh.kvstore.device.state_slots import SlotPool
+from kvmesh.workers.request import Resume, Sequence
+from kvmesh.workers.reuse.prefix_cache import PrefixCache, Restore
 
 
 class KVLoadError(RuntimeError):

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.request import FirstToken, RequestOutput, Sequence, Status
-from workers.reuse.prefix_cache import PrefixCache
-from workers.sampling.params import SamplingParams, make_generator
-from workers.sampling.sampler import SampleRow, sample_batch
-from workers.spec.speculative import Speculator
+from kvmesh.workers.request import FirstToken, RequestOutput, Sequence, Status
+from kvmesh.workers.reuse.prefix_cache import PrefixCache
+from kvmesh.workers.sampling.params import SamplingParams, make_generator
+from kvmesh.workers.sampling.sampler import SampleRow, sample_batch
+from kvmesh.workers.spec.speculative import Speculator
 
 from .scheduler import Scheduler
 from .stats import EngineCounters

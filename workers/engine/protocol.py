@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from kvstore.kv_transport import KVTransport, Offer
-from kvstore.nixl_transfer import NixlTransport
-from workers.engine_config import EngineConfig
-from workers.model.args import ModelArgs
-from workers.request import HeldKV, RequestOutput, Resume
-from workers.reuse.prefix_cache import PrefixCache
-from workers.sampling.grammar import GuideCompiler
-from workers.sampling.params import SamplingParams
+from kvmesh.kvstore.transfer.kv_transport import KVTransport, Offer
+from kvmesh.kvstore.transfer.nixl_transfer import NixlTransport
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.args import ModelArgs
+from kvmesh.workers.request import HeldKV, RequestOutput, Resume
+from kvmesh.workers.reuse.prefix_cache import PrefixCache
+from kvmesh.workers.sampling.grammar import GuideCompiler
+from kvmesh.workers.sampling.params import SamplingParams
 
 from .stats import EngineStats
 

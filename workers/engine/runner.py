@@ -5,10 +5,10 @@ import logging
 
 import torch
 
-from kvstore.cache_tensors import CacheTensors
-from workers.model.step import StepInput
-from workers.model.transformer import Transformer
-from workers.request import Sequence
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.workers.model.step import StepInput
+from kvmesh.workers.model.transformer import Transformer
+from kvmesh.workers.request import Sequence
 
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
 

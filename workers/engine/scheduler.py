@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, NamedTuple
 
-from workers.request import Sequence, Status
+from kvmesh.workers.request import Sequence, Status
 
 from .kv_manager import KVCacheManager, KVLoadError
 

@@ -70,7 +70,7 @@ class ReuseCounters:
 
 @dataclass(frozen=True)
 class StoreCounters:
-    """The shared store as this engine sees it (kvstore.store.StoreStats' exported part):
+    """The shared store as this engine sees it (kvstore.store.object_store.StoreStats' exported part):
     exported as `store_<name>`; `bytes` (the namespace's size) is shared by every rank."""
     PREFIX = "store_"
     bytes_read: int = 0

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import KernelOps
-from kernels.rope import apply_rope
-from kvstore.cache_tensors import CompressorCache, LayerCache
+from kvmesh.kernels import KernelOps
+from kvmesh.kernels.rope import apply_rope
+from kvmesh.kvstore.device.cache_tensors import CompressorCache, LayerCache
 
 from .args import CSA, HCA, SWA, ModelArgs
 from .layers import PositionRope, RMSNorm, Rope, linear, rms_norm, rows_of

@@ -4,8 +4,8 @@
 * `FP8Linear`: a drop-in for the model's `nn.Linear` holding e4m3 weight + block scales.
 * `QuantExperts`: the routed experts stacked, FP4-packed (or FP8), same forward as the
   dense `Experts`.
-The matmuls themselves are `kernels.quant_ops` (torch: dequantize a band of rows just in
-time) on CPU and `kernels.triton_quant` (fused-dequant GEMMs) on CUDA; `quant_kernels` picks.
+The matmuls themselves are `kvmesh.kernels.quant_ops` (torch: dequantize a band of rows just in
+time) on CPU and `kvmesh.kernels.triton_quant` (fused-dequant GEMMs) on CUDA; `quant_kernels` picks.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import quant_ops
+from kvmesh.kernels import quant_ops
 
 EXPERT_DTYPES = ("fp8", "fp4")
 SCALE_FMTS = ("float", "ue8m0")
@@ -100,7 +100,7 @@ def _check_scale(name: str, scale: torch.Tensor, want: tuple[int, ...], what: st
 def quant_kernels(x: torch.Tensor):
     """Triton on CUDA, the torch reference elsewhere (same signatures)."""
     if x.is_cuda:
-        from kernels import triton_quant
+        from kvmesh.kernels import triton_quant
         return triton_quant
     return quant_ops
 
@@ -175,7 +175,7 @@ class QuantExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """CUDA: every (token, expert) pair sorted by expert through one grouped GEMM per projection."""
-        from kernels.triton_quant import fp4_grouped_linear
+        from kvmesh.kernels.triton_quant import fp4_grouped_linear
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
         if self.first is not None:                       # picks other ranks own sort first: drop them

@@ -1,6 +1,6 @@
 """How one rank holds its part of the model (`Shard`), and `SingleRank`: the collectives
 interface at TP=1, where every collective is the identity, so the model has one code path.
-`workers.parallel.collectives.Collectives` is the same interface over real process groups."""
+`kvmesh.workers.parallel.collectives.Collectives` is the same interface over real process groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

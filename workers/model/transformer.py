@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import KernelOps, get_ops
-from kernels.hc_mix import hc_mix
-from kvstore.cache_tensors import CacheTensors, LayerCache
+from kvmesh.kernels import KernelOps, get_ops
+from kvmesh.kernels.hc_mix import hc_mix
+from kvmesh.kvstore.device.cache_tensors import CacheTensors, LayerCache
 
 from .args import SWA, ModelArgs
 from .attention import Attention

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from workers.errors import RankFailed
-from workers.model.shard import SingleRank
+from kvmesh.workers.errors import RankFailed
+from kvmesh.workers.model.shard import SingleRank
 
 IDLE_TIMEOUT = datetime.timedelta(days=30)    # followers wait this long for rank 0's next step
 START_TIMEOUT_S = 600.0                         # ranks spawning and loading their shard

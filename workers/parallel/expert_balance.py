@@ -23,8 +23,8 @@ import time
 import torch
 from torch import nn
 
-from workers.engine_config import EplbConfig
-from workers.model.expert_map import ExpertMap
+from kvmesh.workers.engine_config import EplbConfig
+from kvmesh.workers.model.expert_map import ExpertMap
 
 from .eplb import imbalance, rebalance_experts
 

@@ -36,16 +36,16 @@ from typing import Callable, Protocol
 
 import torch
 
-from kvstore.cache_tensors import CacheTensors
-from kvstore.layout import CacheLayout
-from kvstore.mirror import MirroredCache
-from workers.checkpoint.default_model import ensure_default_model
-from workers.checkpoint.loader import load_model
-from workers.engine_config import EngineConfig
-from workers.model.shard import Shard
-from workers.model.step import StepInput
-from workers.processes import start_child
-from workers.spec.mtp import DraftPlan, MTPPasses
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.device.layout import CacheLayout
+from kvmesh.kvstore.device.mirror import MirroredCache
+from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.checkpoint.loader import load_model
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.model.shard import Shard
+from kvmesh.workers.model.step import StepInput
+from kvmesh.workers.processes import start_child
+from kvmesh.workers.spec.mtp import DraftPlan, MTPPasses
 
 from .collectives import Collectives, RankFailed, init_method
 

@@ -3,7 +3,7 @@
 It measures what the cost model needs — prefill tokens/s and the fixed cost of a forward
 step (a least-squares fit over the engine's steps), the store's read and write bandwidth (from restores and the write-behind thread)
 — records each request's block chain, and every `every` requests asks
-`kvstore.cost.PeriodTuner` for the period that stores least within a whisker of the best
+`kvmesh.kvstore.policy.cost.PeriodTuner` for the period that stores least within a whisker of the best
 TTFT on the recent requests. Branch-point checkpoints and unread-first eviction are not
 here: they hold for any auto period (`PrefixCache`, `ObjectStore`).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from kvstore.cost import Hardware, PeriodTuner
-from kvstore.layout import CacheLayout
-from kvstore.trace import TraceRequest
+from kvmesh.kvstore.policy.cost import Hardware, PeriodTuner
+from kvmesh.kvstore.device.layout import CacheLayout
+from kvmesh.kvstore.policy.trace import TraceRequest
 
 # Until measured: figures of a slow CPU and a local disk; replaced by measurements as they come.
 DEFAULT_HW = Hardware(prefill_tokens_per_s=2_000.0, store_read_bps=1e9, store_write_bps=5e8)

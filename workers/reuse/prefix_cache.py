@@ -2,11 +2,11 @@
 after each step.
 
 Tiers, fastest first: the device block pool (blocks still resident, shared by refcount),
-then the `kvstore.tiers.CacheTier`s: the host cache (recent objects) and the shared store
+then the `kvmesh.kvstore.store.tiers.CacheTier`s: the host cache (recent objects) and the shared store
 (through the prefix index). What is restored and what is recomputed is
-`kvstore.planner.plan_restore`'s decision. The prefix cache never allocates: it *finds*
+`kvmesh.kvstore.policy.planner.plan_restore`'s decision. The prefix cache never allocates: it *finds*
 a hit (`find`, all reads and checks) and *fills* the blocks and slot the KV-cache manager
-(`workers.engine.kv_manager`) gives the request (`fill`, memory copies only).
+(`kvmesh.workers.engine.kv_manager`) gives the request (`fill`, memory copies only).
 """
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvstore.block_pool import BlockPool
-from kvstore.cache_tensors import CacheTensors
-from kvstore.hashing import PrefixHasher
-from kvstore.host_cache import HostCache
-from kvstore.index import PrefixIndex
-from kvstore.kv_events import KvEventPublisher
-from kvstore.log_once import LogOnce
-from kvstore.persist import PutJob, WriteBehind
-from kvstore.scrub import ScrubSchedule
-from kvstore.planner import Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due, plan_restore
-from kvstore.store import ObjectStore
-from kvstore.tiers import CacheTier, Tensors, nbytes, packed_batch
-from workers.request import Sequence
+from kvmesh.kvstore.device.block_pool import BlockPool
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.kvstore.hashing import PrefixHasher
+from kvmesh.kvstore.store.host_cache import HostCache
+from kvmesh.kvstore.index.embedded import PrefixIndex
+from kvmesh.kvstore.index.kv_events import KvEventPublisher
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.store.persist import PutJob, WriteBehind
+from kvmesh.kvstore.store.scrub import ScrubSchedule
+from kvmesh.kvstore.policy.planner import Availability, RestorePlan, SwaPolicy, branch_point, checkpoint_due, plan_restore
+from kvmesh.kvstore.store.object_store import ObjectStore
+from kvmesh.kvstore.store.tiers import CacheTier, Tensors, nbytes, packed_batch
+from kvmesh.workers.request import Sequence
 
 from .auto_policy import AutoPeriod
 

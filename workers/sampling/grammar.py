@@ -112,7 +112,7 @@ class GuideCompiler:
             from transformers import PreTrainedTokenizerFast
             return xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=hf),
                                                       vocab_size=self.vocab_size, stop_token_ids=self.eos)
-        from workers.checkpoint.tokenizer import BYTE_OFFSET
+        from kvmesh.workers.checkpoint.tokenizer import BYTE_OFFSET
         vocab = [b""] * BYTE_OFFSET + [bytes([b]) for b in range(256)]   # the byte tokenizer: raw bytes
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.eos)
 

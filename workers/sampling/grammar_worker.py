@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from workers.processes import start_child
+from kvmesh.workers.processes import start_child
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0      # importing xgrammar (and torch) in the child; not the compile's budget

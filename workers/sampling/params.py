@@ -1,4 +1,4 @@
-"""Sampling parameters (validated once) and the one-row sampler (`workers.sampling.sampler` batches it)."""
+"""Sampling parameters (validated once) and the one-row sampler (`kvmesh.workers.sampling.sampler` batches it)."""
 from __future__ import annotations
 
 import json

@@ -40,11 +40,11 @@ from typing import Callable
 
 import torch
 
-from kvstore.cache_tensors import LayerCache
-from kvstore.layout import SWASpec
-from workers.model.step import StepInput
-from workers.model.transformer import Transformer
-from workers.request import MTPHandoff, Sequence, Status
+from kvmesh.kvstore.device.cache_tensors import LayerCache
+from kvmesh.kvstore.device.layout import SWASpec
+from kvmesh.workers.model.step import StepInput
+from kvmesh.workers.model.transformer import Transformer
+from kvmesh.workers.request import MTPHandoff, Sequence, Status
 
 from .speculative import Drafter
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.cache_tensors import CacheTensors
-from workers.request import Sequence
-from workers.spec.draft_rule import DraftRule
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
+from kvmesh.workers.request import Sequence
+from kvmesh.workers.spec.draft_rule import DraftRule
 
 
 class Drafter(ABC):

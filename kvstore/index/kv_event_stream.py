@@ -1,6 +1,6 @@
 """KV events over Redis Streams: the transport between engine ranks and routers when the index is Redis.
 
-Keys, `ns` the index namespace (kvstore.redis_index's layout)::
+Keys, `ns` the index namespace (kvstore.index.redis_index's layout)::
 
     kvmesh:{ns}:events          stream   one entry per event (XADD ... MAXLEN ~ maxlen)
     kvmesh:{ns}:events:resync   set      locations a router asked for a snapshot
@@ -23,8 +23,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.kv_events import SNAPSHOT, KvEvent
-from kvstore.redis_index import KEY_PREFIX
+from kvmesh.kvstore.index.kv_events import SNAPSHOT, KvEvent
+from kvmesh.kvstore.index.redis_index import KEY_PREFIX
 
 __all__ = ["RedisEventStream"]
 

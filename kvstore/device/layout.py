@@ -25,7 +25,7 @@ A checkpoint (the state at a block boundary) is the slot's `ring` and overlap te
 
 Tensor dtypes: the compute dtype for rings, tails, overlap state and SWA K=V; the KV dtype
 for `comp` and `idx`. With `kv_dtype="fp8"` that dtype is an FP8 record format
-(`kvstore/fp8_kv.py`): the tensor is [EPB, D] values stored as EPB records of bytes
+(`kvstore/device/fp8_kv.py`): the tensor is [EPB, D] values stored as EPB records of bytes
 (e4m3 non-RoPE dims + ue8m0 scales + bf16 RoPE dims, 584 B instead of 1,024 B per entry at
 V4's shape; indexer keys e4m3 + an fp32 scale, 132 B instead of 256 B).
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8_kv import Fp8EntryFormat
+from kvmesh.kvstore.device.fp8_kv import Fp8EntryFormat
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYOUT_VERSION = 1

@@ -28,10 +28,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
-from .layout import CSA, HCA, SWA, CacheLayout, LayoutParams
-from .planner import (Availability, SwaPolicy, branch_point, checkpoint_due, plan_restore,
+from kvmesh.kvstore.device.layout import CSA, HCA, SWA, CacheLayout, LayoutParams
+from kvmesh.kvstore.policy.planner import (Availability, SwaPolicy, branch_point, checkpoint_due, plan_restore,
                       recompute_span)
-from .trace import TraceRequest
+from kvmesh.kvstore.policy.trace import TraceRequest
 
 
 # The released shapes (cache-relevant fields only). V4-Pro: 61 layers, 30 CSA + 31 HCA,

@@ -16,8 +16,8 @@ nothing else; a destination whose engine fingerprint differs refuses the offer. 
 gave up while its bytes may still arrive raises `TransferInFlight`: its blocks + slot stay
 out of use until the transfer is over.
 
-Implementations: `kvstore.nixl_transfer.NixlTransport` (a NIXL READ, no Ray),
-`GatheredTransport` (the tensors in the offer itself) and `cluster.serve.transfer.RayTransport`
+Implementations: `kvmesh.kvstore.transfer.nixl_transfer.NixlTransport` (a NIXL READ, no Ray),
+`GatheredTransport` (the tensors in the offer itself) and `kvmesh.cluster.serve.transfer.RayTransport`
 (the same tensors in a Ray object). A data-parallel engine moves a load to the rank it places
 the request on as a `PortableLoad` (engine/dp_rank.py).
 """
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 if TYPE_CHECKING:     # types only: the ingress reads offers and reports without torch
     import torch
 
-    from kvstore.cache_tensors import CacheTensors
+    from kvmesh.kvstore.device.cache_tensors import CacheTensors
 
 
 class HandoffError(RuntimeError):

@@ -1,8 +1,8 @@
 """The tier interface: one API for every place cache objects live outside the device pool.
 
 A tier holds *objects* (a block's tensors, or a checkpoint's state), keyed by kind
-(``"block"`` | ``"checkpoint"``) and prefix hash. The host cache (`kvstore.host_cache`)
-and the shared store (`kvstore.store`) implement it; the prefix cache asks them in
+(``"block"`` | ``"checkpoint"``) and prefix hash. The host cache (`kvmesh.kvstore.store.host_cache`)
+and the shared store (`kvmesh.kvstore.store.object_store`) implement it; the prefix cache asks them in
 order, fastest first (LMCache's ``contains`` / ``batched_get`` / ``put``).
 
 Objects come back as mappings name -> tensor. The store's blocks are `RowTensors`:

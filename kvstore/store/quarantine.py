@@ -13,10 +13,10 @@ import threading
 
 import pyarrow.fs as pafs
 
-from kvstore.hashing import hash_hex, parse_hash_hex
-from kvstore.log_once import LogOnce
-from kvstore.objects import KINDS
-from kvstore.store_fs import read_text, write_atomic
+from kvmesh.kvstore.hashing import hash_hex, parse_hash_hex
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.store.objects import KINDS
+from kvmesh.kvstore.store.store_fs import read_text, write_atomic
 
 QUARANTINE_FILE = "QUARANTINE"
 

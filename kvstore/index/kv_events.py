@@ -5,7 +5,7 @@
                      ── heartbeat (load) / snapshot ─▶            (one thread)        (longest_prefix, loads)
 
 Transports: `LocalEventBus` (a bounded in-process queue: the embedded index, tests, the router
-bench) and `kvstore.kv_event_stream.RedisEventStream` (one Redis stream per namespace).
+bench) and `kvmesh.kvstore.index.kv_event_stream.RedisEventStream` (one Redis stream per namespace).
 
 Numbering. Every event names its publisher's location (the name the prefix index's memory tier
 uses: `{worker}` or `{worker}/dp{rank}`), an epoch (new at every start) and a sequence number.
@@ -18,7 +18,7 @@ holdings at that seq) arrives. A location that sends nothing for `expire_s` is f
 
 Tiers. `device` and `host` are a rank's own memory (the prefix cache publishes them); `store` is the
 shared store, where a rank's store publishes the blocks it put and those it removed (evicted, rejected;
-kvstore/store.py). The store is global: a block there is restorable by every rank alike, so it tells
+kvstore/store/object_store.py). The store is global: a block there is restorable by every rank alike, so it tells
 ranks apart by nothing and routing scores ranks on the memory tiers only (`ROUTING_TIERS`); the index
 keeps the store tier per publisher like the others (snapshots, resyncs, expiry) and counts it in
 `tier_sizes` (/metrics). It is what each rank put and has not itself removed, not the store's listing:
@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from kvstore.log_once import LogOnce
+from kvmesh.kvstore.log_once import LogOnce
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The index is a *hint* (DESIGN §4). The object store is the truth: entries are
 published only after an object is durable and removed when it is evicted, but
 after a crash the two may disagree, so every hit is re-verified on read.
 
-Three tiers of entries, all keyed by block chain hash (`kvstore.hashing`):
+Three tiers of entries, all keyed by block chain hash (`kvmesh.kvstore.hashing`):
 
 * **block** — the block object for the prefix ending at that hash is in the store;
 * **checkpoint** — a state checkpoint at the end of that prefix is in the store
@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from kvstore.index_base import (BLOCK, CHECKPOINT, IndexStats, LookupResult, ObjectListing, PrefixIndex, check_ttl,
+from kvmesh.kvstore.index.base import (BLOCK, CHECKPOINT, IndexStats, LookupResult, ObjectListing, PrefixIndex, check_ttl,
                                 empty_lookup, walk_memory)
 
 __all__ = ["BLOCK", "CHECKPOINT", "EmbeddedIndex", "IndexStats", "LookupResult", "ObjectListing", "PrefixIndex",
@@ -170,7 +170,7 @@ def make_index(spec: str, fingerprint: str, store: ObjectListing | None = None,
             index.rebuild_from(store)
         return index
     if spec.startswith(("redis://", "rediss://", "unix://")):
-        from kvstore.redis_index import RedisIndex  # lazy: embedded users need no redis
+        from kvmesh.kvstore.index.redis_index import RedisIndex  # lazy: embedded users need no redis
 
         return RedisIndex(spec, fingerprint, namespace=namespace)
     raise ValueError(

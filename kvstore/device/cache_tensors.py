@@ -1,6 +1,6 @@
-"""The cache tensors, allocated from the layout's tensor specs (`kvstore/layout.py`): per
+"""The cache tensors, allocated from the layout's tensor specs (`kvstore/device/layout.py`): per
 layer, paged block tensors [NB, *shape] and state-slot tensors [S, *shape] (NB blocks, S
-slots), FP8 records as uint8 bytes [NB, EPB x record bytes] (`kvstore/fp8_kv.py`).
+slots), FP8 records as uint8 bytes [NB, EPB x record bytes] (`kvstore/device/fp8_kv.py`).
 
 The model reaches a layer's cache through typed views: `ring` [S, window, D], `swa`
 [NB, block_tokens, D] (swa_blocks only), and per compressor (`compressor`, and `indexer`
@@ -16,11 +16,11 @@ from typing import Protocol
 
 import torch
 
-from .layout import CacheLayout, CompressorSpec, LayerSpec, LayoutError, TensorSpec
+from kvmesh.kvstore.device.layout import CacheLayout, CompressorSpec, LayerSpec, LayoutError, TensorSpec
 
 
 class StepRows(Protocol):
-    """What the cache reads of a forward step (`workers.model.step.StepInput`)."""
+    """What the cache reads of a forward step (`kvmesh.workers.model.step.StepInput`)."""
     positions: torch.Tensor     # [T] absolute position of each row
     q_seq: torch.Tensor         # [T] sequence of each row
     starts: torch.Tensor        # [B] first position of each sequence's chunk
@@ -34,7 +34,7 @@ class StepRows(Protocol):
 
 
 class ClosedWindows(Protocol):
-    """What the cache reads of a step's closed compressor windows (`workers.model.step.WindowPlan`)."""
+    """What the cache reads of a step's closed compressor windows (`kvmesh.workers.model.step.WindowPlan`)."""
     seq: torch.Tensor           # [N] sequence of each window
     index: torch.Tensor         # [N] window index (covers positions [index*m, (index+1)*m))
     last: torch.Tensor          # [N] bool: its sequence's last window in the step
@@ -373,7 +373,7 @@ class CacheTensors:
 
     @property
     def real(self) -> "CacheTensors":
-        """The tensors themselves (a `kvstore.mirror.MirroredCache` wraps them; this is them)."""
+        """The tensors themselves (a `kvmesh.kvstore.device.mirror.MirroredCache` wraps them; this is them)."""
         return self
 
     def resync(self, block_ids: list[int], slot: int) -> None:

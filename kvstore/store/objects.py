@@ -11,7 +11,7 @@ Byte layout (all integers little-endian)::
     24+H    pad   zeros up to DATA_ALIGN
     D       ...   data: tensors back to back, each starting at a DATA_ALIGN multiple
     D+L     32    MAC (only when the header has "mac"): HMAC-SHA256 with the deployment's
-                  store key over bytes [0, D+L) (kvstore.mac)
+                  store key over bytes [0, D+L) (kvstore.store.mac)
 
     D = align_up(24 + H, DATA_ALIGN), L = data_length; the object is exactly D + L bytes
     (+ 32 with a MAC).
@@ -43,8 +43,8 @@ from typing import Iterable, NamedTuple
 import torch
 import xxhash
 
-from kvstore.hashing import hash_hex, parse_hash_hex
-from kvstore.mac import MAC_NAME, MAC_SIZE, StoreKey
+from kvmesh.kvstore.hashing import hash_hex, parse_hash_hex
+from kvmesh.kvstore.store.mac import MAC_NAME, MAC_SIZE, StoreKey
 
 MAGIC = b"KVMESH01"
 FORMAT_VERSION = 1

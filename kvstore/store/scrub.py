@@ -1,6 +1,6 @@
 """The store scrub: check every object of one namespace, the never-read ones too, and clean up.
 
-A read verifies what it reads (kvstore.store), but an object no request asks for is never read:
+A read verifies what it reads (kvstore.store.object_store), but an object no request asks for is never read:
 a corrupt one, a FIFO, a directory or a symlink at an object's name, a crashed writer's temp
 file would stay forever. A pass walks the namespace's root (temp files only), `block/` and
 `checkpoint/` without following a symlink or opening anything but a regular file (never a
@@ -36,12 +36,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvstore.hashing import parse_hash_hex
-from kvstore.log_once import LogOnce
-from kvstore.objects import KINDS, CorruptObjectError, UnauthenticatedObjectError
-from kvstore.store import OBJECT_RE, ObjectStore
-from kvstore.store_fs import STALE_TMP_S, TMP_RE, Entry, NotAFileError, is_stale_tmp, list_entries
-from kvstore.timed_io import TimedRunner
+from kvmesh.kvstore.hashing import parse_hash_hex
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.store.objects import KINDS, CorruptObjectError, UnauthenticatedObjectError
+from kvmesh.kvstore.store.object_store import OBJECT_RE, ObjectStore
+from kvmesh.kvstore.store.store_fs import STALE_TMP_S, TMP_RE, Entry, NotAFileError, is_stale_tmp, list_entries
+from kvmesh.kvstore.timed_io import TimedRunner
 
 log = logging.getLogger(__name__)
 REASONS = ("not_regular", "empty", "corrupt", "unauthenticated", "unreadable", "stale_tmp")
@@ -185,7 +185,7 @@ def _spent(report: ScrubReport, entry: Entry, max_bytes: int | None, deadline: f
 
 class ScrubSchedule:
     """The background scrub: a pass of at most `pass_bytes` (and PASS_MAX_S) every `interval_s`,
-    run by whoever owns the store's IO thread (`kvstore.persist.WriteBehind`, between puts)."""
+    run by whoever owns the store's IO thread (`kvmesh.kvstore.store.persist.WriteBehind`, between puts)."""
 
     def __init__(self, scrubber: Scrubber, interval_s: float, pass_bytes: int | None):
         if interval_s <= 0:

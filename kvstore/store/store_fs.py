@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 
 import pyarrow.fs as pafs
 
-from kvstore.hashing import NAMESPACE_RE
+from kvmesh.kvstore.hashing import NAMESPACE_RE
 
 STALE_TMP_S = 3600.0  # a temp file older than this was left by a crashed writer
 _TMP_SUFFIX = ".tmp"
@@ -150,7 +150,7 @@ def list_files(
     filesystem: pafs.FileSystem, directory: str, pattern: re.Pattern[str]
 ) -> list[tuple[re.Match[str], pafs.FileInfo]]:
     """Files in `directory` whose name matches `pattern` (a listing never changes anything:
-    stale temp files are the scrub's, kvstore.scrub)."""
+    stale temp files are the scrub's, kvstore.store.scrub)."""
     found = []
     for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
         if info.type == pafs.FileType.File and (match := pattern.match(info.base_name)):

@@ -1,4 +1,4 @@
-"""The cluster prefix index in Redis (same contract as EmbeddedIndex, see kvstore.index).
+"""The cluster prefix index in Redis (same contract as EmbeddedIndex, see kvstore.index.embedded).
 
 Key layout, `ns` the namespace (`fingerprint[:16]`, or `{fingerprint[:16]}-k{key_id}` for a
 keyed store: kvstore.hashing.store_namespace); a *field* is a block hash as 8 big-endian bytes::
@@ -67,7 +67,7 @@ is logged per outage; further calls are skipped (not attempted) until an
 exponentially growing backoff deadline passes, then one call probes Redis and,
 if it answers, everything resumes. Dropped publishes are not replayed: the
 store is the truth and a miss only costs recompute (`rebuild_from` re-publishes).
-The URL's password never reaches a log line (`kvstore.redact`).
+The URL's password never reaches a log line (`kvmesh.kvstore.redact`).
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.hashing import U64_MAX
-from kvstore.log_once import LogOnce
-from kvstore.redact import redact_url
-from kvstore.index_base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup
+from kvmesh.kvstore.hashing import U64_MAX
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.redact import redact_url
+from kvmesh.kvstore.index.base import IndexStats, LookupResult, PrefixIndex, check_ttl, empty_lookup
 
 __all__ = ["RedisIndex"]
 

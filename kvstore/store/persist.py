@@ -2,7 +2,7 @@
 
 The caller hands over CPU copies; `ObjectStore.put` publishes each object to the index
 only once it is durable. Failures are logged and counted, never raised into serving.
-The same thread runs the background scrub (`kvstore.scrub.ScrubSchedule`) when one is due,
+The same thread runs the background scrub (`kvmesh.kvstore.store.scrub.ScrubSchedule`) when one is due,
 between puts: the store's IO is never scrubbed and written at once.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from .log_once import LogOnce
-from .scrub import ScrubSchedule
-from .store import ObjectStore
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.store.scrub import ScrubSchedule
+from kvmesh.kvstore.store.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 60.0

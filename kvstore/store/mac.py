@@ -1,6 +1,6 @@
 """Store object authentication with a deployment key (HMAC-SHA256, Python's `hmac`).
 
-The XXH3 checksum of an object (kvstore.objects) catches accidents, not attackers:
+The XXH3 checksum of an object (kvstore.store.objects) catches accidents, not attackers:
 anyone who can write to the store can forge an object with a valid checksum. With a
 key, every object carries a MAC over its header and payload; readers with the same key
 use only objects whose MAC verifies. Without a key the store trusts its writers.
@@ -17,7 +17,7 @@ import hashlib
 import hmac
 from typing import Iterable
 
-from kvstore.hashing import KEY_ID_CHARS
+from kvmesh.kvstore.hashing import KEY_ID_CHARS
 
 MAC_NAME = "hmac-sha256"
 MAC_SIZE = 32

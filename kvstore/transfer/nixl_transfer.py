@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from kvstore.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferInFlight
+from kvmesh.kvstore.transfer.kv_transport import HandoffError, HeldKV, KVTransport, Offer, TransferInFlight
 
 log = logging.getLogger(__name__)
 

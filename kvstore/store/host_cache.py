@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from kvstore.tiers import CacheTier, Shapes, nbytes, shapes_of
+from kvmesh.kvstore.store.tiers import CacheTier, Shapes, nbytes, shapes_of
 
 Key = tuple[str, int]   # (kind, hash)
 

@@ -1,8 +1,8 @@
 """The prefix index's contract and the types every implementation shares.
 
 `PrefixIndex` (the interface), `LookupResult`, `IndexStats`, the entry kinds and small helpers live
-here, apart from the implementations (`kvstore.index.EmbeddedIndex`,
-`kvstore.redis_index.RedisIndex`) and the factory (`kvstore.index.make_index`), so
+here, apart from the implementations (`kvmesh.kvstore.index.embedded.EmbeddedIndex`,
+`kvmesh.kvstore.index.redis_index.RedisIndex`) and the factory (`kvmesh.kvstore.index.embedded.make_index`), so
 each implementation imports this module and none imports another.
 """
 
@@ -12,7 +12,7 @@ import abc
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Protocol, Sequence
 
-from kvstore.hashing import NAMESPACE_RE, check_fingerprint, store_namespace
+from kvmesh.kvstore.hashing import NAMESPACE_RE, check_fingerprint, store_namespace
 
 BLOCK = "block"
 CHECKPOINT = "checkpoint"

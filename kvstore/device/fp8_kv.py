@@ -17,7 +17,7 @@ The nope/key values are quantized per group with a power-of-two (ue8m0) or fp32 
 = amax / 448, so one entry's bytes never depend on what else is in the batch.
 
 In the cache layout an `Fp8EntryFormat` is the dtype of the `comp` / `idx` tensor specs
-(`kvstore/layout.py`: `TensorSpec.record`), so their sizes and storage follow from it.
+(`kvstore/device/layout.py`: `TensorSpec.record`), so their sizes and storage follow from it.
 """
 from __future__ import annotations
 

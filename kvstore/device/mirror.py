@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_tensors import CacheTensors
+from kvmesh.kvstore.device.cache_tensors import CacheTensors
 
 
 class MirroredCache:

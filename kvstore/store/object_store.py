@@ -10,8 +10,8 @@ Layout under the store root (a local path, ``file://``, ``s3://``, ...)::
     ns = fingerprint[:16]                 without a store key
     ns = {fingerprint[:16]}-k{key_id}     with one (kvstore.hashing.store_namespace)
 
-Objects are in the format of :mod:`kvstore.objects`; filesystem primitives live
-in :mod:`kvstore.store_fs`. The store is the truth and
+Objects are in the format of :mod:`kvmesh.kvstore.store.objects`; filesystem primitives live
+in :mod:`kvmesh.kvstore.store.store_fs`. The store is the truth and
 the index a hint (DESIGN §4):
 
 * ``put`` is atomic (local: temp file + fsync + rename; object stores: one
@@ -25,14 +25,14 @@ the index a hint (DESIGN §4):
   past ``read_timeout_s`` are misses too, logged once per cause with the
   object's name. Each is removed once (a directory at an object's path too), so
   the prefix can be stored again. An object that cannot be removed is
-  quarantined (:mod:`kvstore.quarantine`): listed in the namespace's QUARANTINE
+  quarantined (:mod:`kvmesh.kvstore.store.quarantine`): listed in the namespace's QUARANTINE
   file, so no process reads it again, this one after a restart included (a hung
   read is quarantined by this process only: the mount may recover).
-* With a ``key`` (kvstore.mac) objects carry a MAC and only those it verifies
+* With a ``key`` (kvstore.store.mac) objects carry a MAC and only those it verifies
   are used; without one the store trusts whoever can write to it (said once).
   Each key has its own namespace, so a node with a wrong key never reads, removes
   or overwrites the objects of another key (or the unkeyed ones).
-* A scrub (:mod:`kvstore.scrub`; `kvmesh store scrub`, and a budgeted background pass in a
+* A scrub (:mod:`kvmesh.kvstore.store.scrub`; `kvmesh store scrub`, and a budgeted background pass in a
   serving engine) reads every object of the namespace, the never-read ones too, and rejects
   what fails as ``get`` would; it also removes what no read ever meets (a symlink, a FIFO, a
   directory at an object's path, a crashed writer's temp file). Names it does not know, and
@@ -56,18 +56,18 @@ from typing import NamedTuple, Sequence
 import pyarrow.fs as pafs
 import torch
 
-from kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
+from kvmesh.kvstore.hashing import (FINGERPRINT_MIN_CHARS, NAMESPACE_RE, check_fingerprint, hash_hex, parse_hash_hex,
                              store_namespace)
-from kvstore.index import PrefixIndex
-from kvstore.kv_events import KvEventPublisher
-from kvstore.log_once import LogOnce
-from kvstore.mac import StoreKey
-from kvstore.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
-from kvstore.quarantine import QUARANTINE_FILE, Quarantine
-from kvstore.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
+from kvmesh.kvstore.index.embedded import PrefixIndex
+from kvmesh.kvstore.index.kv_events import KvEventPublisher
+from kvmesh.kvstore.log_once import LogOnce
+from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.store.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
+from kvmesh.kvstore.store.quarantine import QUARANTINE_FILE, Quarantine
+from kvmesh.kvstore.store.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
                               read_whole, resolve_uri, write_atomic)
-from kvstore.tiers import CacheTier, RowTensors, Shapes, shapes_of
-from kvstore.timed_io import DEFAULT_READ_TIMEOUT_S, IoTimeoutError, TimedRunner
+from kvmesh.kvstore.store.tiers import CacheTier, RowTensors, Shapes, shapes_of
+from kvmesh.kvstore.timed_io import DEFAULT_READ_TIMEOUT_S, IoTimeoutError, TimedRunner
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class StoreStats(NamedTuple):
     read_errors: int = 0      # I/O errors, wrong file types, timeouts
     timeouts: int = 0
     quarantined: int = 0      # unusable objects that could not be removed
-    scrub_ok: int = 0         # scrubbed objects (kvstore.scrub) found sound ...
+    scrub_ok: int = 0         # scrubbed objects (kvstore.store.scrub) found sound ...
     scrub_removed: int = 0    # ... found unusable and removed (stale temp files too) ...
     scrub_quarantined: int = 0  # ... or quarantined (not removable, or a hung read)
     scrub_passes: int = 0
@@ -238,7 +238,7 @@ class ObjectStore(CacheTier):
 
     def attach_events(self, events: KvEventPublisher | None) -> None:
         """Push this process's block puts and removals to ``events`` as the store tier (routing:
-        kvstore/kv_events.py), next to what the index is told."""
+        kvstore/index/kv_events.py), next to what the index is told."""
         self._events = events
 
     def _say_trust(self, uri: str) -> None:
@@ -390,7 +390,7 @@ class ObjectStore(CacheTier):
 
     def get_many(self, kind: str, hashes: Sequence[int], expect: Shapes | None = None
                  ) -> list[RowTensors | dict[str, torch.Tensor] | None]:
-        """The tier interface's read (kvstore.tiers). Blocks are read in one pass into the
+        """The tier interface's read (kvstore.store.tiers). Blocks are read in one pass into the
         rows of one tensor (`RowTensors`, valid until the next get_many: they view a reused
         staging buffer); checkpoints are read whole. An object that does not fit `expect` is
         rejected (counted corrupt, removed). Raises IoTimeoutError when a read hangs (the
@@ -564,7 +564,7 @@ class ObjectStore(CacheTier):
                 self._counters[name] += n
 
     def record_scrub(self, ok: int, removed: int, quarantined: int, seconds: float) -> None:
-        """Count one scrub pass (kvstore.scrub) in `stats`."""
+        """Count one scrub pass (kvstore.store.scrub) in `stats`."""
         with self._lock:
             for name, n in (("scrub_ok", ok), ("scrub_removed", removed), ("scrub_quarantined", quarantined),
                             ("scrub_passes", 1)):
