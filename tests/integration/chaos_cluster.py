@@ -44,6 +44,9 @@ HTTP_PORT = 8000
 RAY_START_S = 180.0
 ERROR_KEYS = {"message", "type", "param", "code"}
 ERROR_PAUSE_S = 0.5
+# no log monitor streams the workers' logs to drivers (no test reads them there; they stay in each
+# host's /tmp/ray/session_*/logs): ~1.2 CPU-s a node (tests/integration/conftest.py's HEAD too)
+NO_LOG_MONITOR = "--include-log-monitor=false --disable-usage-stats"
 
 
 def host_env(python_bin: Path) -> str:
@@ -69,11 +72,11 @@ class RayOnHosts:
         `pools`: pools whose replicas the head hosts too (a `kvmesh_<pool>` resource each)."""
         resources = json.dumps({f"kvmesh_{p}": 1 for p in ("head", *pools)})
         self.ssh(self.head, f"{env} ray start --head --port={RAY_PORT} --num-cpus=1 --object-store-memory=80000000 "
-                            f"--resources='{resources}' --dashboard-host=127.0.0.1 --disable-usage-stats")
+                            f"--resources='{resources}' --dashboard-host=127.0.0.1 {NO_LOG_MONITOR}")
 
     def join(self, ip: str, pool: str) -> None:
         self.ssh(ip, f"ray start --address={self.head}:{RAY_PORT} --num-cpus=1 --object-store-memory=80000000 "
-                     f"--resources='{{\"kvmesh_{pool}\": 1}}' --disable-usage-stats")
+                     f"--resources='{{\"kvmesh_{pool}\": 1}}' {NO_LOG_MONITOR}")
 
     def join_all(self, pools: dict[str, str]) -> None:
         with ThreadPoolExecutor(len(pools)) as ex:

@@ -26,7 +26,10 @@ from tests.local_serve import LocalServe
 SHARED = "local_serve"
 HEAD = {"num_cpus": 4,                       # logical: every module's replicas (0.1-0.25 each) fit
         "resources": {"kvmesh_prefill": 1},  # test_serve_reuse pins one prefill replica per node
-        "object_store_memory": 1 << 30, "include_dashboard": False}
+        "object_store_memory": 1 << 30, "include_dashboard": False,
+        # no process tails the workers' log files to stream them to the driver: no test reads them
+        # there, and they stay in /tmp/ray/session_*/logs (a log monitor is ~1.2 CPU-s a node)
+        "include_log_monitor": False}
 
 
 class SessionServe:

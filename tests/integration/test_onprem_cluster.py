@@ -102,8 +102,10 @@ class Launcher:
             (home / "kvmesh").mkdir()
             (home / "kvmesh" / ".venv").symlink_to(venv)
             # `ray down` stops the head; a worker's raylet exits once the GCS is gone this long,
-            # then the config's watch loop stops the rest of the worker (Ray's default: 60 s)
-            (home / ".bashrc").write_text(f"export RAY_gcs_rpc_server_reconnect_timeout_s={GCS_GONE_S}\n")
+            # then the config's watch loop stops the rest of the worker (Ray's default: 60 s).
+            # The head's autoscaler looks for machines to launch every second (its default: 5 s).
+            (home / ".bashrc").write_text(f"export RAY_gcs_rpc_server_reconnect_timeout_s={GCS_GONE_S} "
+                                          "AUTOSCALER_UPDATE_INTERVAL_S=1\n")
 
     def run(self, *args: str, timeout: float = 900) -> str:
         with open(self.log, "a") as log:
