@@ -8,15 +8,15 @@ repository root (DESIGN.md §6) and are mapped here by setuptools' `package-dir`
     kvmesh.kernels   <- kernels/    attention, compressor, indexer, quant ops (torch reference, Triton)
     kvmesh.kvstore   <- kvstore/    the cache below the engine: device memory, store, index, transfers
 
-An installed wheel holds them as `kvmesh/cluster/...`. From a checkout (an editable install, `python -m`
-in the repository root, or the root on PYTHONPATH as the `ray up` configs set it) the same names resolve
-to the root folders: this package's path then also holds the repository root, so `kvmesh.cluster` is
-`<root>/cluster`. No other top-level name is ever claimed (`kernels` is Hugging Face's package).
+An installed wheel holds them as `kvmesh/cluster/...`. From a checkout (an editable install, or
+`python -m` in the repository root) the same names resolve to the root folders: this package's path
+then also holds the repository root, so `kvmesh.cluster` is `<root>/cluster`. No other top-level name
+is ever claimed (`kernels` is Hugging Face's package).
 """
 import os as _os
 
 __version__ = "0.1.0"
 
 _ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _os.path.isfile(_os.path.join(_ROOT, "kvstore", "__init__.py")):
+if all(_os.path.isfile(_os.path.join(_ROOT, *f)) for f in (("pyproject.toml",), ("kvstore", "__init__.py"))):
     __path__.append(_ROOT)      # a checkout: kvmesh.cluster -> <root>/cluster (an installed wheel never has this)

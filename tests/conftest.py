@@ -182,9 +182,12 @@ def _lanes_groups_file(config: pytest.Config) -> str:
 
 
 def pytest_configure_node(node) -> None:
-    """xdist (controller): tell each worker where to write its modules' groups."""
+    """xdist (controller): tell each worker where to write its modules' groups, and where the
+    clean install's venv is being built."""
+    from tests.integration.clean_install import WORKERINPUT
     from tests.lanes import GROUPS_FILE
     node.workerinput[GROUPS_FILE] = _lanes_groups_file(node.config)
+    node.workerinput[WORKERINPUT] = getattr(node.config, "_kvmesh_clean_install", "")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
@@ -192,3 +195,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         return None                     # xdist's own scheduler for any other --dist
     from tests.lanes import LaneScheduling
     return LaneScheduling(config, log, _lanes_groups_file(config))
+
+
+# ---------------------------------------------------------------------------------
+# packaging: test_clean_install's fresh venv is built in the background from the session's
+# start, by the controller (or pytest alone), and removed at the session's end
+# (tests/integration/clean_install.py).
+# ---------------------------------------------------------------------------------
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return                          # an xdist worker: the controller started it
+    from tests.integration.clean_install import BackgroundInstall, wanted
+    if wanted(config):
+        build = BackgroundInstall.start()
+        config._kvmesh_clean_install = str(build.folder)
+        config.add_cleanup(build.stop)

@@ -7,23 +7,20 @@ HF's package importable throughout. kvmesh installs one top-level name, `kvmesh`
 
 Only the CPU torch wheel that lies on this machine's disk is installed first (as scripts/setup.sh
 does), so pip never pulls a CUDA build; everything else comes from the package index (pip's cache
-after the first run)."""
+after the first run). The venv is built in the background while other tests run
+(tests/integration/clean_install.py)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCH = "torch==2.13.0"          # the CPU build on this machine's disk (scripts/setup.sh's default)
+from tests.integration.clean_install import venv_for
+
 PROMPTS = ["The king said to his servants,", "In the beginning"]
 PIP_TIMEOUT_S = 900
-IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache",
-                                ".hypothesis", ".kvmesh", "bench", "tests", "docs")
 
 pytestmark = pytest.mark.slow
 
@@ -35,17 +32,13 @@ def run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> Path:
-    """A fresh venv with the checkout installed as a user would: `pip install <checkout>`, no pins."""
-    base = tmp_path_factory.mktemp("clean-install")
-    source = base / "kvmesh-src"                 # a copy: the build writes build/ and egg-info there
-    shutil.copytree(ROOT, source, ignore=IGNORE)
-    env = base / "v"
-    run([sys.executable, "-m", "venv", str(env)], base)
-    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
-    run(pip + [TORCH], base, PIP_TIMEOUT_S)
-    run(pip + [str(source)], base, PIP_TIMEOUT_S)
-    return env
+def venv(request) -> Path:
+    """A fresh venv with the checkout installed as a user would: `pip install <checkout>`, no pins
+    (tests/integration/clean_install.py: built in the background from the session's start)."""
+    env, own = venv_for(request.config, PIP_TIMEOUT_S)
+    yield env
+    if own is not None:
+        own.stop()
 
 
 def site_packages(env: Path) -> Path:

@@ -147,19 +147,23 @@ def test_a_package_file_map_names_each_of_its_modules_and_subpackages(package):
     assert not missing, f"{package}/__init__.py's file map does not name {missing}"
 
 
+def tree(root: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    """The four packages under `root`, then `files` ({path: source}; their folders become
+    packages), and the import graph of it all."""
+    for path in list(PACKAGES) + [str(Path(f).parent) for f in files]:
+        (root / path).mkdir(parents=True, exist_ok=True)
+        (root / path / "__init__.py").touch()
+    for path, source in files.items():
+        (root / path).write_text(source)
+    return import_graph(root)
+
+
 def test_the_checker_finds_a_ring_between_subpackages(tmp_path):
     """The checker itself: openai -> chat and chat -> openai through two different modules is no
     module ring, but it is a subpackage ring."""
-    for top in PACKAGES:
-        (tmp_path / top).mkdir()
-        (tmp_path / top / "__init__.py").write_text("")
-    for sub in ("openai", "chat"):
-        (tmp_path / "cluster" / sub).mkdir()
-        (tmp_path / "cluster" / sub / "__init__.py").write_text("")
-    (tmp_path / "cluster" / "openai" / "ingress.py").write_text("from kvmesh.cluster.chat.template import render\n")
-    (tmp_path / "cluster" / "chat" / "template.py").write_text("def render():\n    from ..openai import protocol\n")
-    (tmp_path / "cluster" / "openai" / "protocol.py").write_text("")
-    g = import_graph(tmp_path)
+    g = tree(tmp_path, {"cluster/openai/ingress.py": "from kvmesh.cluster.chat.template import render\n",
+                        "cluster/chat/template.py": "def render():\n    from ..openai import protocol\n",
+                        "cluster/openai/protocol.py": ""})
     assert rings(g) == []
     assert rings(package_graph(g)) == [["kvmesh.cluster.chat", "kvmesh.cluster.openai"]]
 
@@ -167,17 +171,10 @@ def test_the_checker_finds_a_ring_between_subpackages(tmp_path):
 def test_the_checker_finds_a_ring_between_kvstore_subpackages(tmp_path):
     """The checker itself, on kvstore's cut: store -> index is allowed, and an index module that
     reaches back into the store (a relative import inside a function) closes a subpackage ring."""
-    for top in PACKAGES:
-        (tmp_path / top).mkdir()
-        (tmp_path / top / "__init__.py").write_text("")
-    for sub in ("store", "index"):
-        (tmp_path / "kvstore" / sub).mkdir()
-        (tmp_path / "kvstore" / sub / "__init__.py").write_text("")
-    (tmp_path / "kvstore" / "store" / "object_store.py").write_text("from kvmesh.kvstore.index.embedded import X\n")
-    (tmp_path / "kvstore" / "index" / "embedded.py").write_text("X = 1\n")
-    (tmp_path / "kvstore" / "index" / "redis_index.py").write_text("def f():\n    from ..store import objects\n")
-    (tmp_path / "kvstore" / "store" / "objects.py").write_text("")
-    g = import_graph(tmp_path)
+    g = tree(tmp_path, {"kvstore/store/object_store.py": "from kvmesh.kvstore.index.embedded import X\n",
+                        "kvstore/index/embedded.py": "X = 1\n",
+                        "kvstore/index/redis_index.py": "def f():\n    from ..store import objects\n",
+                        "kvstore/store/objects.py": ""})
     assert rings(g) == []
     assert rings(package_graph(g)) == [["kvmesh.kvstore.index", "kvmesh.kvstore.store"]]
 
