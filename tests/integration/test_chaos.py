@@ -119,16 +119,19 @@ class Cluster:
             self.hosts.netns(ip, "iptables", "-F")
             self.hosts.netns(ip, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
 
-    def kill_when_busy(self, ip: str, pool: str, within_s: float = 30.0) -> str:
-        """SIGKILL every process of host `ip` as soon as its `pool` replica has requests in
-        flight (so the kill cuts them); what it had in flight then."""
+    def kill_when_busy(self, ip: str, pool: str, states: tuple[str, ...] = ("running", "waiting"),
+                       within_s: float = 30.0) -> str:
+        """SIGKILL every process of host `ip` as soon as its `pool` replica has requests in one of
+        `states` (so the kill cuts them); what it had in flight then. The decode scenario waits for
+        `running` ones, streams in progress: once, a kill with 2 running or waiting on the decode host
+        cut no stream and caused no retry (all 26 answers correct; the cause is not known)."""
         mine = [w for w, (_, host) in self.ray.replicas().items() if host == ip]
         deadline, busy = time.monotonic() + within_s, 0
         while time.monotonic() < deadline and not busy:
             m = scrape(self.url)
-            busy = sum(per_worker(m, name, pool).get(w, 0) for w in mine for name in ("running", "waiting"))
+            busy = sum(per_worker(m, name, pool).get(w, 0) for w in mine for name in states)
         self.hosts.kill(ip)
-        return f"{busy:.0f} in flight on it"
+        return f"{busy:.0f} {'/'.join(states)} on it"
 
 
 def not_correct(outcomes: list) -> list[str]:
@@ -422,14 +425,15 @@ def by_mode(outcomes, t0: float) -> str:
     return "; ".join(parts)
 
 
-def kill_host_under_load(cluster: Cluster, pool: str, fault: str, before_s: float, clients: int, kind: str):
+def kill_host_under_load(cluster: Cluster, pool: str, fault: str, before_s: float, clients: int, kind: str,
+                         states: tuple[str, ...] = ("running", "waiting")):
     """Kill the first host of `pool` (every process, SIGKILL) while its replica has requests in
-    flight, under load; (outcomes, its row, the retries it caused)."""
+    `states`, under load; (outcomes, its row, the retries it caused)."""
     hosts = cluster.prefill if pool == "prefill" else cluster.decode
     victim = hosts[0]
     ranks = RANKS_PER_HOST
     known = event_counts(scrape(cluster.url))
-    outcomes, t0, _, busy, before = run_load(cluster, before_s, lambda: cluster.kill_when_busy(victim, pool), 12,
+    outcomes, t0, _, busy, before = run_load(cluster, before_s, lambda: cluster.kill_when_busy(victim, pool, states), 12,
                                              clients=clients, kind=kind)
     hosts.remove(victim)
     held = cluster.settle()
@@ -457,7 +461,7 @@ def test_decode_host_killed_with_streams_open_ends_or_finishes_them_and_the_othe
     wait_ready(cluster, 1, 2)
     # 96-token answers: the kill finds streams open; a retry resumes one as a greedy continuation
     _, r, retries = kill_host_under_load(cluster, "decode", "decode host killed (SIGKILL all), streams open", 3, 3,
-                                         "long")
+                                         "long", states=("running",))
     assert retries + r.clean > 0, "the kill cut no stream"
 
 
