@@ -23,16 +23,19 @@ from kvmesh.cluster.errors import APIError, bad_request
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64
+# Every request model: unknown fields and loose types refused; NaN and ±Infinity (JSON extensions
+# Python's parser takes) are refused as "a finite number", not by a bound they do not break.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
     name: str = "schema"
     description: str | None = None
     schema_: dict = Field(alias="schema")
@@ -40,13 +43,13 @@ class JsonSchema(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -178,7 +181,7 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
@@ -207,7 +210,7 @@ def json_object_text(text: str | None) -> str | None:
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME)
     arguments: str | None = None          # JSON text of an object, as OpenAI sends it back
 
@@ -218,14 +221,14 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -251,7 +254,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None
@@ -259,24 +262,24 @@ class FunctionSpec(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     type: Literal["function"]
     function: FunctionSpec
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     type: Literal["function"]
     function: NamedFunction
 
 
 class ThinkingSwitch(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     type: Literal["enabled", "disabled"]
 
 
@@ -376,7 +379,7 @@ class ChatCompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered as the chat request would render
     them (the same chat fields)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -408,7 +411,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     model: str | None = None
     tokens: list[int]
 
@@ -431,6 +434,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
             raise bad_request(f"the request body is not valid JSON: {err['msg']}") from None
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
         if param and param.split(".")[0] == "prompt" and err["type"] != "missing":
+            batch = next((x["ctx"]["actual_length"] for x in e.errors()
+                          if x["type"] == "too_long" and x["loc"][0] == "prompt"), None)
+            if batch is not None:       # a list of prompts, each well formed or not, is too long
+                raise bad_request(f"prompt: a batch holds at most {MAX_PROMPTS} prompts, got {batch}",
+                                  "prompt") from None
             raise bad_request("prompt: must be a non-empty string or a non-empty list of integer token ids",
                               "prompt") from None
         if err["type"] == "extra_forbidden":

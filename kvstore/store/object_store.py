@@ -196,7 +196,8 @@ class ObjectStore(CacheTier):
             self._quarantine = Quarantine(self._fs, self._dir, self._warn)
         except OSError as e:
             raise StoreUnavailableError(f"store {uri}: cannot use {self._dir}: {e}") from e
-        self._say_trust(uri)
+        if namespace is None:       # serving, not a tool listing or trimming a namespace (`kvmesh store`)
+            self._say_trust(uri)
         if index is not None:
             self.attach_index(index)
         self._scan()

@@ -355,6 +355,26 @@ def test_store_cli_stats_ls_and_gc(tmp_path: Path) -> None:
     assert len(ObjectStore(root, FP).list("block")) == 1
 
 
+def test_store_cli_with_the_key_set_never_warns_that_the_store_has_no_key(tmp_path, monkeypatch, caplog) -> None:
+    """`kvmesh store` opens namespaces by name, without reading what serving reads: the serving
+    warning ("store ... has no key ... anyone who can write to it controls outputs") is not its
+    to give, with $KVMESH_STORE_KEY set or not; a serving store without a key still gives it."""
+    import logging
+    from kvmesh.kvstore.store import object_store
+    secret = "k" * 32
+    root = str(tmp_path / "store")
+    ObjectStore(root, FP, key=StoreKey(secret)).put("block", HS[0], None, 4, _tensors())
+    monkeypatch.setenv("KVMESH_STORE_KEY", secret)
+    monkeypatch.setattr(object_store, "_trust_warned", False)
+    with caplog.at_level(logging.WARNING, logger=object_store.log.name):
+        for command in ("stats", "ls", "scrub"):
+            assert _cli("store", command, "--store", root)[0] == 0
+        assert _cli("store", "gc", "--store", root, "--capacity", "1")[0] == 0
+        assert not [r for r in caplog.records if "has no key" in r.getMessage()], caplog.text
+        ObjectStore(root, FP)               # serving without a key
+    assert [r for r in caplog.records if "has no key" in r.getMessage()], caplog.text
+
+
 @pytest.mark.slow     # a CLI subprocess
 def test_store_cli_runs_as_a_module(tmp_path: Path) -> None:
     store, _ = _store(tmp_path)

@@ -99,3 +99,72 @@ def test_every_malformed_chat_body_is_a_400_naming_a_field_and_no_other_error(ba
                     assert e.status == 400 and e.param, (path, value, model.__name__, e.message)
                     outcomes["refused"] += 1
     assert outcomes["accepted"] > 20 and outcomes["refused"] > 100, outcomes
+
+
+# ---- fuzzed sampling parameters: every 400 names the field and the rule the value breaks ---------
+FUZZ_VALUES = [float("nan"), float("inf"), float("-inf"), -1e9, -2.5, -1, 0, 0.5, 1, 1.5, 17, 21, 100.5, 1e9,
+               True, "1", None, [], {}]
+
+
+def _rule_broken(field, value) -> str | None:
+    """What a request model must say about `value` for `field` (its bounds and type), or None
+    when the value is valid for the field alone."""
+    import math
+    from annotated_types import Ge, Gt, Le, Lt
+    info = CompletionRequest.model_fields[field]
+    integer = "int" in str(info.annotation)
+    if value is None:
+        return None if "None" in str(info.annotation) else "valid"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "valid"                       # "Input should be a valid integer / number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "finite" if not integer else "valid"
+    if integer and value != int(value) or integer and isinstance(value, float) and not value.is_integer():
+        return "valid"
+    if integer and isinstance(value, float):
+        return "valid"                       # strict: 1.0 is no integer
+    for bound in info.metadata:
+        broken = {Ge: lambda b: value < b.ge and f"greater than or equal to {b.ge:g}",     # 0.0 reads "0"
+                  Gt: lambda b: value <= b.gt and f"greater than {b.gt:g}",
+                  Le: lambda b: value > b.le and f"less than or equal to {b.le:g}",
+                  Lt: lambda b: value >= b.lt and f"less than {b.lt:g}"}[type(bound)](bound)
+        if broken:
+            return broken
+    return None
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "temperature", "top_p", "top_k", "n", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logprobs",
+                                   "best_of"])
+def test_every_fuzzed_sampling_parameter_is_accepted_or_a_400_naming_the_field_and_its_rule(field):
+    refused = 0
+    for value in FUZZ_VALUES:
+        raw = json.dumps({"prompt": "x", "max_tokens": 32, field: value}, allow_nan=True).encode()
+        rule = _rule_broken(field, value)
+        try:
+            parse_body(raw, CompletionRequest)
+        except APIError as e:
+            refused += 1
+            assert e.status == 400 and e.param == field and e.message.startswith(f"{field}: "), (value, e.message)
+            if rule is not None:        # the value alone breaks this rule: the message says which
+                assert rule in e.message, (field, value, rule, e.message)
+            else:                       # valid alone: refused by a rule across fields, which names both
+                assert "max_tokens" in e.message or "n" in e.message, (field, value, e.message)
+        else:
+            assert rule is None, (field, value, rule)
+    assert refused >= 6, refused
+
+
+def test_a_batch_over_the_prompt_limit_says_so_and_a_bad_prompt_says_what_a_prompt_is():
+    from kvmesh.cluster.openai.protocol import MAX_PROMPTS
+    for prompt in (["a"] * 1000, [[1]] * (MAX_PROMPTS + 1)):
+        with pytest.raises(APIError) as e:
+            parse_body(json.dumps({"prompt": prompt}).encode(), CompletionRequest)
+        assert e.value.param == "prompt" and \
+            e.value.message == f"prompt: a batch holds at most {MAX_PROMPTS} prompts, got {len(prompt)}"
+    assert len(parse_body(json.dumps({"prompt": ["a"] * MAX_PROMPTS}).encode(), CompletionRequest).prompt) \
+        == MAX_PROMPTS
+    for prompt in ([], "", [[]], [1, "a"]):
+        with pytest.raises(APIError) as e:
+            parse_body(json.dumps({"prompt": prompt}).encode(), CompletionRequest)
+        assert "must be a non-empty string or a non-empty list of integer token ids" in e.value.message
