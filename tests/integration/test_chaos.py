@@ -46,7 +46,7 @@ from tests.integration.chaos_cluster import (
 from tests.integration.onprem_hosts import Hosts
 from tests.integration.test_onprem_cluster import require_namespaces
 
-pytestmark = pytest.mark.slow     # a cluster of namespace hosts, like test_onprem_cluster.py
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]     # a cluster of namespace hosts, like test_onprem_cluster.py
 
 RELEASE_TIMEOUT_S = 4.0         # handoff.release_timeout_s: the NIXL READ's and the held cache's timeout
 MAX_TOKENS = 16

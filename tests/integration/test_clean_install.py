@@ -22,7 +22,7 @@ from tests.integration.clean_install import venv_for
 PROMPTS = ["The king said to his servants,", "In the beginning"]
 PIP_TIMEOUT_S = 900
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

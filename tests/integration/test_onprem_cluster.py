@@ -28,7 +28,7 @@ from tests.integration.onprem_hosts import Hosts, HostsUnavailable, check_prereq
 from tests.integration.test_serve_fake_cluster import stop_cluster
 from tests.local_serve import small_config
 
-pytestmark = pytest.mark.slow     # network-namespace hosts with their own sshd
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]     # network-namespace hosts with their own sshd
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_WITHIN_S = 600.0

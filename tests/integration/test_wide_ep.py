@@ -34,7 +34,7 @@ from tests.integration.chaos_cluster import (
 from tests.integration.onprem_hosts import Hosts
 from tests.integration.test_onprem_cluster import require_namespaces
 
-pytestmark = pytest.mark.slow     # a cluster of namespace hosts, like test_chaos.py
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]     # a cluster of namespace hosts, like test_chaos.py
 
 MAX_TOKENS = 24
 LONG_TOKENS = 64
