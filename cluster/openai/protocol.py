@@ -429,12 +429,13 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        err = errors[0]
         if err["type"] == "json_invalid":
             raise bad_request(f"the request body is not valid JSON: {err['msg']}") from None
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
         if param and param.split(".")[0] == "prompt" and err["type"] != "missing":
-            batch = next((x["ctx"]["actual_length"] for x in e.errors()
+            batch = next((x["ctx"]["actual_length"] for x in errors
                           if x["type"] == "too_long" and x["loc"][0] == "prompt"), None)
             if batch is not None:       # a list of prompts, each well formed or not, is too long
                 raise bad_request(f"prompt: a batch holds at most {MAX_PROMPTS} prompts, got {batch}",

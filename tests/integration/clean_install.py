@@ -28,9 +28,9 @@ IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "build", "dist",
 # a user's two commands, no pins: the CPU torch first (so pip never takes a CUDA build), then kvmesh
 SCRIPT = """set -e
 "$PY" -m venv "$DIR/v"
-PIP='"$DIR/v/bin/python" -m pip install -q --no-compile --disable-pip-version-check'
-eval "$PIP $TORCH"
-eval "$PIP \\"$DIR/kvmesh-src\\""
+pip() { "$DIR/v/bin/python" -m pip install -q --no-compile --disable-pip-version-check "$@"; }
+pip "$TORCH"
+pip "$DIR/kvmesh-src"
 """
 WORKERINPUT = "kvmesh_clean_install_dir"
 

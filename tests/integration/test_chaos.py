@@ -48,6 +48,7 @@ from tests.integration.test_onprem_cluster import require_namespaces
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]     # a cluster of namespace hosts, like test_onprem_cluster.py
 
+IN_FLIGHT = ("running", "waiting")     # a replica's requests a host kill may cut (/metrics per-worker gauges)
 RELEASE_TIMEOUT_S = 4.0         # handoff.release_timeout_s: the NIXL READ's and the held cache's timeout
 MAX_TOKENS = 16
 LONG_TOKENS = 96
@@ -119,7 +120,7 @@ class Cluster:
             self.hosts.netns(ip, "iptables", "-F")
             self.hosts.netns(ip, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
 
-    def kill_when_busy(self, ip: str, pool: str, states: tuple[str, ...] = ("running", "waiting"),
+    def kill_when_busy(self, ip: str, pool: str, states: tuple[str, ...] = IN_FLIGHT,
                        within_s: float = 30.0) -> str:
         """SIGKILL every process of host `ip` as soon as its `pool` replica has requests in one of
         `states` (so the kill cuts them); what it had in flight then. The decode scenario waits for
@@ -426,7 +427,7 @@ def by_mode(outcomes, t0: float) -> str:
 
 
 def kill_host_under_load(cluster: Cluster, pool: str, fault: str, before_s: float, clients: int, kind: str,
-                         states: tuple[str, ...] = ("running", "waiting")):
+                         states: tuple[str, ...] = IN_FLIGHT):
     """Kill the first host of `pool` (every process, SIGKILL) while its replica has requests in
     `states`, under load; (outcomes, its row, the retries it caused)."""
     hosts = cluster.prefill if pool == "prefill" else cluster.decode
