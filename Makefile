@@ -1,6 +1,11 @@
 # The two commands of the README: `make serve` and `make test`. Both set up .venv first.
 .PHONY: setup serve test test-fast bench gpu-check
 
+# Every process writes the .pyc of what it imports the first time (scripts/setup.sh compiles only
+# torch): with PYTHONDONTWRITEBYTECODE set, as on this project's machines, each Ray worker, replica
+# and CLI would compile Ray, transformers and kvmesh from source every time it starts.
+unexport PYTHONDONTWRITEBYTECODE
+
 setup:
 	./scripts/setup.sh
 
