@@ -34,7 +34,7 @@ import httpx
 import redis
 import yaml
 
-from tests.conftest import REDIS_SERVER_BINARY, PrivateRedis
+from tests.conftest import REDIS_SERVER_BINARY, SERVE_SETTINGS, PrivateRedis
 from tests.helpers import stream_items
 from tests.integration.onprem_hosts import Hosts
 
@@ -51,7 +51,8 @@ NO_LOG_MONITOR = "--include-log-monitor=false --disable-usage-stats"
 
 def host_env(python_bin: Path) -> str:
     return (f"cd {ROOT} && export PATH={python_bin}:$PATH PYTHONPATH={ROOT} OMP_NUM_THREADS=1 UCX_TLS=tcp "
-            f"RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_LOG_TO_STDERR=0 REPORTER_UPDATE_INTERVAL_MS=60000; ")  # see tests/conftest.py
+            f"RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_LOG_TO_STDERR=0 REPORTER_UPDATE_INTERVAL_MS=60000 "
+            + " ".join(f"{k}={v}" for k, v in SERVE_SETTINGS.items()) + "; ")  # see tests/conftest.py
 
 
 class RayOnHosts:
