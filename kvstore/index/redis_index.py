@@ -65,7 +65,9 @@ with an error reply (READONLY after a failover, OOM under `noeviction`, LOADING,
 BUSY, ...) no method raises. `lookup` returns an empty result and writes are dropped; one warning
 is logged per outage; further calls are skipped (not attempted) until an
 exponentially growing backoff deadline passes, then one call probes Redis and,
-if it answers, everything resumes. Dropped publishes are not replayed: the
+if it answers, everything resumes. Each wait is drawn between half the backoff and
+all of it ("equal jitter"), so the replicas that lost Redis together do not all
+probe it again in the same instant. Dropped publishes are not replayed: the
 store is the truth and a miss only costs recompute (`rebuild_from` re-publishes).
 The URL's password never reaches a log line (`kvmesh.kvstore.redact`).
 """
@@ -73,6 +75,7 @@ The URL's password never reaches a log line (`kvmesh.kvstore.redact`).
 from __future__ import annotations
 
 import logging
+import random
 import struct
 import threading
 import time
@@ -388,8 +391,8 @@ def _chain_fields(hashes: Sequence[int]) -> bytes:
 class RedisIndex(PrefixIndex):
     """PrefixIndex over a Redis server; never raises into the caller when Redis is down.
 
-    `clock` (monotonic seconds) only paces the reconnect backoff; leases use
-    the server clock. Thread-safe: redis-py's pool is, and counters are locked.
+    `clock` (monotonic seconds) only paces the reconnect backoff and `rng` draws
+    its jitter; leases use the server clock. Thread-safe: redis-py's pool is, and counters are locked.
     """
 
     def __init__(
@@ -402,6 +405,7 @@ class RedisIndex(PrefixIndex):
         backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
         clock: Callable[[], float] = time.monotonic,
         namespace: str | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         super().__init__(fingerprint, namespace)
         if not 0 < backoff_initial_s <= backoff_max_s:
@@ -423,6 +427,7 @@ class RedisIndex(PrefixIndex):
         self._remove_memory_script = self._client.register_script(_REMOVE_MEMORY_LUA)
         self._lookup_script = self._client.register_script(_LOOKUP_LUA)
         self._clock = clock
+        self._rng = rng or random.Random()     # the backoff's jitter
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
@@ -460,8 +465,8 @@ class RedisIndex(PrefixIndex):
                 if first
                 else min(self._backoff_s * 2, self._backoff_max_s)
             )
-            self._retry_at = self._clock() + self._backoff_s
-            backoff = self._backoff_s
+            backoff = self._backoff_s * (0.5 + 0.5 * self._rng.random())     # equal jitter: [b/2, b)
+            self._retry_at = self._clock() + backoff
             new_cause = self._warned.first(f"{type(error).__name__}:{str(error).split(' ')[0]}")
             first = first and new_cause         # the outage's first fault, of a cause not warned about yet
         if first:

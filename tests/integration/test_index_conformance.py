@@ -440,6 +440,36 @@ def test_redis_backoff_skips_calls_until_the_deadline() -> None:
     index.close()
 
 
+def _waits(index: RedisIndex, clock: FakeClock, faults: int, step: float = 0.01) -> list[float]:
+    """The time from each failed probe to the next one, stepping the fake clock by `step`."""
+    hs = _chain(index.fingerprint, 1)
+    waits = []
+    index.lookup(hs)
+    for _ in range(faults):
+        errors, start = index.stats().errors, clock.now
+        while index.stats().errors == errors:
+            clock.now += step
+            index.lookup(hs)
+        waits.append(clock.now - start)
+    return waits
+
+
+def test_redis_backoff_waits_are_jittered_between_half_and_all_of_the_doubling_backoff() -> None:
+    import random
+    firsts = []
+    for seed in range(8):
+        clock = FakeClock()
+        index = RedisIndex("redis://127.0.0.1:1/0", _fingerprint(), socket_timeout_s=0.2, backoff_initial_s=0.4,
+                           backoff_max_s=1.6, clock=clock, rng=random.Random(seed))   # port 1: nothing listens
+        waits = _waits(index, clock, 5)
+        index.close()
+        for wait, backoff in zip(waits, (0.4, 0.8, 1.6, 1.6, 1.6)):    # doubling up to the cap
+            assert backoff / 2 - 0.011 <= wait <= backoff + 0.011, (seed, waits)
+        firsts.append(round(waits[0], 2))
+    # replicas that lost Redis at once probe it again at different times
+    assert len(set(firsts)) >= 5 and max(firsts) - min(firsts) >= 0.08, firsts
+
+
 def test_make_index_accepts_local_and_redis_specs_only(redis_server: str) -> None:
     fp = _fingerprint()
     assert isinstance(make_index("local", fp), EmbeddedIndex)
