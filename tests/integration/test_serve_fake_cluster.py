@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,7 @@ def fake_cluster():
         yield f"127.0.0.1:{gcs_port}"
     finally:
         stop_cluster(markers)
+        shutil.rmtree(temp_dir, ignore_errors=True)     # its config and Ray's session logs
 
 
 # Runs in a child process: Ray reads RAY_AUTH_MODE once per process, and clusters made by
