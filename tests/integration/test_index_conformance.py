@@ -4,6 +4,7 @@ fault behaviour: an outage is a miss, never an exception, and reuse resumes by i
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from typing import Callable, Iterator, NamedTuple
@@ -455,7 +456,6 @@ def _waits(index: RedisIndex, clock: FakeClock, faults: int, step: float = 0.01)
 
 
 def test_redis_backoff_waits_are_jittered_between_half_and_all_of_the_doubling_backoff() -> None:
-    import random
     firsts = []
     for seed in range(8):
         clock = FakeClock()
