@@ -86,7 +86,7 @@ class Ingress:
         locator = PrefixLocator(config.engine.index)
         metrics.routing.attach(locator)
         dispatch = Dispatcher(config.mode, pools, metrics, config.ingress.token_timeout_s,
-                              config.ingress.max_retries, locator.hint, config.ingress.prefill_s_per_1k_tokens,
+                              config.ingress.max_retries, locator.hint_async, config.ingress.prefill_s_per_1k_tokens,
                               locator.load_hint)
         self.ctx = ServingContext(
             model=ServedModel(config.ingress.model_name or model_dir.name, config.engine.model),

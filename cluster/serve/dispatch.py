@@ -17,7 +17,7 @@ import asyncio
 import logging
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from ray.exceptions import RayActorError
 
@@ -64,14 +64,18 @@ def prefill_budget_s(prompt_tokens: int, token_timeout_s: float, s_per_1k_tokens
     return token_timeout_s + prompt_tokens / 1000 * s_per_1k_tokens
 
 
+async def no_hint(_prompt: list[int]) -> RouteHint:
+    return RouteHint()
+
+
 class Dispatcher:
     def __init__(self, mode: str, pools: dict, metrics: Metrics, token_timeout_s: float, max_retries: int,
-                 prefix_hint: Callable[[list[int]], RouteHint] | None = None, prefill_s_per_1k_tokens: float = 0.0,
+                 prefix_hint: Callable[[list[int]], Awaitable[RouteHint]] | None = None, prefill_s_per_1k_tokens: float = 0.0,
                  load_hint: Callable[[], RouteHint] | None = None):
         self.mode, self.pools, self.metrics = mode, pools, metrics
         self.token_timeout_s, self.max_retries = token_timeout_s, max_retries
         self.prefill_s_per_1k_tokens = prefill_s_per_1k_tokens
-        self.prefix_hint = prefix_hint or (lambda _ids: RouteHint())
+        self.prefix_hint = prefix_hint or no_hint       # async: it must never block the ingress's loop
         self.load_hint = load_hint or RouteHint     # decode: the ranks' loads pushed since the prefix hint
         self.in_flight = {name: 0 for name in pools}
 
@@ -97,7 +101,7 @@ class Dispatcher:
                 self.metrics.retries.inc()
 
     async def _attempt(self, req: GenRequest) -> AsyncIterator[Chunk]:
-        hint = self.prefix_hint(req.prompt)
+        hint = await self.prefix_hint(req.prompt)
         budget = prefill_budget_s(len(req.prompt), self.token_timeout_s, self.prefill_s_per_1k_tokens)
         if self.mode == "colocated":
             async for chunk in self._stream("colocated", self.pools["colocated"].options(stream=True)

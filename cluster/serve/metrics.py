@@ -185,8 +185,9 @@ async def _await(response):
 
 class RoutingCounters:
     """A collector over the ingress's prefix locator, read at scrape time: how each hint was made
-    (`kvmesh_route_hints_total{source="events"|"index"}`: from the KV events in memory, or by an index
-    lookup) and the event index's counters (events applied, resyncs, snapshots, publishers expired,
+    (`kvmesh_route_hints_total{source=...}`: "events", from the KV events in memory; "index", by an index
+    lookup; "index_slow" / "index_busy", none, the lookup outlasting its budget or every lookup thread
+    busy, so routed by load) and the event index's counters (events applied, resyncs, snapshots, publishers expired,
     publishers known, those waiting for a snapshot, distinct blocks by tier)."""
 
     def __init__(self):

@@ -211,7 +211,7 @@ def routes_from_events(locator: PrefixLocator, fp: str, redis_server: str) -> No
     assert (hint.prompt_blocks, hint.block_tokens) == (4, 16)
     assert locator.load_hint().loads == {"r/dp0": 4.0}
     assert locator.index.stats().lookups == 1                           # no round trip this time
-    assert locator.hints == {"events": 1, "index": 1}
+    assert locator.hints == {"events": 1, "index": 1, "index_slow": 0, "index_busy": 0}
 
 
 def test_an_engine_under_eviction_publishes_exactly_what_its_pool_host_cache_and_store_hold(redis_server, tmp_path):
