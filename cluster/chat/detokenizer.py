@@ -14,10 +14,23 @@ class Detokenizer:
     Incremental: each `add` decodes only the new tokens plus a few of context (vLLM's
     prefix/read offsets) and searches for stop strings only in the text that could
     newly contain one, so a long output costs linear, not quadratic, time.
+
+    `stream` (a tokenizer's `decode_stream()`, e.g. `tokenizers`' DecodeStream for a
+    tokenizer.json; vLLM's fast detokenizer uses it) does that windowed decode natively:
+    `step(ids)` returns the new text, or None while there is none or it ends mid-character. Its
+    step is this class's algorithm over the same windows, so the text is the same; the offsets
+    are kept here either way (`finish` decodes the undecided tail with `decode`). One case it
+    cannot follow: a window whose text does not begin with its prefix's text (ByteFallback
+    turns a byte token that completed a character into U+FFFD once an invalid byte follows it in
+    the same run). DecodeStream raises there, and from then on `decode` does the work at the
+    same offsets, so the text stays what it was. (Only where such a window is no longer in
+    UTF-8 bytes but longer in characters than its prefix could the two differ without a raise:
+    DecodeStream measures bytes, `decode`'s path characters, which agree whenever one text
+    extends the other.)
     """
 
-    def __init__(self, decode, stops: list[str]):
-        self.decode, self.stops = decode, [s for s in stops if s]
+    def __init__(self, decode, stops: list[str], stream=None):
+        self.decode, self.stops, self._stream = decode, [s for s in stops if s], stream
         self.token_ids: list[int] = []
         self.stopped = False
         self._full = ""          # text of token_ids[:read_offset] (+ undecided tail kept out)
@@ -32,7 +45,7 @@ class Detokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         self.token_ids += token_ids
-        self._full += self._decode_new()
+        self._full += self._decode_new(token_ids)
         cut = self._stop_at()
         if cut is not None:
             self.stopped = True
@@ -48,8 +61,18 @@ class Detokenizer:
         self.stopped = cut is not None
         return self._send(len(self._full) if cut is None else cut)
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, token_ids: list[int]) -> str:
         """Text the tokens since the last commit add, once it no longer ends mid-character."""
+        if self._stream is not None:
+            try:
+                new = self._stream(token_ids)
+            except Exception:        # the window's text does not extend its prefix's: decode below
+                self._stream = None
+            else:
+                if new is None:
+                    return ""
+                self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+                return new
         prefix = self.decode(self.token_ids[self._prefix_offset:self._read_offset])
         new = self.decode(self.token_ids[self._prefix_offset:])
         if len(new) > len(prefix) and not new.endswith(REPLACEMENT):

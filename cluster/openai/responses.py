@@ -44,7 +44,8 @@ class Choice:
     def __init__(self, index: int, tokenizer, stops: list[str], echo: str = "",
                  stop_ids: frozenset[int] = frozenset(), fmt: ReplyFormat | None = None):
         self.index, self.echo, self.stop_ids = index, echo, stop_ids
-        self.detok = Detokenizer(tokenizer.decode_markup if fmt else tokenizer.decode, stops)
+        self.detok = Detokenizer(tokenizer.decode_markup if fmt else tokenizer.decode, stops,
+                                 tokenizer.decode_stream(markup=bool(fmt)))
         self.parser = ReplyParser(*fmt) if fmt else None
         self.reasoning, self.content = "", ""
         self.calls: list[ToolCall] = []

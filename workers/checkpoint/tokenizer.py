@@ -57,6 +57,11 @@ class Tokenizer:
         """Text with the format's markup tokens kept (`</think>`, ...), BOS/EOS/pad dropped."""
         return self.decode(ids)
 
+    def decode_stream(self, markup: bool = False):
+        """A native incremental decoder for `decode` (`decode_markup` if `markup`): a fresh
+        `step(ids) -> str | None` (cluster/chat/detokenizer.py), or None where there is none."""
+        return None
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes shifted past three special ids; ids beyond the byte range decode to nothing."""
@@ -148,6 +153,18 @@ class HFTokenizer(Tokenizer):
 
     def decode_markup(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in self._dropped], skip_special_tokens=False)
+
+    def decode_stream(self, markup: bool = False):
+        """`tokenizers`' DecodeStream: the detokenizer's prefix/read-offset windows decoded in Rust,
+        with what `decode` (`decode_markup`: BOS/EOS/pad dropped first) decodes."""
+        from tokenizers.decoders import DecodeStream
+        stream, tok, dropped = DecodeStream(skip_special_tokens=not markup), self._tok, self._dropped
+
+        def step(ids: list[int]) -> str | None:
+            if markup:
+                ids = [i for i in ids if i not in dropped]
+            return stream.step(tok, ids) if ids else None
+        return step
 
 
 def _model_type(model_dir: Path) -> str | None:
