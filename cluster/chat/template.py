@@ -11,6 +11,7 @@ message, then the assistant header the model continues from:
 """
 from __future__ import annotations
 
+import functools
 import json
 
 from kvmesh.cluster.chat import dsv4_encode
@@ -22,6 +23,24 @@ def plain_chat_prompt(messages: list[tuple[str, str]], add_generation_prompt: bo
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
+def _raise_exception(message):
+    raise ValueError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_template(template: str):
+    """The Jinja template compiled once per text, in its own sandboxed environment with
+    `raise_exception` and a `tojson` filter (transformers caches its compiled templates alike, an
+    lru_cache keyed by the text). A checkpoint has one template, so a few entries suffice; one
+    that fails to compile raises on every call (exceptions are not cached)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(template)
+
+
 def render_chat(template: str | None, messages: list[tuple[str, str]], add_generation_prompt: bool = True,
                 bos_token: str = "", eos_token: str = "", **template_kwargs) -> str:
     """The checkpoint's Jinja chat template rendered as transformers' `apply_chat_template`
@@ -29,16 +48,8 @@ def render_chat(template: str | None, messages: list[tuple[str, str]], add_gener
     `thinking` switch, over them), or the plain one."""
     if not template:
         return plain_chat_prompt(messages, add_generation_prompt)
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-
-    def raise_exception(message):
-        raise ValueError(message)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
     variables = {"bos_token": bos_token, "eos_token": eos_token, **template_kwargs}
-    return env.from_string(template).render(
+    return compiled_template(template).render(
         messages=[{"role": r, "content": c} for r, c in messages],
         add_generation_prompt=add_generation_prompt, **variables)
 

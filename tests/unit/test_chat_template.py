@@ -11,7 +11,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvmesh.cluster.openai.protocol import ChatCompletionRequest
-from kvmesh.cluster.chat.template import plain_chat_prompt, render_chat
+from kvmesh.cluster.chat.template import chat_prompt_ids, compiled_template, plain_chat_prompt, render_chat
+from kvmesh.cluster.errors import APIError
 from tests.helpers import random_prompt, tiny_engine, write_tiny_checkpoint
 from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
@@ -158,3 +159,29 @@ def test_checkpoint_chat_template_is_rendered_with_jinja():
     assert render_chat(template, [("user", "hi")]) == "[user]hi[bot]"
     with pytest.raises(ValueError):
         render_chat("{{ raise_exception('no system role') }}", [("system", "x")])
+
+
+def test_a_template_is_compiled_once_and_renders_the_same_text():
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content | tojson }}{% endfor %}{{ bos_token }}|compile-once"
+    before = compiled_template.cache_info()
+    texts = [render_chat(template, [("user", "hé \"x\"")], bos_token="<s>") for _ in range(2)]
+    after = compiled_template.cache_info()
+    assert texts[0] == texts[1] == '<user>"hé \\"x\\""<s>|compile-once'
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert after.maxsize is not None                  # bounded
+
+
+def test_a_cached_templates_raise_exception_is_still_the_same_400(tmp_path):
+    path = write_tokenizer(tmp_path)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    tok = load_tokenizer(path)
+    ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    refused = ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": "x"}]})
+    assert chat_prompt_ids(tok, ok) == tok.encode_rendered("hi")
+    for _ in range(2):                                    # compiled by the first render, then cached
+        with pytest.raises(APIError) as e:
+            chat_prompt_ids(tok, refused)
+        assert (e.value.status, e.value.param, e.value.message) == \
+            (400, "messages", "messages: the chat template refused them: no system role")
