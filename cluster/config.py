@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 import yaml
@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvmesh.workers.engine_config import EngineConfig, parse_bytes
+from kvmesh.workers.engine_config import EngineConfig, config_error, parse_bytes
 from kvmesh.workers.model.args import ConfigError
 
 MiB = 1 << 20
@@ -59,19 +59,29 @@ RENAMED = {"kv_cache_mb": "kv_cache_bytes", "store_capacity_mb": "store_capacity
 
 
 def _engine_fields(overrides: bool) -> dict[str, Any]:
-    """EngineConfig's fields as pydantic fields: the same names, types, defaults and help; the
-    checks stay in EngineConfig. `overrides`: no defaults (a pool's overrides of `engine`)."""
-    hints = get_type_hints(EngineConfig)
+    """EngineConfig's serve fields as pydantic model fields, taken from EngineConfig's own
+    (`__pydantic_fields__`): the same names, help, defaults and per-field rules (types with their
+    constraints and validators). `overrides` (a pool's `engine` key): no default and no rule here;
+    a pool's overrides are checked once merged into its engine (`ServeConfig.pool_engine`), by the
+    same rules, so they fail with the same messages."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
         if not f.metadata.get("serve", True):
             continue
-        kind = SecretStr | None if f.name == "store_key" else hints[f.name]
-        if f.metadata.get("unit") == "bytes":
-            kind = Annotated[kind, BeforeValidator(parse_bytes)]
-        default = SERVE_STORE if f.name == "store" else f.default
-        out[f.name] = (kind, Field(None if overrides else default, description=f.metadata.get("help")))
+        info = EngineConfig.__pydantic_fields__[f.name]
+        kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        if f.name == "store_key":           # a secret here; its length is checked by EngineConfig
+            kind = SecretStr | None
+        elif overrides:
+            kind = Any
+        default = None if overrides else SERVE_STORE if f.name == "store" else f.default
+        out[f.name] = (kind, Field(default, description=info.description))
     return out
+
+
+# EngineConfig's fields a pool sets (they size its placement group), not its `engine` key
+POOL_ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                         if not f.metadata.get("serve", True) and f.name != "worker_id")
 
 
 def _no_renamed_keys(data, where: str):
@@ -80,13 +90,35 @@ def _no_renamed_keys(data, where: str):
             if old in data:
                 raise ValueError(f"{where}{old} is now {where}{new}: sizes are bytes, written as a number or "
                                  f"with a suffix ({new}: {data[old]}MiB)")
+        for key in POOL_ENGINE_KEYS:
+            if key in data:
+                raise ValueError(f"{where}{key} is a pool's key, not an engine setting: prefill.{key}, "
+                                 f"decode.{key} or colocated.{key}")
     return data
 
 
+def _engine_message(e: ValidationError) -> str:
+    """`e` (an EngineSettings error) as EngineConfig words it: "EngineConfig.field: rule"."""
+    return str(config_error(e, "EngineConfig", EngineSettings.model_fields))
+
+
+# create_model, not `engine: EngineConfig`: the serve keys need a BaseModel (model_fields_set for a
+# pool's overrides, model_copy, model_dump) and differ from EngineConfig's fields (no worker_id or
+# parallel sizes, store_key a secret, store's default); the fields are EngineConfig's own
+# FieldInfos, so nothing here is a hand-kept copy of a type, a default or a rule.
 class EngineSettings(create_model("_EngineFields", __base__=_Strict, **_engine_fields(False))):
-    """The `engine` key: EngineConfig's fields (workers/engine_config.py), checked by it.
-    Serve-only differences: `store` defaults to ~/.cache/kvmesh/store, `store_key` is a
-    secret (default: $KVMESH_STORE_KEY of each worker), `worker_id` is each replica's id."""
+    """The `engine` key: EngineConfig's fields (workers/engine_config.py), checked by its rules,
+    errors worded as EngineConfig's ("EngineConfig.kv_cache_bytes: ..."). Serve-only differences:
+    `store` defaults to ~/.cache/kvmesh/store, `store_key` is a secret (default: $KVMESH_STORE_KEY
+    of each worker), `worker_id` is each replica's id."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _worded_as_engine_config(cls, data, handler):
+        try:
+            return handler(data)
+        except ValidationError as e:
+            raise ValueError(_engine_message(e)) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -99,11 +131,8 @@ class EngineSettings(create_model("_EngineFields", __base__=_Strict, **_engine_f
         return str(Path(v).expanduser()) if v and "://" not in v else v
 
     @model_validator(mode="after")
-    def _valid_engine_config(self):
-        try:
-            self.engine_config()
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+    def _valid_engine_config(self):     # the rules between fields (swa_policy and block_tokens, ...)
+        self.engine_config()
         return self
 
     def engine_config(self, worker_id: str | None = None) -> EngineConfig:
@@ -113,7 +142,8 @@ class EngineSettings(create_model("_EngineFields", __base__=_Strict, **_engine_f
 
 
 class EngineOverrides(create_model("_EngineOverrideFields", __base__=_Strict, **_engine_fields(True))):
-    """A pool's `engine` key: the engine settings this pool changes (only those given count)."""
+    """A pool's `engine` key: the engine settings this pool changes (only those given count),
+    checked merged into the pool's engine (`ServeConfig._valid_pool_engines`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -296,8 +326,8 @@ class ServeConfig(_Strict):
         for name in ("prefill", "decode", "colocated"):
             try:
                 self.pool_engine(getattr(self, name))
-            except ValidationError as e:
-                raise ValueError(f"{name}.engine: {e.errors()[0]['msg']}") from None
+            except ValidationError as e:     # the pool's engine overrides, by EngineConfig's rules
+                raise ValueError(f"{name}.engine: {_engine_message(e)}") from None
             except ConfigError as e:        # the pool's parallel sizes, as the engine checks them
                 raise ValueError(f"{name}: {e}") from None
         return self
