@@ -7,8 +7,14 @@ an endless run of blanks.
     compiler = GuideCompiler(tokenizer, vocab_size, eos_ids)
     guide = compiler.guide(("json_schema", schema_json))    # or ("json_object", ""); waits for the compile
     future = compiler.compile_async(spec)                   # never blocks: Guide(future.result(), V) once done
-    allowed = guide.allowed()        # bool [V]: the tokens the grammar accepts next
+    bits = token_bitmask(rows, V)    # one packed int32 [rows, ceil(V/32)] mask for a step's guided rows
+    guide.fill(bits, i)              # row i <- the tokens the grammar accepts next (xgrammar's fill)
+    apply_token_bitmask(logits, bits, [i, ...], V)   # one batched in-place op: refused tokens -> -inf
     guide.accept(token); guide.done  # True once the grammar is complete and a stop token was taken
+
+The sampler masks all guided rows of a step with one bitmask and one op, as vLLM and SGLang do
+(xgrammar's kernel on CUDA, its C++ loop on CPU); `Guide.allowed()` (a bool [V]) is for
+inspection and tests only.
 """
 from __future__ import annotations
 
@@ -35,17 +41,39 @@ class Guide:
         import xgrammar as xgr
         self.grammar, self.vocab_size = grammar, vocab_size
         self.matcher = xgr.GrammarMatcher(grammar)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def fresh(self) -> "Guide":
         """The same grammar from its start (an n > 1 fork's own state; no compile, no cache)."""
         return Guide(self.grammar, self.vocab_size)
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of a packed bitmask (token_bitmask) <- the tokens the grammar accepts next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_drafts(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        """Rows row .. row + len(draft) <- the masks after draft[:0], draft[:1], .. (a speculative
+        step's rows): the draft is accepted tentatively and rolled back, so the state is unchanged.
+        Rows after a draft token the grammar refuses, or after one that ends it, are left as they
+        are: row i is sampled only when draft[:i] was, and a refused draft token cannot be."""
+        taken = 0
+        try:
+            for i in range(len(draft) + 1):
+                self.matcher.fill_next_token_bitmask(bitmask, row + i)
+                if i == len(draft) or not self.matcher.accept_token(draft[i]):
+                    break
+                taken += 1
+                if self.matcher.is_terminated():
+                    break
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+
     def allowed(self) -> torch.Tensor:
-        self.matcher.fill_next_token_bitmask(self._bitmask, 0)
-        bits = (self._bitmask[0, :, None] >> self._bits) & 1        # [words, 32], little-endian bits
-        return bits.bool().reshape(-1)[:self.vocab_size]
+        """bool [V]: the tokens the grammar accepts next (inspection and tests; the sampler
+        uses the packed mask)."""
+        bits = token_bitmask(1, self.vocab_size)
+        self.fill(bits, 0)
+        return unpack_bitmask(bits, self.vocab_size)[0]
 
     def accept(self, token: int) -> None:
         if not self.matcher.is_terminated():
@@ -54,6 +82,45 @@ class Guide:
     @property
     def done(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A packed mask int32 [rows, ceil(vocab_size / 32)] on the host, every token allowed
+    (xgrammar's layout: bit j % 32 of word j // 32 is token j)."""
+    import xgrammar as xgr
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size] of a packed mask (little-endian bits)."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    return bits.bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+_BACKEND: list[str] = []       # xgrammar's backend for CUDA logits: "auto" (triton) unless it cannot load
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """In place: logits[r, t] = -inf for every row r in `rows` and token t that bitmask[r] refuses,
+    in one op for all rows (xgrammar's apply_token_bitmask_inplace: a kernel on CUDA, a C++
+    loop on CPU). Logit columns past `vocab_size` (a padded vocabulary) are refused too."""
+    import xgrammar as xgr
+    width = logits.shape[1]
+    bits = bitmask if bitmask.device == logits.device else bitmask.to(logits.device, non_blocking=True)
+    indices = None if len(rows) == logits.shape[0] == bitmask.shape[0] else rows
+    vocab = min(vocab_size, width)
+    if logits.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=vocab, indices=indices)
+    else:
+        if not _BACKEND:
+            try:
+                import triton  # noqa: F401    xgrammar's CUDA path is a triton kernel
+                _BACKEND.append("auto")
+            except ImportError:
+                _BACKEND.append("torch_native")
+        xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=vocab, indices=indices, backend=_BACKEND[0])
+    if width > vocab_size:
+        logits[rows, vocab_size:] = float("-inf")
 
 
 class GrammarLimits(NamedTuple):

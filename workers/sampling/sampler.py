@@ -3,6 +3,9 @@
     raw logits [B, V] ─▶ penalties, logit_bias, bans, grammar mask ─▶ greedy rows: argmax
                                                                    ─▶ others: /T, top-k, top-p, min-p,
                                                                       exponential race (per-row seed)
+The grammar mask of every guided row is one packed bitmask [B, ceil(V/32)] int32, each row filled
+by its sequence's matcher, applied in one in-place op (workers.sampling.grammar), as vLLM and
+SGLang do; no bool [V] per row.
 Reported logprobs (the sampled token's and the top-N alternatives) are under the
 model's raw distribution, as vLLM reports them by default.
 """
@@ -13,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from .grammar import Guide, apply_token_bitmask, token_bitmask
 from .params import SamplingParams
 from .penalties import apply_logit_bias, apply_penalties
 
@@ -24,7 +28,7 @@ class SampleRow:
     banned: tuple[int, ...] = ()
     prompt: list[int] = field(default_factory=list)    # read only when a penalty is on
     output: list[int] = field(default_factory=list)
-    allowed: torch.Tensor | None = None                 # bool [V] from a grammar; None = all
+    guide: Guide | None = None                          # a grammar's matcher (fills the row's mask); None = all
 
 
 class Sampled(NamedTuple):
@@ -64,9 +68,24 @@ def _race(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return (probs / q).argmax(dim=1)
 
 
-def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
-    """Pick one token per row of fp32 logits [B, V]."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
+def _mask_grammar(work: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None) -> None:
+    """Refuse, in every guided row, the tokens its grammar does not accept next: one packed
+    bitmask for the batch (filled here by each row's matcher unless `bitmask` was), one op."""
+    guided = [i for i, r in enumerate(rows) if r.guide is not None]
+    if not guided:
+        return
+    vocab = rows[guided[0]].guide.vocab_size
+    if bitmask is None:
+        bitmask = token_bitmask(len(rows), vocab)
+        for i in guided:
+            rows[i].guide.fill(bitmask, i)
+    apply_token_bitmask(work, bitmask, guided, vocab)
+
+
+def processed(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [B, V] after penalties, logit_bias, bans and grammar masks, in that order (a
+    copy). `bitmask`: the guided rows' packed grammar masks [B, ceil(V/32)] filled already (a
+    speculative step's draft rows); None: filled here."""
     work = logits.float().clone()
     dev = work.device
     if any(r.params.penalized for r in rows):
@@ -78,9 +97,14 @@ def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     bans = [(i, t) for i, r in enumerate(rows) for t in r.banned if t < work.shape[1]]
     if bans:
         work[tuple(torch.tensor(bans).T)] = float("-inf")
-    for i, r in enumerate(rows):
-        if r.allowed is not None:
-            work[i].masked_fill_(~r.allowed.to(dev), float("-inf"))
+    _mask_grammar(work, rows, bitmask)
+    return work
+
+
+def sample_batch(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> Sampled:
+    """Pick one token per row of fp32 logits [B, V] (`bitmask`: as in `processed`)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    work = processed(logits, rows, bitmask)
     tokens = work.argmax(dim=1)
     hot = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
     if hot:
