@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from kvmesh.cluster.openai.auth import keys_from_env
 from kvmesh.cluster.config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
-from kvmesh.cluster.openai.ingress import Ingress
+from kvmesh.cluster.openai.ingress import INGRESS, Ingress
 from kvmesh.cluster.serve.pools import Colocated, Decode, Prefill
 from kvmesh.cluster.serve.routing import KVAwareRouter
 
@@ -25,9 +25,13 @@ ROUTING_STATS_PERIOD_S = 1.0
 HEALTH_CHECK_PERIOD_S = 2.0
 
 
+def _router(name: str) -> RequestRouterConfig:
+    return RequestRouterConfig(request_router_class=KVAwareRouter, request_router_kwargs={"deployment": name},
+                               request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+
+
 def _pool(cls: type, pool: PoolConfig, name: str):
-    router = RequestRouterConfig(request_router_class=KVAwareRouter,
-                                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    router = _router(name)
     return serve.deployment(cls).options(**pool.deployment_options(name), request_router_config=router,
                                          health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                          graceful_shutdown_timeout_s=5)
@@ -55,5 +59,6 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         prefill = _pool(Prefill, config.prefill, "Prefill").bind(config)
         pools = {"prefill": prefill, "decode": _pool(Decode, config.decode, "Decode").bind(config, prefill)}
     ing = config.ingress
+    # the ingress's own router too: /metrics sums every ingress replica's counters (metrics.py)
     return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-                           ray_actor_options={"num_cpus": ing.num_cpus, "resources": dict(ing.resources)}).bind(config, pools)
+                           request_router_config=_router(INGRESS), ray_actor_options={"num_cpus": ing.num_cpus, "resources": dict(ing.resources)}).bind(config, pools)

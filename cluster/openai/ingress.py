@@ -35,7 +35,7 @@ from kvmesh.cluster.openai.serving_completion import ServingCompletion
 from kvmesh.cluster.openai.serving_tokenize import ServingTokenize
 from kvmesh.cluster.serve.dispatch import Dispatcher
 from kvmesh.cluster.serve.locator import PrefixLocator
-from kvmesh.cluster.serve.metrics import Metrics, scrape_pools
+from kvmesh.cluster.serve.metrics import Metrics, each_replica, scrape_pools
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand
@@ -74,7 +74,10 @@ async def _unhandled(_request: Request, err: Exception):
     return error_response(to_api_error(err, DEFAULT_RETRY_AFTER_S))
 
 
-@serve.deployment
+INGRESS = "Ingress"       # the deployment's name (app.py gives it a KVAwareRouter under it)
+
+
+@serve.deployment(name=INGRESS)
 @serve.ingress(api)
 class Ingress:
     def __init__(self, config: ServeConfig, pools: dict):
@@ -98,10 +101,22 @@ class Ingress:
         self.serving_chat = ServingChat(self.ctx)
         self.serving_tokenize = ServingTokenize(self.ctx)
         metrics.workers.attach(self._worker_stats)
+        self._peers = None          # a handle to this deployment, made on the first scrape
 
     async def _worker_stats(self) -> list:
         """Every replica's live counters, read now (a scrape of each replica of each pool)."""
         return await scrape_pools(self.pools)
+
+    async def _ingress_families(self) -> dict:
+        """Every ingress replica's own series (this one's included), by replica id."""
+        if self._peers is None:
+            context = serve.get_replica_context()
+            self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        return await each_replica(self._peers, "metric_families")
+
+    async def metric_families(self, hint=None) -> list:
+        """This replica's own series (called by the replica a scrape landed on; `hint` pins the call)."""
+        return self.ctx.metrics.families()
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.config.ingress.max_body_bytes)
@@ -143,7 +158,7 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self):
-        return Response(await self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.ctx.metrics.exposition(self._ingress_families), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self):

@@ -1,10 +1,14 @@
-"""Prometheus metrics of the ingress (one private registry per ingress replica).
+"""Prometheus metrics of the deployment, served at the ingress's /metrics.
 
 Latency and token counts are measured where the client sees them (the ingress). What
 happens inside the pools (handoff bytes, fallbacks) arrives with each request's chunks.
-Worker state is read when /metrics is scraped: the ingress asks every live replica of
-every pool for its counters (`scrape_pools`), so gauges are current and a replica that
-is gone drops out. Names follow vLLM's (`kvmesh:` for `vllm:`) where vLLM has the metric,
+Each ingress replica records into a registry of its own; a scrape, whichever replica the
+proxy gives it to, asks every ingress replica for its series and serves their sum
+(`merge_families`), so the totals are the deployment's with any number of ingress replicas
+(`kvmesh_ingress_replicas_scraped` says how many answered). Worker state is read the same way,
+at scrape time from every live replica of every pool (`scrape_pools`), so gauges are current and
+a replica that is gone drops out. Replicas are found through Serve's router for each deployment
+(routing.live_replica_ids), never by Serve's private actor names. Names follow vLLM's (`kvmesh:` for `vllm:`) where vLLM has the metric,
 so its dashboards translate:
 
 | kvmesh                                      | vLLM                                   |
@@ -27,20 +31,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections import deque
 from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvmesh.workers.engine.stats import StoreCounters
 
 from kvmesh.cluster.messages import RouteHint, TransferReport, WorkerStats
+from kvmesh.cluster.serve.routing import live_replica_ids
 
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
-REPLICA_PREFIX = "SERVE_REPLICA::"
+EVENT_VIEW_PREFIX = "kvmesh_kv_event"      # each ingress replica's own view of the KV event stream
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -153,34 +159,81 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
-async def scrape_pools(pools: dict, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[WorkerStats]:
-    """Ask every live replica of every pool for its counters (pinned by replica id through
-    the pools' router); a replica that does not answer within timeout_s is left out."""
-    import ray
-    from ray import serve
-    app = serve.get_replica_context().app_name
-    named = await asyncio.to_thread(ray.util.list_named_actors, True)
-    calls = []
-    for handle in pools.values():
-        prefix = f"{REPLICA_PREFIX}{app}#{handle.deployment_name}#"
-        for entry in named:
-            name = entry["name"] if isinstance(entry, dict) else entry
-            if name.startswith(prefix):
-                wid = name[len(prefix):]
-                calls.append((wid, handle.stats.remote(hint=RouteHint(require_worker=wid))))
+async def each_replica(handle, method: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, object]:
+    """{replica id: `method`'s answer} from every replica Serve routes `handle`'s deployment to
+    (routing.live_replica_ids: the router's own replica set, no private actor names), each call
+    pinned to its replica by a `require_worker` hint; one that does not answer within timeout_s
+    is left out."""
+    app, name = handle.app_name, handle.deployment_name
+    ids = live_replica_ids(app, name)
+    if not ids:     # no call went through this process's router for it yet: the first makes it,
+        deadline = time.monotonic() + timeout_s             # then Serve's update names the replicas
+        try:
+            await asyncio.wait_for(_await(getattr(handle, method).remote()), timeout_s)
+        except Exception as e:
+            log.debug("metrics: %s.%s did not answer: %r", name, method, e)
+        while not (ids := live_replica_ids(app, name)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        ids = ids or []
+    calls = [(wid, getattr(handle, method).remote(hint=RouteHint(require_worker=wid))) for wid in ids]
     results = await asyncio.gather(*(asyncio.wait_for(_await(c), timeout_s) for _, c in calls),
                                    return_exceptions=True)
-    out: dict[str, WorkerStats] = {}
+    out = {}
     for (wid, _), r in zip(calls, results):
-        if isinstance(r, WorkerStats) and r.worker_id == wid:
+        if isinstance(r, BaseException):
+            log.debug("metrics: replica %s of %s did not answer: %r", wid, name, r)
+        else:
             out[wid] = r
-        elif isinstance(r, BaseException):
-            log.debug("metrics: replica %s did not answer: %r", wid, r)
-    return list(out.values())
+    return out
+
+
+async def scrape_pools(pools: dict, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[WorkerStats]:
+    """Every live replica of every pool's counters (each_replica)."""
+    answers = await asyncio.gather(*(each_replica(h, "stats", timeout_s) for h in pools.values()))
+    return [r for got in answers for wid, r in got.items() if isinstance(r, WorkerStats) and r.worker_id == wid]
+
+
+def merge_families(replicas: list[list[Metric]]) -> list[Metric]:
+    """The ingress replicas' families as one: each sample summed over the replicas (a counter or
+    histogram of the deployment is the sum of its replicas'; so are in-flight and rate gauges),
+    except the KV event index's (`kvmesh_kv_event*`), where every replica follows the same stream:
+    the largest (the most caught-up view). `_created` samples are left out (no sum is meaningful)."""
+    merged: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, float]] = {}
+    for families in replicas:
+        for f in families:
+            if f.name not in merged:
+                merged[f.name] = Metric(f.name, f.documentation, f.type, f.unit)
+                values[f.name] = {}
+            combine = max if f.name.startswith(EVENT_VIEW_PREFIX) else operator.add
+            acc = values[f.name]
+            for sample in f.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                acc[key] = combine(acc[key], sample.value) if key in acc else sample.value
+    for name, family in merged.items():
+        for (sample_name, labels), value in values[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    return list(merged.values())
 
 
 async def _await(response):
     return await response
+
+
+async def _none():
+    return None
+
+
+class _Families:
+    """Fixed families, as generate_latest reads a registry."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
 
 
 class RoutingCounters:
@@ -255,8 +308,7 @@ class Metrics:
         self.queue_depth = Gauge("kvmesh_queue_depth", "requests in flight at this ingress per pool", ["pool"],
                                  registry=r)
         self.retries = Counter("kvmesh_retries", "requests re-run after a worker failed", registry=r)
-        self.workers = WorkerSnapshots()
-        r.register(self.workers)
+        self.workers = WorkerSnapshots()        # read at scrape, not summed: each replica's own series
         self.routing = RoutingCounters()
         r.register(self.routing)
         self._recent: deque[tuple[float, int]] = deque()
@@ -277,13 +329,22 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
 
-    async def exposition(self) -> bytes:
-        await self.workers.refresh()
+    def families(self) -> list[Metric]:
+        """This ingress replica's own series, read now (what `exposition` sums over the replicas)."""
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
         self.tokens_per_s.set(sum(n for _, n in self._recent) / RATE_WINDOW_S)
-        return generate_latest(self.registry)
+        return list(self.registry.collect())
+
+    async def exposition(self, ingress: Callable[[], Awaitable[dict[str, list[Metric]]]] | None = None) -> bytes:
+        """The text of /metrics: every ingress replica's series summed (`ingress()`: each replica's
+        `families()`; None, or no answer: this replica's alone), then the workers' (WorkerSnapshots)."""
+        replicas, _ = await asyncio.gather(ingress() if ingress else _none(), self.workers.refresh())
+        replicas = list((replicas or {}).values()) or [self.families()]
+        scraped = GaugeMetricFamily("kvmesh_ingress_replicas_scraped", "ingress replicas whose series this "
+                                    "scrape summed", value=len(replicas))
+        return generate_latest(_Families(merge_families(replicas) + [scraped] + list(self.workers.collect())))
 
 
 class RequestTimer:

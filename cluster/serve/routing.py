@@ -119,12 +119,29 @@ def rank_replicas(replicas: list[Candidate], hint: RouteHint, kv_weight: float, 
     return [replicas[i].worker_id for i in sorted(range(len(replicas)), key=keys.__getitem__)]
 
 
+_ROUTERS: dict[tuple[str, str], "KVAwareRouter"] = {}     # (app, deployment) -> this process's router for it
+
+
+def live_replica_ids(app: str, deployment: str) -> list[str] | None:
+    """The replicas Serve routes `deployment`'s calls from this process to, by id, as this
+    process's router for it knows them (RequestRouter.curr_replicas, Serve's public router API);
+    None while the process has made no call through it (Serve makes a router on a handle's first)."""
+    router = _ROUTERS.get((app, deployment))
+    return None if router is None else [rid.unique_id for rid in list(router.curr_replicas)]
+
+
 class KVAwareRouter(FIFOMixin, RequestRouter):
     """Ranks every candidate (singleton ranks, best first); Serve's selector then takes the
-    first one whose queue has room, backing off when all are full."""
+    first one whose queue has room, backing off when all are full. `deployment` (the router's
+    kwargs) registers it for `live_replica_ids`: how /metrics reaches every replica."""
 
-    def initialize_state(self, kv_weight: float = 1.0, **_: object) -> None:
+    def initialize_state(self, kv_weight: float = 1.0, deployment: str | None = None, **_: object) -> None:
         self.kv_weight = kv_weight
+        if deployment:
+            # Serve ships this class pickled by value, so this method's globals are a copy: the
+            # registry is reached through the imported module, the one live_replica_ids reads
+            from kvmesh.cluster.serve import routing
+            routing._ROUTERS[(self.app_name, deployment)] = self
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

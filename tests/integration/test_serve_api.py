@@ -2,7 +2,7 @@
 
 The session's Ray + Serve (tests/integration/conftest.py), three apps for the module: disaggregated at `/`, colocated at
 `/colocated`, and disaggregated with NIXL unavailable (every handoff falls back to a Ray
-object) at `/fallback`. Greedy output must equal the offline engine's, token for token.
+object) and two ingress replicas at `/fallback`. Greedy output must equal the offline engine's, token for token.
 """
 from __future__ import annotations
 
@@ -31,11 +31,13 @@ MAX_TOKENS = 12
 # its READ before release - 1 s (NIXL's expiry margin) or it falls back to the Ray copy, and under
 # CI's load a 4 s timeout once left it 3 s too few (one fallback in test_models_health_and_metrics).
 RELEASE_TIMEOUT_S = 10.0
+INGRESS_REPLICAS = 2        # the fallback app's: /metrics must add up over them
 
 
 @pytest.fixture(scope="module")
 def urls(local_serve):
-    no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"})
+    no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"},
+                           ingress={"num_replicas": INGRESS_REPLICAS})
     disagg = small_config("disaggregated", handoff={"release_timeout_s": RELEASE_TIMEOUT_S})
     urls = local_serve.deploy_many({"disagg": (disagg, "/"), "fallback": (no_nixl, "/fallback")},
                                    shared=("colocated",))      # the session's default colocated app
@@ -217,6 +219,35 @@ def test_without_nixl_the_handoff_falls_back_to_ray_objects_and_says_so(urls, cl
     assert metric(text, 'kvmesh_handoff_bytes_total{transport="ray"}') > 0
     assert metric(text, 'kvmesh_handoff_fallbacks_total{reason="nixl_unavailable"}') >= 1
     assert 'transport="nixl"' not in text
+
+
+def test_with_two_ingress_replicas_every_scrape_reports_every_request(urls, client):
+    """Completions spread over the fallback app's two ingress replicas (concurrent, so both take
+    some); every later scrape of /metrics, whichever replica answers it, counts all of them."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    from kvmesh.cluster.serve.metrics import each_replica
+
+    def completed(text: str) -> float:
+        name = 'kvmesh_requests_total{endpoint="completions",status="200"} '
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    before = completed(client.get(f"{urls['fallback']}/metrics").text)
+    n = 12
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda i: client.post(f"{urls['fallback']}/v1/completions", json={
+            "prompt": f"request {i}", "max_tokens": 2, "temperature": 0}).status_code, range(n)))
+    assert codes == [200] * n
+    scrapes = [client.get(f"{urls['fallback']}/metrics").text for _ in range(8)]
+    assert [completed(t) - before for t in scrapes] == [n] * 8
+    assert all(metric(t, "kvmesh_ingress_replicas_scraped") == INGRESS_REPLICAS for t in scrapes)
+    own = asyncio.run(each_replica(serve.get_deployment_handle("Ingress", "fallback"), "metric_families"))
+    served = {rid: sum(s.value for f in families for s in f.samples if s.name == "kvmesh_requests_total"
+                       and s.labels == {"endpoint": "completions", "status": "200"}) for rid, families in own.items()}
+    assert len(served) == INGRESS_REPLICAS and all(v > 0 for v in served.values()), served   # both took some
 
 
 def held(app: str) -> int:

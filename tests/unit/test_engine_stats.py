@@ -1,5 +1,6 @@
 """EngineStats as typed records up to the exporter: the /metrics names they export, the sum
 over data-parallel ranks, the trip through pickle (Ray), and what the ingress's collector reads."""
+import asyncio
 import pickle
 
 from kvmesh.cluster.messages import WorkerStats
@@ -75,3 +76,37 @@ def test_the_collector_exports_the_store_scrub_by_result():
     assert not any(k[0].startswith("kvmesh_store_scrub") and k[1] == "w1" for k in got)     # no store, no rows
     total = summed([stats(1, {}, scrubbed), stats(1, {}, scrubbed)]).store
     assert total.scrub_objects["removed"] == 4 and total.scrub_last_pass_s == 0.5
+
+
+def test_a_scrape_sums_the_ingress_replicas_series():
+    """Two ingress replicas' registries: counters and histograms are summed sample by sample, the
+    KV event index's view is the largest, `_created` is dropped, and the text says how many answered."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvmesh.cluster.serve.metrics import Metrics, merge_families
+
+    a, b = Metrics(), Metrics()
+    for m, n in ((a, 3), (b, 5)):
+        for _ in range(n):
+            m.request("completions", 200)
+            m.ttft.observe(0.2)
+        m.request("chat", 400)
+        m.tokens(10 * n)
+    merged = {s.name: s for f in merge_families([a.families(), b.families()]) for s in f.samples
+              if s.labels.get("endpoint", "completions") == "completions" and s.labels.get("le", "+Inf") == "+Inf"}
+    assert merged["kvmesh_requests_total"].value == 8
+    assert merged["kvmesh_time_to_first_token_seconds_count"].value == 8
+    assert merged["kvmesh_time_to_first_token_seconds_bucket"].value == 8
+    assert merged["kvmesh_generated_tokens_total"].value == 80
+    assert not any(name.endswith("_created") for name in merged)
+
+    async def both():
+        return {"r1": a.families(), "r2": b.families()}
+    text = asyncio.run(a.exposition(both)).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("kvmesh_requests_total", (("endpoint", "completions"), ("status", "200")))] == 8
+    assert samples[("kvmesh_requests_total", (("endpoint", "chat"), ("status", "400")))] == 2
+    assert samples[("kvmesh_ingress_replicas_scraped", ())] == 2
+    alone = asyncio.run(a.exposition()).decode()        # no peers (tests, a bare Metrics): its own series
+    assert 'kvmesh_requests_total{endpoint="completions",status="200"} 3.0' in alone
