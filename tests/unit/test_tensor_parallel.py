@@ -176,3 +176,23 @@ def test_quantized_tp2_with_expert_parallel_equals_tp1(tmp_path):
 def test_a_stalled_or_killed_rank_gives_rank_failed_quickly_never_a_hang(tmp_path):
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     assert_rank_failure_is_quick(path, "swa_csa_hca", lambda e: e.ranks.launcher.procs[0].pid, tensor_parallel_size=2)
+
+
+def test_rank_zeros_store_listens_on_its_host_address_only():
+    """TCPStore binds every interface by itself; rank 0's store listens on the address it names
+    (on a loopback-only `kvmesh serve`, 127.0.0.1) and the ranks still reach it there."""
+    import datetime
+    import os
+
+    import psutil
+    import torch.distributed as dist
+
+    from kvmesh.workers.parallel.collectives import Collectives, init_method, parse_init_method
+    store = Collectives.host_store("127.0.0.1", 2, 30)
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
+                 if c.pid == os.getpid() and c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    assert listening == {("127.0.0.1", store.port)}
+    host, port = parse_init_method(init_method("127.0.0.1", store))
+    client = dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
+    client.set("k", "v")
+    assert store.get("k") == b"v"

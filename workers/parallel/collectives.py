@@ -63,9 +63,19 @@ class Collectives(SingleRank):
 
     @staticmethod
     def host_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
-        """Rank 0: the rendezvous store on a free port of `host` (`init_method(store)` names it)."""
-        return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        """Rank 0: the rendezvous store on a free port of `host` (`init_method(store)` names it),
+        listening on that address only (TCPStore's own bind is every interface): a socket bound
+        here, handed over to the store."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen()
+        except OSError:
+            sock.close()
+            raise
+        return dist.TCPStore(host, sock.getsockname()[1], size, is_master=True,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                             master_listen_fd=sock.detach())
 
     # ---- the model's reductions -------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
