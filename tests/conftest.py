@@ -25,6 +25,12 @@ SERVE_SETTINGS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25", "RAY_SERVE_METRIC
                   "RAY_SERVE_EVENT_LOOP_MONITORING_INTERVAL_S": "30"}
 for _name, _value in SERVE_SETTINGS.items():
     os.environ.setdefault(_name, _value)
+# Serve's proxy answers /-/routes by itself, outside every app's API key: every Ray the tests start
+# hides it the way `kvmesh serve` does (the proxy callback, cluster/openai/proxy_guard.py).
+from kvmesh.cluster.openai.proxy_guard import RAY_ENV as _PROXY_GUARD_ENV  # noqa: E402  (stdlib only)
+
+for _name, _value in _PROXY_GUARD_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 # ---------------------------------------------------------------------------------
 # kvstore: a private Redis server for the index tests.

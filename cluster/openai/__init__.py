@@ -12,7 +12,8 @@
     responses.py           response bodies and SSE chunks, built from the chunks a generation streams
     auth.py                API keys (`Authorization: Bearer`) as one FastAPI dependency, every route but /health
     limits.py              the request body limit, checked before the body is all read; the workers' limits
+    proxy_guard.py         what Serve's HTTP proxy answers itself: /-/routes not served (the proxy callback)
 
 Within the package: ingress -> serving_* -> serving -> validate -> {limits, protocol, responses};
-auth, limits, protocol and responses import none of the others.
+auth, limits, protocol, responses and proxy_guard import none of the others.
 """

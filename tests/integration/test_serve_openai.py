@@ -73,6 +73,17 @@ def test_without_or_with_a_wrong_key_every_route_but_health_is_401(urls, clients
     assert not any(k in text for k in KEYS)
 
 
+
+def test_serves_own_route_list_is_not_served_with_or_without_the_key(urls):
+    """/-/routes is answered by Serve's proxy, outside the app and its key: the proxy guard
+    (cluster/openai/proxy_guard.py) makes it a 404 for everyone; the proxy's health probe stays."""
+    base = urls["disaggregated"]
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, AUTH):
+        r = httpx.get(base + "/-/routes", headers=headers, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+        assert "openai" not in r.text and "colocated" not in r.text
+    assert httpx.get(base + "/-/healthz", timeout=30).status_code == 200
+
 def test_the_api_docs_answer_with_the_key_and_without_keys_configured(urls):
     base = urls["disaggregated"]
     spec = httpx.get(base + "/openapi.json", headers=AUTH, timeout=30)

@@ -78,3 +78,36 @@ def test_the_ingress_asks_every_route_but_health_for_the_key(monkeypatch, root_p
         else:
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path)
     assert client.get(root_path + "/version", headers={"Authorization": "Bearer sk-one"}).status_code == 200
+
+
+# ---- Serve's proxy: /-/routes is not served (cluster/openai/proxy_guard.py) ----------------------
+def test_the_proxy_guard_hides_routes_and_passes_everything_else():
+    import asyncio
+
+    from kvmesh.cluster.openai.proxy_guard import CALLBACK, HideProxyRoutes, middlewares
+    from ray.serve._private.utils import call_function_from_import_path
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+
+    passed = []
+
+    async def proxy(scope, receive, send):
+        passed.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def call(path: str, root_path: str = "") -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+        await HideProxyRoutes(proxy)({"type": "http", "path": path, "root_path": root_path}, None, send)
+        return sent
+
+    for path, root in (("/-/routes", ""), ("/api/-/routes", "/api")):
+        sent = asyncio.run(call(path, root))
+        assert sent[0]["status"] == 404 and b"not_found_error" in sent[1]["body"]
+    for path in ("/-/healthz", "/v1/models", "/health", "/-/routes/x"):
+        assert asyncio.run(call(path))[0]["status"] == 200
+    assert passed == ["/-/healthz", "/v1/models", "/health", "/-/routes/x"]
+    # what Serve's proxy does with RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, on this Ray version
+    assert [m.cls for m in validate_http_proxy_callback_return(call_function_from_import_path(CALLBACK))] == \
+        [m.cls for m in middlewares()] == [HideProxyRoutes]

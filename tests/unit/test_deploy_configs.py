@@ -95,6 +95,22 @@ def test_the_v4_pro_walk_through_is_the_plans_served_row_on_its_cluster():
     assert config.engine.kv_cache_bytes <= row.free_per_rank      # the plan's KV free per rank holds it
 
 
+
+RAY_UP = [p for p in CLUSTERS if yaml.safe_load(p.read_text()).get("head_start_ray_commands")]
+
+
+@pytest.mark.parametrize("path", RAY_UP, ids=lambda p: p.name)
+def test_every_ray_start_of_a_ray_up_config_hides_the_serve_proxys_route_list(path):
+    """Serve's proxy serves /-/routes outside the API key unless its node's Ray was started with the
+    proxy callback (cluster/openai/proxy_guard.py, docs/security.md)."""
+    from kvmesh.cluster.openai.proxy_guard import RAY_ENV
+    config = yaml.safe_load(path.read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in config.get(key, []) if "ray start" in c]
+    assert len(starts) == 2, starts
+    for command in starts:
+        assert all(f"{name}={value} ray start" in command for name, value in RAY_ENV.items()), command
+
 def onprem() -> dict:
     return yaml.safe_load((DEPLOY / "onprem.yaml").read_text())
 
