@@ -14,6 +14,12 @@ A local run never attaches to a Ray cluster started earlier on the machine
 (`ray.init(address="local")`). Attaching uses Ray's token authentication when a token is
 available here (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH` or `~/.ray/auth_token`, the file
 `ray get-auth-token --generate` writes), unless `RAY_AUTH_MODE` says otherwise.
+
+A local Ray is private to this command, so none of its listeners is for another machine: it runs in
+Ray's single-machine mode (`LOCAL_RAY_ENV`: node IP 127.0.0.1, so the GCS, raylet, object manager,
+workers, dashboard and agents listen on loopback) and NIXL's UCX uses the loopback device only;
+`--host` decides the HTTP port alone. Serve's proxy does not serve its `/-/routes` (proxy_guard.py).
+A variable already set in the environment is left as it is. docs/security.md lists every port.
 """
 from __future__ import annotations
 
@@ -31,6 +37,11 @@ from kvmesh.cluster.cli.serve_flags import add_vllm_flags
 DEFAULT_PORT = 8000
 LOCAL_MIN_CPUS = 4   # logical CPUs for a local Ray, so the default pools fit a small laptop
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+# Set before `import ray` (Ray reads the first at import) and inherited by every process of the local Ray.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",   # Ray's one-machine mode: the node's IP is 127.0.0.1
+    "UCX_NET_DEVICES": "lo",                    # NIXL (UCX) listens on loopback only
+}
 
 
 class PortInUseError(OSError):
@@ -85,6 +96,22 @@ def use_token_auth_if_available() -> None:
         os.environ[AUTH_MODE_ENV] = "token"
 
 
+def ray_env(address: str | None) -> dict[str, str]:
+    """The environment `kvmesh serve` gives the Ray it starts (none for one it attaches to: that
+    cluster's processes are started already): the proxy guard, and loopback for a local Ray."""
+    from kvmesh.cluster.openai.proxy_guard import RAY_ENV
+    return {} if address else {**RAY_ENV, **LOCAL_RAY_ENV}
+
+
+def set_ray_env(address: str | None, environ=os.environ) -> None:
+    """Put ray_env() into this process's environment, before Ray is imported; what is set stays."""
+    if not address and "ray" in sys.modules:      # not from the `kvmesh` command: a caller imported Ray first
+        print("kvmesh serve: Ray was imported before its environment was set: the local Ray may listen "
+              "beyond loopback", file=sys.stderr, flush=True)
+    for name, value in ray_env(address).items():
+        environ.setdefault(name, value)
+
+
 def start_ray(address: str | None) -> None:
     import ray
     if address:
@@ -137,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.address:
         use_token_auth_if_available()
+    set_ray_env(args.address)
     import httpx
     import ray
     from ray import serve
@@ -151,6 +179,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = f"http://{host}:{args.port}"
     headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     model = httpx.get(f"{url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+    if keys and httpx.get(f"{url}/-/routes", timeout=60).status_code == 200:
+        print("kvmesh serve: warning: Serve's proxy answers /-/routes without the API key; start Ray with "
+              "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=kvmesh.cluster.openai.proxy_guard.middlewares "
+              "(docs/security.md)", file=sys.stderr, flush=True)
     print(f"kvmesh is serving {model} ({config.mode}) at {url}/v1\n\nTry:\n  {example_request(url, model, bool(keys))}\n"
           f"\nMetrics: {url}/metrics   Stop: Ctrl-C", flush=True)
     stop = threading.Event()

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from kvmesh.cluster.cli import main
+from kvmesh.cluster.cli.serve import ray_env
 from tests.local_serve import free_port, small_config
 from tests.integration.test_serve_fake_cluster import stop_cluster
 
@@ -131,17 +132,52 @@ def complete(port: int) -> dict:
     return r.json()
 
 
+def listening(pid: int) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every listening TCP socket of `pid` and its descendants
+    (a local Ray's GCS, raylet, workers, agents and dashboard are all under `kvmesh serve`)."""
+    import psutil
+    root = psutil.Process(pid)
+    names = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            names[proc.pid] = proc.name()
+        except psutil.NoSuchProcess:
+            pass
+    return sorted((c.laddr.ip, c.laddr.port, names[c.pid]) for c in psutil.net_connections("inet")
+                  if c.status == psutil.CONN_LISTEN and c.pid in names)
+
+
+def is_loopback(ip: str) -> bool:
+    import ipaddress
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback
+
+
 @pytest.mark.slow
 def test_serve_starts_its_own_ray_next_to_a_running_cluster(other_ray, config_file):
     address, token = other_ray
     port = free_port()
-    server = ServeProcess(["--config", str(config_file), "--port", str(port)], serve_env())
+    env = serve_env()
+    for name in ray_env(None):          # what kvmesh serve sets itself (tests/conftest.py sets the proxy's)
+        env.pop(name, None)
+    server = ServeProcess(["--config", str(config_file), "--port", str(port)], env)
     try:
         where = server.wait_for("kvmesh serve: on Ray at", SERVE_WITHIN_S)
         server.wait_for("kvmesh is serving", SERVE_WITHIN_S)
         assert "(a new local cluster)" in where and f"{gcs_port(address)} " not in where, where
         assert complete(port)["choices"][0]["text"] is not None
         assert "SERVE_CONTROLLER_ACTOR" not in named_actors(address, token)
+        # --host 127.0.0.1 (the default): Ray's listeners and kvmesh's own are on loopback, all but one a
+        # replica that Ray Serve 2.60 binds to [::] with no setting (its inter-deployment gRPC server,
+        # behind Ray's token auth when that is on: docs/security.md)
+        sockets = listening(server.proc.pid)
+        assert ("127.0.0.1", port) in {(ip, p) for ip, p, _ in sockets}
+        assert {name for *_, name in sockets} >= {"gcs_server", "raylet"}, sockets
+        wide = [s for s in sockets if not is_loopback(s[0])]
+        replicas = [s for s in wide if s[2].startswith("ray::ServeRepl")]
+        assert wide == replicas and all(ip == "::" for ip, *_ in replicas), sockets
+        assert len(replicas) == len({name for *_, name in replicas}) == 2, sockets   # Ingress, Colocated
+        assert httpx.get(f"http://127.0.0.1:{port}/-/routes", timeout=30).status_code == 404
     finally:
         rc = server.stop()
     assert rc == 0, "".join(server.lines)[-3000:]

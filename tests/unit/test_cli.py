@@ -298,6 +298,16 @@ def test_serve_flags_that_cannot_apply_exit_2_before_starting_anything(capsys, a
     assert message in capsys.readouterr().err
 
 
+
+def test_serve_gives_a_local_ray_loopback_and_the_proxy_guard_and_keeps_what_is_set():
+    from kvmesh.cluster.cli.serve import ray_env, set_ray_env
+    assert ray_env(None) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "UCX_NET_DEVICES": "lo",
+                             "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "kvmesh.cluster.openai.proxy_guard.middlewares"}
+    assert ray_env("10.0.0.1:6379") == {}        # an attached cluster's processes run already
+    env = {"UCX_NET_DEVICES": "all"}
+    set_ray_env(None, env)
+    assert env == {**ray_env(None), "UCX_NET_DEVICES": "all"}
+
 def test_an_eplb_config_flag_that_is_no_json_object_is_a_usage_error(capsys):
     for text in ("[1]", "{nope"):
         with pytest.raises(SystemExit) as e:
