@@ -112,11 +112,13 @@ class Ingress:
         if self._peers is None:
             context = serve.get_replica_context()
             self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
-        return await each_replica(self._peers, "metric_families")
+        answers = await each_replica(self._peers, "metric_families", lambda answer: answer[0])
+        return {rid: families for rid, (_, families) in answers.items()}
 
-    async def metric_families(self, hint=None) -> list:
-        """This replica's own series (called by the replica a scrape landed on; `hint` pins the call)."""
-        return self.ctx.metrics.families()
+    async def metric_families(self, hint=None) -> tuple[str, list]:
+        """(this replica's id, its own series): called by the replica a scrape landed on, `hint`
+        pinning the call; the id shows the pin held."""
+        return serve.get_replica_context().replica_id.unique_id, self.ctx.metrics.families()
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.config.ingress.max_body_bytes)

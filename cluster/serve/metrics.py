@@ -43,9 +43,11 @@ from kvmesh.workers.engine.stats import StoreCounters
 
 from kvmesh.cluster.messages import RouteHint, TransferReport, WorkerStats
 from kvmesh.cluster.serve.routing import live_replica_ids
+from kvmesh.kvstore.log_once import LogOnce
 
 log = logging.getLogger(__name__)
-SCRAPE_TIMEOUT_S = 2.0
+_missed = LogOnce(log)      # a replica that misses scrapes: warned once, debug after
+SCRAPE_TIMEOUT_S = 5.0      # per replica; under Prometheus's default scrape_timeout (10 s)
 EVENT_VIEW_PREFIX = "kvmesh_kv_event"      # each ingress replica's own view of the KV event stream
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -159,11 +161,14 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
-async def each_replica(handle, method: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, object]:
+async def each_replica(handle, method: str, identify: Callable[[object], str | None],
+                       timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, object]:
     """{replica id: `method`'s answer} from every replica Serve routes `handle`'s deployment to
     (routing.live_replica_ids: the router's own replica set, no private actor names), each call
-    pinned to its replica by a `require_worker` hint; one that does not answer within timeout_s
-    is left out."""
+    pinned to its replica by a `require_worker` hint. `identify(answer)` names the replica that
+    answered: an answer from another one (a pin the router could not honour) is dropped, never
+    counted twice. A replica that does not answer within timeout_s is left out, with a warning
+    (once per replica)."""
     app, name = handle.app_name, handle.deployment_name
     ids = live_replica_ids(app, name)
     if not ids:     # no call went through this process's router for it yet: the first makes it,
@@ -181,7 +186,11 @@ async def each_replica(handle, method: str, timeout_s: float = SCRAPE_TIMEOUT_S)
     out = {}
     for (wid, _), r in zip(calls, results):
         if isinstance(r, BaseException):
-            log.debug("metrics: replica %s of %s did not answer: %r", wid, name, r)
+            _missed(f"{name}:{wid}", "metrics: replica %s of %s did not answer a scrape within %.0f s (%s): "
+                    "its series are left out of this one", wid, name, timeout_s, type(r).__name__)
+        elif identify(r) != wid:
+            _missed(f"{name}:{wid}:routed", "metrics: a scrape of replica %s of %s was answered by %s: "
+                    "left out", wid, name, identify(r))
         else:
             out[wid] = r
     return out
@@ -189,8 +198,12 @@ async def each_replica(handle, method: str, timeout_s: float = SCRAPE_TIMEOUT_S)
 
 async def scrape_pools(pools: dict, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[WorkerStats]:
     """Every live replica of every pool's counters (each_replica)."""
-    answers = await asyncio.gather(*(each_replica(h, "stats", timeout_s) for h in pools.values()))
-    return [r for got in answers for wid, r in got.items() if isinstance(r, WorkerStats) and r.worker_id == wid]
+    answers = await asyncio.gather(*(each_replica(h, "stats", _stats_worker, timeout_s) for h in pools.values()))
+    return [r for got in answers for r in got.values()]
+
+
+def _stats_worker(answer: object) -> str | None:
+    return answer.worker_id if isinstance(answer, WorkerStats) else None
 
 
 def merge_families(replicas: list[list[Metric]]) -> list[Metric]:
