@@ -15,7 +15,6 @@ import torch
 
 from kvmesh.workers.request import FirstToken, RequestOutput, Sequence, Status
 from kvmesh.workers.reuse.prefix_cache import PrefixCache
-from kvmesh.workers.sampling.grammar import token_bitmask
 from kvmesh.workers.sampling.params import SamplingParams, make_generator
 from kvmesh.workers.sampling.sampler import SampleRow, sample_batch
 from kvmesh.workers.spec.speculative import Speculator
@@ -101,13 +100,11 @@ class OutputProcessor:
                    saved, speculator: Speculator) -> list[RequestOutput]:
         """Rows of a drafted sequence are sampled one by one until a draft token is rejected."""
         plain, plain_rows, accepted, outputs, row = [], [], {}, [], 0
-        bits = self._draft_bitmask(batch, logits.shape[0], sampled, drafts)
         for b in sampled:
             seq, draft = batch[b][0], drafts.get(b, [])
             if draft:
                 rows = logits[row:row + 1 + len(draft)]
-                mask = bits[row:row + 1 + len(draft)] if seq.guide is not None else None
-                accepted[b] = Speculator.accept(rows, draft, self._drawer(seq, rows, mask))
+                accepted[b] = Speculator.accept(rows, draft, self._drawer(seq, rows))
                 outputs.append(self.output(seq))
             else:
                 plain.append(b)
@@ -125,37 +122,19 @@ class OutputProcessor:
                 self.prefix.after_step(seq)
         return outputs
 
-    @staticmethod
-    def _draft_bitmask(batch, n_rows: int, sampled: list[int], drafts: dict[int, list[int]]
-                       ) -> torch.Tensor | None:
-        """One packed grammar mask [n_rows, ceil(V/32)] for the rows of every guided drafted
-        sequence of the step: row i of a sequence's rows is its grammar's mask after draft[:i]
-        (Guide.fill_drafts: accepted tentatively and rolled back, as vLLM fills the draft
-        positions); None when no drafted sequence is guided."""
-        filled, row = [], 0
-        for b in sampled:
-            seq, draft = batch[b][0], drafts.get(b, [])
-            if draft and seq.guide is not None:
-                filled.append((seq.guide, row, draft))
-            row += 1 + len(draft)
-        if not filled:
-            return None
-        bits = token_bitmask(n_rows, filled[0][0].vocab_size)
-        for guide, at, draft in filled:
-            guide.fill_drafts(bits, at, draft)
-        return bits
-
-    def _drawer(self, seq: Sequence, rows: torch.Tensor, mask: torch.Tensor | None = None):
+    def _drawer(self, seq: Sequence, rows: torch.Tensor):
         """How a drafted sequence's rows are sampled one by one (`Speculator.accept`): a greedy
-        sequence whose sampling carries no state from token to token (no penalties or min_tokens
-        ban; a grammar's masks are filled for every row up front, `mask`) has every row picked
-        in one call up front, the others row by row (row i with mask[i])."""
+        sequence whose sampling carries no state from token to token (no penalties, grammar or
+        min_tokens ban) has every row picked in one call up front, the others row by row.
+        A guided one's mask is filled as each row is drawn, not for every draft position up
+        front as vLLM does: a draft position past the first refused token is never sampled, and
+        on the default model ~10% of a forced tool call's drafts are accepted, so filling every
+        position made the grammar's mask time 1.8x (bench/tool_call.py, docs/benchmarks.md
+        "Guided decoding: one packed bitmask per step")."""
         p = seq.params
-        if p.temperature > 0 or p.penalized or (seq.guide is not None and mask is None) \
-                or len(seq.output) < p.min_tokens:
-            at = iter(range(rows.shape[0]))
-            return lambda x: self._draw(seq, x, None if mask is None else mask[next(at)][None])
-        picked = iter(zip(*sample_batch(rows, [self.sample_row(seq)] * rows.shape[0], mask)))
+        if p.temperature > 0 or p.penalized or seq.guide is not None or len(seq.output) < p.min_tokens:
+            return lambda x: self._draw(seq, x)
+        picked = iter(zip(*sample_batch(rows, [self.sample_row(seq)] * rows.shape[0])))
 
         def take(_: torch.Tensor) -> int | None:
             token, logprob, top = next(picked)
@@ -163,10 +142,9 @@ class OutputProcessor:
             return None if seq.finish_reason else token
         return take
 
-    def _draw(self, seq: Sequence, logits: torch.Tensor, mask: torch.Tensor | None = None) -> int | None:
-        """Sample and append one token from one row (`mask`: its grammar's packed mask [1, words],
-        filled already; None: from seq's guide now); returns it, or None once seq has finished."""
-        token, logprob, top = (x[0] for x in sample_batch(logits[None], [self.sample_row(seq)], mask))
+    def _draw(self, seq: Sequence, logits: torch.Tensor) -> int | None:
+        """Sample and append one token from one row; returns it, or None once seq has finished."""
+        token, logprob, top = (x[0] for x in sample_batch(logits[None], [self.sample_row(seq)]))
         self.append(seq, token, logprob, top)
         return None if seq.finish_reason else token
 

@@ -68,24 +68,21 @@ def _race(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return (probs / q).argmax(dim=1)
 
 
-def _mask_grammar(work: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None) -> None:
+def _mask_grammar(work: torch.Tensor, rows: list[SampleRow]) -> None:
     """Refuse, in every guided row, the tokens its grammar does not accept next: one packed
-    bitmask for the batch (filled here by each row's matcher unless `bitmask` was), one op."""
+    bitmask for the batch, each guided row filled by its matcher, applied in one op."""
     guided = [i for i, r in enumerate(rows) if r.guide is not None]
     if not guided:
         return
     vocab = rows[guided[0]].guide.vocab_size
-    if bitmask is None:
-        bitmask = token_bitmask(len(rows), vocab)
-        for i in guided:
-            rows[i].guide.fill(bitmask, i)
+    bitmask = token_bitmask(len(rows), vocab)
+    for i in guided:
+        rows[i].guide.fill(bitmask, i)
     apply_token_bitmask(work, bitmask, guided, vocab)
 
 
-def processed(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 logits [B, V] after penalties, logit_bias, bans and grammar masks, in that order (a
-    copy). `bitmask`: the guided rows' packed grammar masks [B, ceil(V/32)] filled already (a
-    speculative step's draft rows); None: filled here."""
+def processed(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """fp32 logits [B, V] after penalties, logit_bias, bans and grammar masks, in that order (a copy)."""
     work = logits.float().clone()
     dev = work.device
     if any(r.params.penalized for r in rows):
@@ -97,14 +94,14 @@ def processed(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor
     bans = [(i, t) for i, r in enumerate(rows) for t in r.banned if t < work.shape[1]]
     if bans:
         work[tuple(torch.tensor(bans).T)] = float("-inf")
-    _mask_grammar(work, rows, bitmask)
+    _mask_grammar(work, rows)
     return work
 
 
-def sample_batch(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> Sampled:
-    """Pick one token per row of fp32 logits [B, V] (`bitmask`: as in `processed`)."""
+def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
+    """Pick one token per row of fp32 logits [B, V]."""
     raw = torch.log_softmax(logits.float(), dim=-1)
-    work = processed(logits, rows, bitmask)
+    work = processed(logits, rows)
     tokens = work.argmax(dim=1)
     hot = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
     if hot:
