@@ -10,7 +10,8 @@ options. A worker's id is its Serve replica id (the router pins follow-ups by it
 A data-parallel prefill or decode replica (engine/data_parallel.py) keeps this code: each rank
 registers its own cache with its own NIXL agent (`kvmesh-{pool}-{worker}-dp{rank}`), a held
 cache stays on its rank until that rank's agent hears the READ's notification (the release
-loop's `release_read` polls every rank) or the timeout, and Ray copies go through rank 0.
+loop's `release_read` polls every rank), a `release` (the engine frees it on its rank), or the
+timeout, and Ray copies go through rank 0.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from kvmesh.workers.request import Resume
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
-from kvmesh.cluster.serve.routing import NO_HINT, rank_hint
+from kvmesh.cluster.serve.routing import NO_HINT, detached, rank_hint
 from kvmesh.cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,11 @@ class Colocated(_Worker):
 
 class Prefill(_Worker):
     """Runs prompts, holds each request's blocks + state slot until decode has read them
-    (NIXL notification `release:<id>`), an explicit release, or `release_timeout_s` (a decode
-    call that never comes: counted, /metrics `kvmesh_worker_held_timeouts`)."""
+    (NIXL notification `release:<id>`), an explicit `release` (decode ended before its READ, or
+    the request ended before decode was called: the ingress's dispatcher), or `release_timeout_s`
+    (a peer that crashed: counted, /metrics `kvmesh_worker_held_timeouts`). A prefill call
+    cancelled while it waits or runs frees what it holds (the ingress cancels it when its client
+    goes away)."""
     POOL = "prefill"
 
     def __init__(self, config: ServeConfig):
@@ -235,8 +239,9 @@ class Decode(_Worker):
                 yield self._chunks(outs, loader.report if first else None)
                 first = False
         finally:    # ended before the READ started: hand the held cache back now, not at the timeout
-            if offer.transport == "nixl" and loader.give_back():
-                self.prefill.release.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))
+            if offer.transport == "nixl" and loader.give_back():     # (detached: this call may be cancelled)
+                detached(lambda: self.prefill.release.remote(handoff.request_id,
+                                                             hint=RouteHint(require_worker=handoff.worker_id)))
 
     def _fetch_export(self, handoff: Handoff, reused: int) -> Offer:
         """From the engine thread: ask the prefill worker holding `handoff` for a Ray copy

@@ -20,9 +20,10 @@ by its own, live view (longest prefix in a rank's device pool, else the least lo
 """
 from __future__ import annotations
 
+import contextvars
 import random
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -30,6 +31,15 @@ from kvmesh.cluster.messages import RouteHint
 
 NO_HINT = RouteHint()
 RANK_MARK = "/dp"          # "{worker_id}/dp{rank}": a data-parallel rank's name in the prefix index
+T = TypeVar("T")
+
+
+def detached(call: Callable[[], T]) -> T:
+    """`call()` (a handle's `.remote(...)`, or starting a task) outside the Serve request being
+    served, in an empty context: Serve ties the calls a request makes to it and, when the request
+    is cancelled (its client went away), cancels those still waiting for a replica. A call that
+    frees what the client held, or must run to do so, has to outlive the client."""
+    return contextvars.Context().run(call)
 
 
 def location(holder: str) -> tuple[str, int | None]:

@@ -2,7 +2,9 @@
 disconnect at random points (mid-body, before the first byte, mid-prefill, around the
 handoff, mid-stream); afterwards no pool holds a request, every slot and block is free
 again within the release timeout, and a normal request completes with the cold tokens.
-Redis error replies (OOM, READONLY) never fail a request. Bodies over the limit are 413."""
+Streams dropped right after their first token (before decode has read the handoff) leave no
+cache held on prefill well before the release timeout, and none is released by it (issue 48
+item 3). Redis error replies (OOM, READONLY) never fail a request. Bodies over the limit are 413."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
 
 RELEASE_TIMEOUT_S = 5.0
 CLIENTS = 200
+DROPPED = 24        # streams dropped after their first token: more than decode's max_ongoing_requests (16)
 BODY_LIMIT = 64 << 10
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6          # a few blocks with the byte tokenizer
 GREEDY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -46,8 +49,11 @@ def cold(app):
 
 
 def pool_state(name: str) -> EngineStats:
-    stats = serve.get_deployment_handle(name, app_name="disconnects").stats.remote().result(timeout_s=30)
-    return stats.engine
+    return pool_stats(name).engine
+
+
+def pool_stats(name: str):
+    return serve.get_deployment_handle(name, app_name="disconnects").stats.remote().result(timeout_s=30)
 
 
 async def vanishing_client(port: int, rng: random.Random) -> str:
@@ -102,6 +108,51 @@ def test_clients_that_disconnect_anywhere_leave_no_held_kv_and_the_service_serve
     assert all(s.idle for s in states.values()), states
     r = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == cold
+
+
+async def drop_after_first_token(port: int) -> None:
+    """A streamed completion, dropped (a hard close) once an event with its first token arrived."""
+    body = json.dumps({**GREEDY, "max_tokens": 200, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        while True:
+            line = await asyncio.wait_for(reader.readline(), 120)
+            assert line, "the stream ended before its first token"
+            if line.startswith(b"data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
+                return
+    finally:
+        writer.transport.abort()
+
+
+def wait_until(ready, within_s: float, every_s: float = 0.05):
+    """Poll `ready()` until it returns a truthy value or `within_s` passes; its last value."""
+    deadline = time.monotonic() + within_s
+    while not (value := ready()) and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return value
+
+
+def test_streams_dropped_after_their_first_token_leave_no_cache_held_on_prefill(app):
+    """Prefill holds each handoff's cache until decode reads it. A client that drops its stream
+    right after the first token (before decode has read the cache, often before decode's call
+    left the ingress's queue) must not leave it held until `release_timeout_s`: every hold is
+    gone well before that timeout, and the prefill worker counts no release by timeout."""
+    port = app[1]
+    assert wait_until(lambda: pool_stats("Prefill").engine.held == 0, RELEASE_TIMEOUT_S + 30)   # earlier tests' holds
+    before = pool_stats("Prefill").held_timeouts
+
+    async def drops():
+        await asyncio.wait_for(asyncio.gather(*(drop_after_first_token(port) for _ in range(DROPPED))), 300)
+    asyncio.run(drops())
+    # a hold that waited for the timeout would still be there at RELEASE_TIMEOUT_S / 2 after the last drop
+    assert wait_until(lambda: pool_stats("Prefill").engine.held == 0, RELEASE_TIMEOUT_S / 2), \
+        f"prefill still holds {pool_stats('Prefill').engine.held} caches"
+    assert pool_stats("Prefill").held_timeouts == before
+    assert wait_until(lambda: pool_state("Decode").idle, 60)
 
 
 @pytest.mark.parametrize("fault", [out_of_memory, read_only], ids=["oom", "readonly"])

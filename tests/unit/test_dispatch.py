@@ -1,10 +1,13 @@
 """The dispatcher (cluster/serve/dispatch.py): its retry rules, over pools whose decode replica
 dies (RayActorError, what Ray raises for a killed replica) on the first attempt: an n > 1 request
 is retried like any other until its first tokens are sent, under a fresh request id, continuing
-after the tokens already sent; and the time budget a prefill gets."""
+after the tokens already sent; the time budget a prefill gets; and what a request whose client
+leaves releases, between prefill's answer and decode's first chunk (issue 48 item 3)."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import RayActorError
@@ -127,3 +130,170 @@ def test_retry_continues_after_the_tokens_already_sent():
 
 def test_prefill_budget_grows_with_the_prompt():
     assert prefill_budget_s(60_000, 60, 10) == 660
+
+
+# ---- a client that leaves between prefill's answer and decode's first chunk -------------------------
+
+NIXL_OFFER = SimpleNamespace(transport="nixl")      # prefill holds the cache until decode reads it
+
+
+class Reply:
+    """What a unary Serve call returns: awaitable (again after a cancel, as a DeploymentResponse
+    is), cancellable; it answers once `gate` is set."""
+
+    def __init__(self, value, gate: asyncio.Event | None = None):
+        self.value, self.gate, self.cancelled = value, gate, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __await__(self):
+        return self._get().__await__()
+
+    async def _get(self):
+        if self.gate is not None:
+            await self.gate.wait()
+        return self.value
+
+
+class DecodeCall:
+    """A streaming Serve call whose chunks come once `gate` is set; when it was cancelled (after
+    how many chunks) is recorded."""
+
+    def __init__(self, chunks: list[Chunk], gate: asyncio.Event):
+        self.chunks, self.gate, self.sent, self.cancelled_after = chunks, gate, 0, None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await self.gate.wait()
+        if self.sent == len(self.chunks):
+            raise StopAsyncIteration
+        self.sent += 1
+        return self.chunks[self.sent - 1]
+
+    def cancel(self) -> None:
+        if self.cancelled_after is None:
+            self.cancelled_after = self.sent
+
+
+class Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class HoldingPools:
+    """Prefill worker "p0" answers with a handoff whose cache it holds (a NIXL offer) once
+    `prefill_gate` is set, and records the releases it is asked for (request id, pinned worker);
+    decode streams two chunks once `decode_gate` is set."""
+
+    def __init__(self, prefill_gate: asyncio.Event | None = None):
+        self.prefill_gate, self.decode_gate = prefill_gate, asyncio.Event()
+        self.replies: list[Reply] = []
+        self.calls: list[DecodeCall] = []
+        self.released: list[tuple[str, str]] = []
+        self.prefill, self.decode, self.release = Method(self._prefill), Method(self._decode), Method(self._release)
+
+    def options(self, stream: bool):
+        return self
+
+    def _prefill(self, req: GenRequest, hint=None) -> Reply:
+        handoff = Handoff(req.request_id, len(req.prompt), FirstToken(7, 0.0, ()), False, None, 0, "p0",
+                          offer=NIXL_OFFER)
+        self.replies.append(Reply(handoff, self.prefill_gate))
+        return self.replies[-1]
+
+    def _decode(self, req: GenRequest, handoff: Handoff, hint=None) -> DecodeCall:
+        self.calls.append(DecodeCall([Chunk([8 + i], [0.0], i == 1, "length" if i else None, 3, 0,
+                                            all_finished=i == 1) for i in range(2)], self.decode_gate))
+        return self.calls[-1]
+
+    async def _release(self, request_id: str, hint=None) -> None:
+        self.released.append((request_id, hint.require_worker))
+
+
+def dispatcher(pools: HoldingPools) -> Dispatcher:
+    return Dispatcher("disaggregated", {"prefill": pools, "decode": pools}, Metrics(), 5.0, 1)
+
+
+async def settle(d: Dispatcher) -> None:
+    """Until the dispatcher's background work (releases, decode calls left to settle) is done."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+    await asyncio.gather(*list(d._background))
+
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
+
+
+def test_a_request_closed_after_the_handoff_and_before_decode_releases_the_held_cache():
+    """The stream is closed after prefill's first token (the client left, or a stop string
+    matched): decode is never called, and the prefill worker holding the cache is asked, pinned
+    to it, to release it now (not at release_timeout_s)."""
+    async def scenario():
+        pools = HoldingPools()
+        d = dispatcher(pools)
+        stream = d.stream(GenRequest("r", [1, 2, 3], GREEDY))
+        first = await stream.__anext__()
+        assert first.token_ids == [7] and pools.released == []
+        await stream.aclose()
+        await settle(d)
+        return pools
+    pools = asyncio.run(scenario())
+    assert pools.released == [("r", "p0")]
+    assert pools.calls == []
+
+
+def test_a_decode_call_left_before_its_first_chunk_is_let_read_the_cache_then_cancelled():
+    """The client leaves while decode's call is out (queued, or running without a chunk yet):
+    the call owns the handoff, so the ingress neither frees the cache (decode may be reading it)
+    nor cancels the call before its first chunk (a queued call would then never run and nothing
+    would free the cache); at its first chunk (the READ is done, its notification frees prefill's
+    copy) the call is cancelled."""
+    async def scenario():
+        pools = HoldingPools()
+        d = dispatcher(pools)
+        stream = d.stream(GenRequest("r", [1, 2, 3], GREEDY))
+        await stream.__anext__()
+        waiting = asyncio.create_task(stream.__anext__())       # decode's first chunk
+        while not pools.calls:
+            await asyncio.sleep(0)
+        waiting.cancel()                                        # the client went away
+        with suppress(asyncio.CancelledError):
+            await waiting
+        await stream.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        call = pools.calls[0]
+        left = (call.cancelled_after, list(pools.released))
+        pools.decode_gate.set()
+        await settle(d)
+        return left, call, pools
+    (cancelled_before, released_before), call, pools = asyncio.run(scenario())
+    assert cancelled_before is None and released_before == []
+    assert call.cancelled_after == 1            # cancelled at its first chunk, not before
+    assert pools.released == []                 # decode's READ frees prefill's copy
+
+
+def test_a_prefill_call_whose_client_left_is_cancelled_and_its_answer_released():
+    """The client leaves while the prompt runs (or waits for a replica): the prefill call is
+    cancelled, and if it answers all the same (it finished as the cancel came), the cache it
+    holds is released at once."""
+    async def scenario():
+        pools = HoldingPools(prefill_gate=asyncio.Event())
+        d = dispatcher(pools)
+        stream = d.stream(GenRequest("r", [1, 2, 3], GREEDY))
+        waiting = asyncio.create_task(stream.__anext__())
+        while not pools.replies:
+            await asyncio.sleep(0)
+        waiting.cancel()
+        with suppress(asyncio.CancelledError):
+            await waiting
+        cancelled = pools.replies[0].cancelled
+        pools.prefill_gate.set()                # it answers anyway, with a held cache
+        await settle(d)
+        return cancelled, pools
+    cancelled, pools = asyncio.run(scenario())
+    assert cancelled
+    assert pools.released == [("r", "p0")] and pools.calls == []
