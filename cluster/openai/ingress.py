@@ -33,6 +33,7 @@ from kvmesh.cluster.openai.serving import PREPARE_THREADS, ServedModel, ServingC
 from kvmesh.cluster.openai.serving_chat import ServingChat
 from kvmesh.cluster.openai.serving_completion import ServingCompletion
 from kvmesh.cluster.openai.serving_tokenize import ServingTokenize
+from kvmesh.cluster.serve import replica_logs
 from kvmesh.cluster.serve.dispatch import Dispatcher
 from kvmesh.cluster.serve.locator import PrefixLocator
 from kvmesh.cluster.serve.metrics import Metrics, each_replica, scrape_pools
@@ -81,6 +82,7 @@ INGRESS = "Ingress"       # the deployment's name (app.py gives it a KVAwareRout
 @serve.ingress(api)
 class Ingress:
     def __init__(self, config: ServeConfig, pools: dict):
+        replica_logs.install()      # a refusal is one WARNING line, a cancel no error
         self.config = config
         model_dir = Path(config.engine.model) if config.engine.model else ensure_default_model()
         self.keys = ApiKeys(config.ingress.api_keys)

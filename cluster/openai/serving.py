@@ -36,9 +36,11 @@ from kvmesh.cluster.openai.responses import Choice, Delta, Reply, sse
 from kvmesh.cluster.openai.validate import Body, Prompts, gen_request
 from kvmesh.cluster.serve.dispatch import RETRYABLE, Dispatcher
 from kvmesh.cluster.serve.metrics import Metrics, RequestTimer
+from kvmesh.cluster.serve.replica_logs import is_cancel
 
 log = logging.getLogger(__name__)
 PREPARE_THREADS = 4      # bodies prepared at once per ingress replica; more wait their turn
+CLIENT_CLOSED = 499      # the status of a request whose client went away (nginx's; in the access log only)
 T = TypeVar("T")
 
 
@@ -54,6 +56,9 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
     if isinstance(cause, WorkerFailed) or isinstance(e, RETRYABLE) or isinstance(cause, RETRYABLE):
         return APIError(503, str(cause).split("\n")[0], type="service_unavailable", code="worker_failed",
                         headers={"Retry-After": str(retry_after_s)})
+    if is_cancel(e):        # the client went away (Serve cancelled its request): no error, nobody reads this
+        log.debug("request cancelled (%s): the client went away", type(cause).__name__)
+        return APIError(CLIENT_CLOSED, "the client closed the request", type="client_closed", code="client_closed")
     log.exception("request failed", exc_info=e)
     return APIError(500, f"internal error: {type(cause).__name__}: {cause}", type="internal_error")
 

@@ -7,4 +7,5 @@
     dispatch.py   one request -> a stream of Chunks across the pools, retries, time budgets
     transfer.py   the handoff's transports: NIXL and Ray objects, the decode-side Loader
     metrics.py    the ingress's Prometheus metrics and the pools' scraped stats
+    replica_logs.py  what a replica logs for a refused (one WARNING line per cause) or cancelled request
 """

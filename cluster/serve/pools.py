@@ -30,6 +30,7 @@ from kvmesh.workers.request import Resume
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
+from kvmesh.cluster.serve import replica_logs
 from kvmesh.cluster.serve.routing import NO_HINT, detached, rank_hint
 from kvmesh.cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
@@ -41,6 +42,7 @@ class _Worker:
     POOL = ""
 
     def __init__(self, config: ServeConfig):
+        replica_logs.install()      # a refusal is one WARNING line, a cancel no error
         self.config = config
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         pool = getattr(config, self.POOL)

@@ -1,7 +1,8 @@
 """Hostile guided-decoding load over HTTP (issue 31, item 3): three schemas that compile past
 their budget, sent at once, hold at most all but one of the worker's compiler processes; a small
 schema sent behind them answers within 2 s of what it takes alone, a plain request does not
-stall, each slow one is a 400 naming its budget, and /metrics shows the pool's counters.
+stall, each slow one is a 400 naming its budget, and /metrics shows the pool's counters. The
+refusals are one WARNING line in the replica's log, no tracebacks (issue 48 item 5).
 
 The session's Ray + Serve, the default tiny app (colocated), with a short compile budget and two
 compiler processes (one kept for small schemas), so the slow ones end in seconds.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -92,3 +94,18 @@ def test_a_small_schema_behind_three_slow_ones_answers_promptly_and_nothing_stal
             assert err["param"] == "response_format" and f"time budget of {BUDGET_S:g} s" in err["message"]
     assert grammar_metric(url, "budget_kills") == kills + 3
     assert grammar_metric(url, "waiting") == 0
+    # the pool's Serve log: the three refusals are one WARNING line, no "Request failed." traceback
+    deadline = time.monotonic() + 10
+    while "request refused: response_format" not in (text := replica_log("hostile-grammar")):
+        assert time.monotonic() < deadline, "no refusal line in the replica's log"
+        time.sleep(0.2)
+    assert text.count("request refused: response_format") == 1, text[-3000:]
+    assert "Request failed." not in text and "CompileBudgetExceeded" not in text, text[-3000:]
+
+
+def replica_log(app: str) -> str:
+    """Every Serve replica log of `app`'s deployments in this Ray session, concatenated."""
+    import ray
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"replica_{app}_*.log")))
+
