@@ -60,6 +60,32 @@ def test_a_compile_over_its_budget_is_stopped_and_the_engine_serves_on(model_dir
     engine.close()
 
 
+def test_a_refused_schema_is_remembered_and_refused_again_without_a_compile(model_dir):
+    """Sent again, a schema refused at its budget is the same 400 from memory: no compile starts
+    (the pool's compiles and kills stay), the counter says so; a schema that cannot compile at
+    all is remembered too; another schema still compiles."""
+    engine = tiny_engine(model_dir, NAME, grammar_compile_timeout_s=0.5)
+    with pytest.raises(InvalidRequestError, match="time budget of 0.5 s") as first:
+        engine.add_request("wide", SHORT, guided(wide(500)))
+    before = engine.guides.stats()
+    for i in range(3):
+        with pytest.raises(InvalidRequestError) as again:
+            engine.add_request(f"wide-{i}", SHORT, guided(wide(500)))
+        assert str(again.value) == str(first.value) and again.value.field == "response_format"
+    after = engine.guides.stats()
+    assert (after.compiles, after.budget_kills, after.queued, after.running) == \
+        (before.compiles, before.budget_kills, before.queued, before.running)
+    assert after.refusals_remembered == 3 and not engine.seqs
+    bad = json.dumps({"type": "object", "properties": {"x": {"type": "string", "pattern": "("}}})
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+            engine.add_request("bad", SHORT, guided(bad))
+    assert engine.guides.stats().refusals_remembered == 4
+    out = engine.generate([SHORT], guided(json.dumps(SMALL, sort_keys=True)))[0]
+    assert json.loads(engine.tokenizer.decode(out.token_ids)) in ({"ok": True}, {"ok": False})
+    engine.close()
+
+
 def test_the_async_engine_compiles_off_its_loop_so_other_requests_go_on(model_dir):
     # 1,000 properties compile for well over the 3 s budget on any machine (500 took 2-4 s,
     # depending on load), so the time budget, not the machine's speed, ends the compile; the

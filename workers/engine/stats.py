@@ -101,6 +101,7 @@ class GrammarCounters:
     cache_hits: int = 0       # requests whose grammar was compiled already
     coalesced: int = 0        # requests that joined an identical compile in progress
     budget_kills: int = 0     # compiles stopped at their time or memory budget
+    refusals_remembered: int = 0    # requests refused at once: their grammar was refused before
 
 
 @dataclass(frozen=True)

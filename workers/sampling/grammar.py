@@ -20,6 +20,7 @@ inspection and tests only.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -141,10 +142,19 @@ class GrammarStats(NamedTuple):
     cache_hits: int = 0       # requests whose grammar was compiled already
     coalesced: int = 0        # requests that joined an identical compile in progress
     budget_kills: int = 0     # compiles stopped at their time or memory budget
+    refusals_remembered: int = 0    # requests refused from memory: their grammar was refused before
 
 
 CACHE_ENTRIES = 64            # compiled grammars kept, least recently used dropped first
 CACHE_BYTES = 256 << 20       # ... and at most this much of their memory (xgrammar's memory_size_bytes)
+REFUSED_ENTRIES = 4096        # refused grammars remembered (a 16-byte hash and the error each), oldest dropped first
+
+
+def _refusal_key(spec: tuple[str, str]) -> bytes:
+    """A refused grammar's key: 16 bytes of BLAKE2b over its kind and text (the text itself,
+    up to max_schema_bytes, is not kept)."""
+    kind, text = spec
+    return hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).digest()
 
 
 class GuideCompiler:
@@ -157,7 +167,10 @@ class GuideCompiler:
     `response_format` and the limit (a 400, never retried). Compiled grammars are kept in a
     bounded LRU cache keyed by (kind, text) (the API layer sends canonical JSON, see
     check_schema), so a repeated schema does not compile again, and requests for a grammar
-    being compiled wait on that one compile. Thread-safe; `compile_async` never blocks on a
+    being compiled wait on that one compile. A grammar refused (past its budget, or not
+    compilable) is remembered by the hash of (kind, text), bounded: sent again it is refused
+    with the same error at once, never compiled again (one client resending slow schemas
+    costs their compile once). Thread-safe; `compile_async` never blocks on a
     compile (the async engine and data-parallel ranks wait for its future off the step)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, limits: GrammarLimits = GrammarLimits()):
@@ -168,7 +181,8 @@ class GuideCompiler:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
-        self._hits = self._coalesced = 0
+        self._refused: OrderedDict[bytes, InvalidRequestError] = OrderedDict()
+        self._hits = self._coalesced = self._refused_hits = 0
 
     def _tokenizer_info(self):
         import xgrammar as xgr
@@ -205,7 +219,14 @@ class GuideCompiler:
         if kind not in GUIDE_KINDS:
             raise InvalidRequestError(f"unknown type {kind!r}", "response_format")
         check_schema_size(schema, self.limits.max_schema_bytes, None if kind == "ebnf" else "response_format")
+        key = _refusal_key(spec)
         with self._lock:
+            refused = self._refused.get(key)
+            if refused is not None:
+                self._refused_hits += 1
+                failed: concurrent.futures.Future = concurrent.futures.Future()
+                failed.set_exception(InvalidRequestError(refused.message, refused.field))
+                return failed
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)
                 self._hits += 1
@@ -232,6 +253,7 @@ class GuideCompiler:
         # an ebnf guide is written by the API layer: from `tools`, or `response_format` in thinking mode
         field, what = ((None, "the grammar of the request's tools / response_format") if kind == "ebnf"
                        else ("response_format", "the JSON schema"))
+        refused = True      # the grammar's own fault: remembered, refused again at once
         try:
             import xgrammar as xgr
             grammar, error = xgr.CompiledGrammar.deserialize_json(raw.result(), self._info), None
@@ -241,15 +263,20 @@ class GuideCompiler:
             grammar, error = None, InvalidRequestError(
                 f"compiling {what} exceeded its {e} (engine.grammar_compile_timeout_s / "
                 f"engine.grammar_compile_memory_bytes); simplify the schema", field)
-        except BaseException as e:        # the pool closed under it
-            grammar, error = None, e
-        self._settle(spec, out, grammar, error)
+        except BaseException as e:        # the pool closed under it: not the grammar's fault
+            grammar, error, refused = None, e, False
+        self._settle(spec, out, grammar, error, refused)
 
-    def _settle(self, spec: tuple[str, str], out, grammar, error: BaseException | None) -> None:
+    def _settle(self, spec: tuple[str, str], out, grammar, error: BaseException | None,
+                refused: bool = False) -> None:
         with self._lock:
             self._pending.pop(spec, None)
             if error is None:
                 self._remember(spec, grammar)
+            elif refused:
+                self._refused[_refusal_key(spec)] = error
+                while len(self._refused) > REFUSED_ENTRIES:
+                    self._refused.popitem(last=False)
         out.set_result(grammar) if error is None else out.set_exception(error)
 
     def _remember(self, spec: tuple[str, str], grammar) -> None:
@@ -273,11 +300,11 @@ class GuideCompiler:
     def stats(self) -> GrammarStats:
         pool = self._pool.stats() if self._pool is not None else None
         with self._lock:
-            hits, coalesced = self._hits, self._coalesced
+            hits, coalesced, refused = self._hits, self._coalesced, self._refused_hits
         if pool is None:
-            return GrammarStats(cache_hits=hits, coalesced=coalesced)
+            return GrammarStats(cache_hits=hits, coalesced=coalesced, refusals_remembered=refused)
         return GrammarStats(pool.processes, pool.running, pool.queued, pool.compiled, hits, coalesced,
-                            pool.budget_kills)
+                            pool.budget_kills, refused)
 
     def close(self) -> None:
         if self._pool is not None:
