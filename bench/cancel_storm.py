@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
-from tests.local_serve import SMALL_POOL, LocalServe  # noqa: E402
+from tests.local_serve import SMALL_POOL, LocalServe, drop_after_first_token  # noqa: E402
 
 APP = "storm"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8      # a few 128-token blocks (byte tokenizer)
@@ -67,24 +67,10 @@ def held_timeouts() -> int:
     return sum(s.held_timeouts for s in asyncio.run(scrape()))
 
 
-async def drop_after_first_token(port: int, max_tokens: int) -> float:
+async def drop_one(port: int, max_tokens: int) -> float:
     """One streamed completion, dropped once an event with a token arrived; when it dropped."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "return_token_ids": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(head + body)
-        await writer.drain()
-        while True:
-            line = await asyncio.wait_for(reader.readline(), 300)
-            if not line:
-                break
-            if line.startswith(b"data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
-                break
-    finally:
-        writer.transport.abort()
+    await drop_after_first_token(port, {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                                        "ignore_eos": True, "stream": True, "return_token_ids": True})
     return time.monotonic()
 
 
@@ -114,7 +100,7 @@ async def storm(url: str, port: int, drops: int, max_tokens: int, plain_tokens: 
             await asyncio.gather(*tasks)
         start = time.monotonic()
         probe = asyncio.create_task(prober())
-        dropped = await asyncio.gather(*(drop_after_first_token(port, max_tokens) for _ in range(drops)))
+        dropped = await asyncio.gather(*(drop_one(port, max_tokens) for _ in range(drops)))
         last_drop = max(dropped)
         cleared = None
         while time.monotonic() - last_drop < limit_s:

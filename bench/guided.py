@@ -17,7 +17,7 @@
    it), --guided rows masked by their grammar, as the engine calls it per step (the masks filled
    from each row's matcher included); the median of 200 calls.
 
-The same file runs on an older checkout (copy it there): before issue 49 each guided row's mask
+The same file runs on an older checkout (copy it and bench/tool_call.py there): before issue 49 each guided row's mask
 was a bool [V] unpacked on the host (Guide.allowed) and applied row by row; the script detects
 which sampler it runs against and says so. Prints the load average beside the tables.
 """
@@ -42,6 +42,7 @@ from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
 from kvmesh.workers.sampling import sampler  # noqa: E402
 from kvmesh.workers.sampling.grammar import GuideCompiler  # noqa: E402
 from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
+from bench.tool_call import Clock  # noqa: E402
 
 FIRST_TOKEN_ID = 3
 PROMPT_LEN = 32
@@ -60,27 +61,15 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(FIRST_TOKEN_ID, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
 
 
-class Timed:
-    """Wraps the engine's sampling calls (OutputProcessor.sample / .speculated), summing their
-    time per step."""
-
-    def __init__(self, engine: Engine):
-        self.spent = 0.0
-        out = engine.outputs
-        for name in ("sample", "speculated"):
-            setattr(out, name, self.wrap(getattr(out, name)))
-
-    def wrap(self, fn):
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.spent += time.perf_counter() - t
-        return timed
+def timed_sampling(engine: Engine) -> Clock:
+    """A clock over the engine's sampling calls (OutputProcessor.sample / .speculated)."""
+    clock = Clock()
+    for name in ("sample", "speculated"):
+        clock.wrap(engine.outputs, name)
+    return clock
 
 
-def run(engine: Engine, timer: Timed, batch: int, guided: int, max_tokens: int, seed: int) -> dict:
+def run(engine: Engine, timer: Clock, batch: int, guided: int, max_tokens: int, seed: int) -> dict:
     """One batch: `guided` of `batch` requests under SCHEMA; step times while all decode."""
     free = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     schema = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, guide=("json_schema", SCHEMA))
@@ -116,7 +105,7 @@ def engine_table(args, levels: list[int]) -> list[str]:
         from kvmesh.workers.spec.mtp import MTPDrafter
         engine.set_drafter(MTPDrafter(engine.model, engine.slots.num_slots), args.speculative)
     engine.guides.compile(("json_schema", SCHEMA))          # compiled once, before any timing
-    timer = Timed(engine)
+    timer = timed_sampling(engine)
     run(engine, timer, args.batch, max(levels), args.max_tokens, seed=1)      # warm-up
     results: dict[int, list[dict]] = {g: [] for g in levels}
     for r in range(args.repeats):

@@ -42,17 +42,7 @@ from kvmesh.workers.engine import Engine  # noqa: E402
 from kvmesh.workers.engine.output import OutputProcessor  # noqa: E402
 from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
 from kvmesh.workers.sampling import grammar, sampler  # noqa: E402
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
-                                                                              "maximum": 7}},
-        "required": ["city", "days"]}}},
-    {"type": "function", "function": {"name": "set_flags", "parameters": {
-        "type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
-        "required": ["flags"]}}},
-]
-ASK = [{"role": "user", "content": "What's the weather in Beijing?"}]
+from tests.helpers import ASK, TOOLS  # noqa: E402
 
 
 class Clock:

@@ -309,3 +309,17 @@ def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, **parallel) -
             t0 = time.monotonic()
             engine.close()
             assert time.monotonic() - t0 < 15
+
+
+# The two tools the built-in model was trained to call, and the question it answers with a call
+# (the serve chat tests and bench/tool_call.py).
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "set_flags", "parameters": {
+        "type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+        "required": ["flags"]}}},
+]
+ASK = [{"role": "user", "content": "What's the weather in Beijing?"}]

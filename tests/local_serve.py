@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import socket
 from typing import Any
@@ -142,3 +144,23 @@ class LocalServe:
         from ray import serve
         serve.shutdown()
         ray.shutdown()
+
+
+async def drop_after_first_token(port: int, body: dict, path: str = "/v1/completions",
+                                 timeout_s: float = 300) -> bool:
+    """POST `body` (a streamed request) over a raw connection and drop it (a hard close, as a
+    client that goes away) once an event carrying a token arrives; whether one did before the
+    stream ended."""
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + data)
+        await writer.drain()
+        while line := await asyncio.wait_for(reader.readline(), timeout_s):
+            if line.startswith(b"data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
+                return True
+        return False
+    finally:
+        writer.transport.abort()

@@ -17,7 +17,7 @@ import pytest
 from ray import serve
 
 from tests.integration.test_index_faults import out_of_memory, read_only
-from tests.local_serve import small_config
+from tests.local_serve import drop_after_first_token, small_config
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.engine.stats import EngineStats
 from kvmesh.workers.sampling.params import SamplingParams
@@ -110,24 +110,6 @@ def test_clients_that_disconnect_anywhere_leave_no_held_kv_and_the_service_serve
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == cold
 
 
-async def drop_after_first_token(port: int) -> None:
-    """A streamed completion, dropped (a hard close) once an event with its first token arrived."""
-    body = json.dumps({**GREEDY, "max_tokens": 200, "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(head + body)
-        await writer.drain()
-        while True:
-            line = await asyncio.wait_for(reader.readline(), 120)
-            assert line, "the stream ended before its first token"
-            if line.startswith(b"data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
-                return
-    finally:
-        writer.transport.abort()
-
-
 def wait_until(ready, within_s: float, every_s: float = 0.05):
     """Poll `ready()` until it returns a truthy value or `within_s` passes; its last value."""
     deadline = time.monotonic() + within_s
@@ -146,7 +128,9 @@ def test_streams_dropped_after_their_first_token_leave_no_cache_held_on_prefill(
     before = pool_stats("Prefill").held_timeouts
 
     async def drops():
-        await asyncio.wait_for(asyncio.gather(*(drop_after_first_token(port) for _ in range(DROPPED))), 300)
+        body = {**GREEDY, "max_tokens": 200, "stream": True}
+        got = await asyncio.wait_for(asyncio.gather(*(drop_after_first_token(port, body) for _ in range(DROPPED))), 300)
+        assert all(got), "a stream ended before its first token"
     asyncio.run(drops())
     # a hold that waited for the timeout would still be there at RELEASE_TIMEOUT_S / 2 after the last drop
     assert wait_until(lambda: pool_stats("Prefill").engine.held == 0, RELEASE_TIMEOUT_S / 2), \

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.helpers import BLOCK_TOKENS, write_tiny_checkpoint, write_v4_tokenizer
+from tests.helpers import ASK, BLOCK_TOKENS, TOOLS, write_tiny_checkpoint, write_v4_tokenizer
 from tests.local_serve import small_config
 
 pytestmark = pytest.mark.slow     # a Ray cluster and a Serve app
@@ -20,17 +20,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 NAME = "swa_csa_hca"
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
-                                                                              "maximum": 7}},
-        "required": ["city", "days"]}}},
-    {"type": "function", "function": {"name": "set_flags", "parameters": {
-        "type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
-        "required": ["flags"]}}},
-]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What's the weather in Beijing?"}]
 
 
 @pytest.fixture(scope="module")
