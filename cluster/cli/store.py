@@ -12,6 +12,10 @@ prints it: how an old key's namespace is removed after a key rotation). `--capac
 per namespace, as it is for `ObjectStore`. Only `scrub` reads objects' contents (kvstore.store.scrub):
 it verifies MACs in the namespace of the key in $KVMESH_STORE_KEY, and checksums alone in
 every other namespace (a key is never applied to another key's objects).
+
+The key is read as serving reads it ($KVMESH_STORE_KEY; unset or empty is no key, one under 16
+bytes an error). Serving's warning that the store has no key is given only when that is true
+here: no key is set and a namespace the command opens was written without one.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kvmesh.kvstore.index.embedded import make_index
 from kvmesh.kvstore.store.mac import StoreKey
 from kvmesh.kvstore.store.objects import KINDS
 from kvmesh.kvstore.store.scrub import REASONS, ScrubReport, Scrubber
-from kvmesh.kvstore.store.object_store import ObjectStore, list_namespaces
+from kvmesh.kvstore.store.object_store import ObjectStore, list_namespaces, warn_unkeyed
 from kvmesh.kvstore.store.store_fs import STALE_TMP_S
 
 STORE_KEY_ENV = "KVMESH_STORE_KEY"
@@ -99,20 +103,36 @@ def _open_stores(args: argparse.Namespace) -> list[ObjectStore]:
         namespaces = {ns: fp for ns, fp in namespaces.items() if ns == name}
         if not namespaces:
             raise StoreCliError(f"no namespace {name} in {args.store}")
+    key = _store_key()
     stores = []
     for ns, fingerprint in sorted(namespaces.items()):
         if fingerprint is None:
             print(f"skipping {ns}: no FINGERPRINT file (not written by kvmesh)", file=sys.stderr)
             continue
-        key = _key_of(ns) if args.store_command == "scrub" else None
-        stores.append(ObjectStore(args.store, fingerprint, capacity, namespace=None if key else ns, key=key))
+        stores.append(ObjectStore(args.store, fingerprint, capacity, namespace=ns, key=_key_of(ns, key)))
+    if key is None and any(not _keyed(store.namespace) for store in stores):
+        warn_unkeyed(args.store)
     return stores
 
 
-def _key_of(namespace: str) -> StoreKey | None:
-    """$KVMESH_STORE_KEY when `namespace` is that key's (then MACs are verified), else None."""
-    secret = os.environ.get(STORE_KEY_ENV)
-    key = StoreKey(secret) if secret else None
+def _store_key() -> StoreKey | None:
+    """The key in $KVMESH_STORE_KEY, read as serving reads it (cluster/config.py): unset or empty
+    is no key; one too short is an error naming the variable, as it stops serving."""
+    secret = os.environ.get(STORE_KEY_ENV) or None
+    try:
+        return StoreKey(secret) if secret else None
+    except ValueError as e:
+        raise StoreCliError(f"{STORE_KEY_ENV}: {e}") from None
+
+
+def _keyed(namespace: str) -> bool:
+    """Whether `namespace` holds objects written under a store key (`{fingerprint[:16]}-k{key_id}`)."""
+    return "-k" in namespace
+
+
+def _key_of(namespace: str, key: StoreKey | None) -> StoreKey | None:
+    """`key` when `namespace` is that key's (then scrub verifies MACs), else None: a key is never
+    applied to another key's objects, nor to unkeyed ones."""
     return key if key is not None and namespace.endswith(f"-k{key.key_id}") else None
 
 
@@ -130,7 +150,7 @@ def _print_stats(stores: list[ObjectStore], out: TextIO) -> None:
 
 def _print_listing(stores: list[ObjectStore], out: TextIO) -> None:
     for store in stores:
-        print(f"{store.fingerprint}" + (f" ({store.namespace})" if "-k" in store.namespace else ""), file=out)
+        print(f"{store.fingerprint}" + (f" ({store.namespace})" if _keyed(store.namespace) else ""), file=out)
         for kind in KINDS:
             for h in sorted(store.list(kind)):
                 print(f"  {kind}/{h:016x}", file=out)
@@ -141,8 +161,9 @@ def _scrub(stores: list[ObjectStore], args: argparse.Namespace, out: TextIO) -> 
     if not args.json:
         print(row.format("namespace", "checked", "ok", "removed", "quarantined", "untouched", "bytes_read",
                          "seconds"), file=out)
+    key = _store_key()
     for store in stores:
-        if "-k" in store.namespace and _key_of(store.namespace) is None:
+        if _keyed(store.namespace) and _key_of(store.namespace, key) is None:
             print(f"{store.namespace}: without its key ({STORE_KEY_ENV}) only checksums are verified, not MACs",
                   file=sys.stderr)
         index = make_index(args.index, store.fingerprint, namespace=store.namespace) if args.index else None

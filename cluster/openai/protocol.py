@@ -11,6 +11,7 @@ naming it, never silently ignored.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -358,7 +359,7 @@ class ChatCompletionRequest(_Request):
         except InvalidRequestError as e:      # a schema the grammar cannot enforce exactly, or never satisfied
             raise bad_request(str(e), e.field) from None
         except Exception as e:        # a parameter schema xgrammar cannot turn into a grammar
-            raise bad_request(f"tools: a parameter schema cannot be compiled: {e}", "tools") from None
+            raise bad_request(f"tools: a parameter schema cannot be compiled: {grammar_error(e)}", "tools") from None
 
     @property
     def offered_tools(self) -> list[dict]:
@@ -374,6 +375,14 @@ class ChatCompletionRequest(_Request):
     @property
     def top_n(self) -> int:
         return self.top_logprobs or 0 if self.logprobs else 0
+
+
+def grammar_error(e: Exception) -> str:
+    """xgrammar's reason for refusing a schema, without the time and C++ source line it starts
+    with ("[12:17:11] /project/cpp/json_schema_converter.cc:5082: Type should be a string"):
+    the client needs the reason, not where in xgrammar it was found."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)
 
 
 class TokenizeRequest(BaseModel):
@@ -398,10 +407,11 @@ class TokenizeRequest(BaseModel):
             return ChatCompletionRequest.model_validate({k: getattr(self, k) for k in fields}, strict=False)
         except ValidationError as e:          # a check across chat fields (tool_choice needs tools, ...)
             err = e.errors()[0]
-            cause = (err.get("ctx") or {}).get("error")
-            field = cause.field if isinstance(cause, InvalidRequestError) else \
-                ".".join(str(p) for p in err["loc"]) or None
-            raise bad_request(err["msg"].removeprefix("Value error, "), field) from None
+            msg, cause = err["msg"].removeprefix("Value error, "), (err.get("ctx") or {}).get("error")
+            if isinstance(cause, InvalidRequestError):      # its message starts with its field
+                raise bad_request(msg, cause.field) from None
+            field = ".".join(str(p) for p in err["loc"]) or None     # pydantic's words name no field
+            raise bad_request(f"{field}: {msg}" if field else msg, field) from None
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -7,7 +7,6 @@ decided here, before any worker sees the request (the body itself was checked by
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import NamedTuple
 
 from kvmesh.workers.sampling.params import check_schema_size
@@ -17,7 +16,7 @@ from kvmesh.cluster.chat.dsv4_grammar import after_reasoning
 from kvmesh.cluster.errors import bad_request
 from kvmesh.cluster.messages import GenRequest
 from kvmesh.cluster.openai.limits import Limits
-from kvmesh.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, grammar_error
 from kvmesh.cluster.openai.responses import ReplyFormat
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -73,8 +72,8 @@ def _params(body: Body, prompts: Prompts, max_tokens: int, max_schema_bytes: int
         try:
             params = dataclasses.replace(params, guide=after_reasoning(params.guide))
         except RuntimeError as e:      # a schema xgrammar cannot turn into a grammar
-            cause = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).splitlines()[0])      # xgrammar's time and source line
-            raise InvalidRequestError(f"the schema cannot be compiled: {cause}", "response_format") from None
+            raise InvalidRequestError(f"the schema cannot be compiled: {grammar_error(e)}",
+                                      "response_format") from None
     if prompts.echo and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     params.validate()

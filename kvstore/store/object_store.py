@@ -119,6 +119,17 @@ def list_namespaces(uri: str) -> dict[str, str | None]:
     return list_namespace_dirs(uri, FINGERPRINT_FILE)
 
 
+def warn_unkeyed(uri: str) -> None:
+    """Say (once per process) that the store at `uri` is used without a key. Only where that is
+    true: a serving store opened without one, or `kvmesh store` without $KVMESH_STORE_KEY over
+    namespaces written without one (cluster/cli/store.py)."""
+    global _trust_warned
+    if not _trust_warned:
+        _trust_warned = True
+        log.warning("store %s has no key (KVMESH_STORE_KEY / engine.store_key): objects are checksummed, "
+                    "not authenticated; anyone who can write to it controls outputs for its prefixes", uri)
+
+
 def _local_size(path: str) -> int | None:
     try:
         return os.stat(path).st_size
@@ -243,11 +254,8 @@ class ObjectStore(CacheTier):
         self._events = events
 
     def _say_trust(self, uri: str) -> None:
-        global _trust_warned
-        if self._key is None and not _trust_warned:
-            _trust_warned = True
-            log.warning("store %s has no key (KVMESH_STORE_KEY / engine.store_key): objects are checksummed, "
-                        "not authenticated; anyone who can write to it controls outputs for its prefixes", uri)
+        if self._key is None:
+            warn_unkeyed(uri)
 
     def _claim_namespace(self) -> None:
         path = f"{self._dir}/{FINGERPRINT_FILE}"

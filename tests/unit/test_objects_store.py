@@ -355,24 +355,55 @@ def test_store_cli_stats_ls_and_gc(tmp_path: Path) -> None:
     assert len(ObjectStore(root, FP).list("block")) == 1
 
 
-def test_store_cli_with_the_key_set_never_warns_that_the_store_has_no_key(tmp_path, monkeypatch, caplog) -> None:
-    """`kvmesh store` opens namespaces by name, without reading what serving reads: the serving
-    warning ("store ... has no key ... anyone who can write to it controls outputs") is not its
-    to give, with $KVMESH_STORE_KEY set or not; a serving store without a key still gives it."""
+NO_KEY_WARNING = "anyone who can write to it controls outputs"
+
+
+@pytest.mark.parametrize("written_with_key", [False, True], ids=["unkeyed_store", "keyed_store"])
+def test_store_cli_stats_warns_that_the_store_has_no_key_only_when_it_has_none(
+        tmp_path, monkeypatch, caplog, written_with_key) -> None:
+    """`kvmesh store stats` reads the key as serving does ($KVMESH_STORE_KEY). Serving's warning
+    ("store ... has no key ... anyone who can write to it controls outputs") is given only when it
+    is true: no key set and a namespace written without one. With the key set, no command gives it
+    (issue 48 item 6: it did, with the key set)."""
     import logging
     from kvmesh.kvstore.store import object_store
     secret = "k" * 32
     root = str(tmp_path / "store")
-    ObjectStore(root, FP, key=StoreKey(secret)).put("block", HS[0], None, 4, _tensors())
+    ObjectStore(root, FP, key=StoreKey(secret) if written_with_key else None).put("block", HS[0], None, 4, _tensors())
+
+    def warned(*argv: str) -> bool:
+        caplog.clear()
+        monkeypatch.setattr(object_store, "_trust_warned", False)
+        with caplog.at_level(logging.WARNING, logger=object_store.log.name):
+            code, out = _cli("store", *argv, "--store", root)
+        assert code == 0 and ("block" in out or argv[0] != "stats"), out
+        return any(NO_KEY_WARNING in r.getMessage() for r in caplog.records)
+
     monkeypatch.setenv("KVMESH_STORE_KEY", secret)
+    assert not warned("stats"), caplog.text
+    assert not any(warned(*argv) for argv in (("ls",), ("scrub",), ("gc", "--capacity", "1")))
+    monkeypatch.delenv("KVMESH_STORE_KEY")
+    assert warned("stats") is not written_with_key, caplog.text      # only an unkeyed store has no key
+    monkeypatch.setenv("KVMESH_STORE_KEY", "")                        # empty is unset, as for serving
+    assert warned("stats") is not written_with_key, caplog.text
+
+
+def test_store_cli_names_the_variable_of_a_store_key_too_short(tmp_path, monkeypatch, capsys) -> None:
+    ObjectStore(str(tmp_path / "store"), FP)
+    monkeypatch.setenv("KVMESH_STORE_KEY", "short")
+    assert _cli("store", "stats", "--store", str(tmp_path / "store"))[0] == 2
+    assert "KVMESH_STORE_KEY: the store key must be at least 16 bytes" in capsys.readouterr().err
+
+
+def test_a_serving_store_warns_that_it_has_no_key_only_without_one(tmp_path, monkeypatch, caplog) -> None:
+    import logging
+    from kvmesh.kvstore.store import object_store
     monkeypatch.setattr(object_store, "_trust_warned", False)
     with caplog.at_level(logging.WARNING, logger=object_store.log.name):
-        for command in ("stats", "ls", "scrub"):
-            assert _cli("store", command, "--store", root)[0] == 0
-        assert _cli("store", "gc", "--store", root, "--capacity", "1")[0] == 0
-        assert not [r for r in caplog.records if "has no key" in r.getMessage()], caplog.text
-        ObjectStore(root, FP)               # serving without a key
-    assert [r for r in caplog.records if "has no key" in r.getMessage()], caplog.text
+        ObjectStore(str(tmp_path / "keyed"), FP, key=StoreKey("k" * 32))
+        assert NO_KEY_WARNING not in caplog.text
+        ObjectStore(str(tmp_path / "unkeyed"), FP)
+    assert NO_KEY_WARNING in caplog.text
 
 
 @pytest.mark.slow     # a CLI subprocess

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,9 +56,11 @@ class SamplingParams:
             raise InvalidRequestError(why, field)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+        _check_real("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        _check_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
@@ -83,21 +86,38 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+            _check_real(name, v)
+            if not -2.0 <= v <= 2.0:
                 bad(name, f"must be in [-2, 2], got {v!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
             bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         for pair in self.logit_bias:
-            if (len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 0
-                    or not isinstance(pair[1], (int, float)) or not -100.0 <= pair[1] <= 100.0):
+            if len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 0:
                 bad("logit_bias", f"must map token ids >= 0 to biases in [-100, 100], got {pair!r}")
+            _check_real("logit_bias", pair[1], f"the bias of token {pair[0]}")
+            if not -100.0 <= pair[1] <= 100.0:
+                bad("logit_bias", f"the bias of token {pair[0]} must be in [-100, 100], got {pair[1]!r}")
         return self
 
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _check_real(field: str, value: object, subject: str = "") -> None:
+    """InvalidRequestError unless `value` (of `field`; `subject` names it within the field) is a
+    finite int or float. NaN fails every range check, so it would otherwise be refused by a bound
+    it does not break ("must be in [0, 100]"); JSON's NaN and Infinity reach here from
+    `kvmesh generate`'s lines. A bool is no number here."""
+    must = f"{subject} must" if subject else "must"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{must} be a number, got {value!r}", field)
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{must} be a finite number, got {value!r}", field)
 
 
 def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | None:
