@@ -1,7 +1,8 @@
 """The grammar compile pool (issue 31): several compiles run at once, one child is kept for
 small schemas while large ones hold the others (a small one behind large ones is never queued
 behind them), a compile stopped at its budget kills its own child only (the others and the
-restarted one compile on), a repeated schema is a cache hit and identical compiles in flight
+restarted one compile on), a shorter large compile stops a long one that had its slice (at
+most MAX_PREEMPTIONS times), a repeated schema is a cache hit and identical compiles in flight
 are one compile. Real xgrammar in real child processes, on the byte tokenizer of the tiny
 checkpoints."""
 from __future__ import annotations
@@ -86,3 +87,49 @@ def test_closing_the_compiler_fails_what_is_queued_and_stops_what_runs():
         with pytest.raises(Exception, match="closed"):
             f.result(timeout=30)
     assert time.monotonic() - t0 < 10                      # not the 60 s budget
+
+
+def test_a_mid_size_schema_behind_slow_ones_stops_one_after_its_slice_and_goes_first():
+    """Large compiles hold one child of two; a slow 1,000-property schema runs, another waits.
+    A mid-size schema (large too, but shorter) does not wait for their budgets: the running slow
+    one is stopped once it has had its slice and queued again; the mid-size one compiles while
+    no slow one has ended, then the slow ones run (the stopped one after the fresh ones)."""
+    pool = CompilePool(byte_compiler()._info_json, 2, BUDGET_S, 8 << 30)
+    try:
+        until(lambda: pool.stats().processes == 2)
+        slow = [pool.submit(wide(1000 + i)) for i in range(2)]
+        until(lambda: pool.stats().running == 1)
+        mid_text = wide(120)
+        assert LARGE_TEXT_BYTES <= len(mid_text.encode()) < len(wide(1000).encode())
+        mid = pool.submit(mid_text)
+        json.loads(mid.result(timeout=60))
+        assert not any(f.done() for f in slow) and pool.stats().preempted == 1
+        for f in slow:              # each still ends at its own budget, the stopped one included
+            with pytest.raises(CompileBudgetExceeded, match="time budget"):
+                f.result(timeout=120)
+        until(lambda: pool.stats().running == 0)      # the last killed child restarted
+        s = pool.stats()
+        assert (s.preempted, s.budget_kills, s.queued) == (1, 2, 0)
+    finally:
+        pool.close()
+
+
+def test_a_compile_is_stopped_for_shorter_ones_at_most_max_preemptions_times():
+    """A slow schema is stopped for a shorter one MAX_PREEMPTIONS times (it runs again after
+    each); past that, a shorter one waits for the slow one's budget."""
+    from kvmesh.workers.sampling.compile_pool import MAX_PREEMPTIONS
+    pool = CompilePool(byte_compiler()._info_json, 2, BUDGET_S, 8 << 30)
+    try:
+        until(lambda: pool.stats().processes == 2)
+        slow = pool.submit(wide(1000))
+        for i in range(MAX_PREEMPTIONS):
+            until(lambda: pool.stats().running == 1 and pool.stats().queued == 0)   # the slow one runs (again)
+            json.loads(pool.submit(wide(120 + i)).result(timeout=60))
+        until(lambda: pool.stats().running == 1 and pool.stats().queued == 0)
+        last = pool.submit(wide(130))
+        with pytest.raises(CompileBudgetExceeded, match="time budget"):
+            slow.result(timeout=120)
+        json.loads(last.result(timeout=60))
+        assert pool.stats().preempted == MAX_PREEMPTIONS
+    finally:
+        pool.close()

@@ -102,6 +102,7 @@ class GrammarCounters:
     coalesced: int = 0        # requests that joined an identical compile in progress
     budget_kills: int = 0     # compiles stopped at their time or memory budget
     refusals_remembered: int = 0    # requests refused at once: their grammar was refused before
+    preempted: int = 0        # compiles stopped after their slice for a shorter one, and queued again
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,19 @@ budget), and cancelling a running compile to make room wastes the work already d
 text that is slow anyway (a short but pathological schema) holds the kept child only until its
 own time budget. With size 1 nothing can be kept: compiles run one at a time in that order.
 
+Among large compiles, shorter ones are not queued behind long ones either (issue 48: a 4 KB
+schema that compiles in 1.4 s alone took 29 s behind ten slow 18 KB ones): a multi-level queue by
+time already spent. Every compile first waits in the *fresh* level, shortest text first; a
+compile that has run SLICE_S while a shorter fresh one waits for its child is stopped
+(`CompileWorker.preempt`: its child is killed and restarted) and queued again in the *long*
+level, which runs only when no fresh compile of its kind waits, first come first served. So a
+mid-size schema behind any number of slow ones waits at most SLICE_S and a child's restart
+before it runs, and a slow one costs its budget once more at most (it starts over; it is
+stopped at most MAX_PREEMPTIONS times, so a stream of shorter ones cannot starve it). Size-order
+alone was not enough: the slow ones already running would still hold every child for their
+whole budget. The work a stopped compile had done is lost, which is the price: a paused child
+(SIGSTOP) would keep its memory, up to the memory budget, for as long as it waits.
+
 Children start with the pool, all at once and in the pool's threads (importing xgrammar takes
 seconds; `tokenizer_info()`, xgrammar's serialized TokenizerInfo, is called there once, so
 creating a pool never waits for an import: an engine may create it inside its step), and a
@@ -30,17 +43,21 @@ restart counts in its compile's lane). Thread-safe.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .grammar_worker import CompileWorker
+from .grammar_worker import CompilePreempted, CompileWorker
 
 log = logging.getLogger(__name__)
 LARGE_TEXT_BYTES = 4 << 10     # byte tokenizer, loaded box: ~0.5-1 s at this size, 0.2 s at 2 KiB, ms below
+SLICE_S = 1.0                  # a compile's time before a shorter fresh one waiting may stop it
+MAX_PREEMPTIONS = 2            # times one compile may be stopped that way
 MAX_DEFAULT_SIZE = 4           # children by default at most (each holds ~300 MiB once xgrammar is imported)
 
 
@@ -56,6 +73,7 @@ class PoolStats(NamedTuple):
     queued: int          # compiles waiting for a child
     compiled: int        # compiles that ended (ok, unusable, or stopped) since start
     budget_kills: int    # compiles stopped at their time or memory budget since start
+    preempted: int = 0   # compiles stopped for a shorter one and queued again, since start
 
 
 @dataclass
@@ -64,6 +82,14 @@ class _Job:
     text: str
     large: bool
     future: concurrent.futures.Future
+    size: int = 0                   # the text's bytes: the cost estimate (shortest first)
+    seq: int = 0                    # arrival order, among equal sizes
+    preemptions: int = 0            # times it was stopped for a shorter one
+    started: float | None = None    # when its current run began (None: queued)
+    lane: int = -1                  # the child running it
+
+    def __lt__(self, other: "_Job") -> bool:         # the fresh level's order
+        return (self.size, self.seq) < (other.size, other.seq)
 
 
 class CompilePool:
@@ -75,42 +101,86 @@ class CompilePool:
         self._info_lock = threading.Lock()
         self._workers: list[CompileWorker | None] = [None] * self.size
         self._cond = threading.Condition()
-        self._small: deque[_Job] = deque()
-        self._large: deque[_Job] = deque()
-        self._running = self._running_large = self._compiled = 0
+        # fresh levels (heaps, shortest text first), then the long level (compiles stopped for a
+        # shorter one: first come first served)
+        self._small: list[_Job] = []
+        self._large: list[_Job] = []
+        self._long: deque[_Job] = deque()
+        self._current: list[_Job | None] = [None] * self.size     # the compile each child runs
+        self._running = self._running_large = self._compiled = self._preempted = self._seq = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"kvmesh-grammar-{i}", daemon=True)
                          for i in range(self.size)]
+        self._threads.append(threading.Thread(target=self._slices, name="kvmesh-grammar-slices", daemon=True))
         for t in self._threads:
             t.start()
 
     def submit(self, text: str, kind: str = "json_schema") -> concurrent.futures.Future:
         """Queue one compile; its future holds the serialized grammar, or raises ValueError
         (unusable), CompileBudgetExceeded (stopped at its budget) or RuntimeError (pool closed)."""
-        job = _Job(kind, text, len(text.encode()) >= LARGE_TEXT_BYTES, concurrent.futures.Future())
+        size = len(text.encode())
+        job = _Job(kind, text, size >= LARGE_TEXT_BYTES, concurrent.futures.Future(), size)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the grammar compile pool is closed")
-            (self._large if job.large else self._small).append(job)
-            self._cond.notify()
+            self._seq += 1
+            job.seq = self._seq
+            heapq.heappush(self._large if job.large else self._small, job)
+            self._cond.notify_all()
         return job.future
 
-    def _take(self) -> _Job | None:
-        """The next compile a free child may run (see the module docstring); None once closed."""
+    def _take(self, index: int) -> _Job | None:
+        """The next compile child `index` may run (see the module docstring); None once closed."""
         with self._cond:
             while True:
                 if self._closed:
                     return None
+                room = self._running_large < self.large_cap
                 if self._small:
-                    job = self._small.popleft()
-                elif self._large and self._running_large < self.large_cap:
-                    job = self._large.popleft()
+                    job = heapq.heappop(self._small)
+                elif self._large and room:
+                    job = heapq.heappop(self._large)
+                elif self._long and (room or not self._long[0].large):
+                    job = self._long.popleft()
                 else:
                     self._cond.wait()
                     continue
                 self._running += 1
                 self._running_large += job.large
+                job.started, job.lane = time.monotonic(), index
+                self._current[index] = job
                 return job
+
+    def _slices(self) -> None:
+        """Stop a compile that has had its slice when a shorter fresh one waits for its child."""
+        with self._cond:
+            while not self._closed:
+                victim = self._victim(time.monotonic())
+                if victim is not None:
+                    victim.preemptions += 1
+                    self._workers[victim.lane].preempt()
+                    victim.started = None           # asked once; its lane requeues it
+                waiting = self._small or self._large
+                self._cond.wait(SLICE_S / 10 if waiting else None)     # submit() wakes it
+
+    def _victim(self, now: float) -> _Job | None:
+        """The compile to stop now, if any (the lock held): the longest text among those that have
+        run SLICE_S, are longer than the shortest fresh compile that cannot start, may be stopped
+        again, and whose child that compile may take (a large one never takes the kept child)."""
+        if self._small and self._running < self.size:
+            return None                                 # a child is free for it
+        waiting = self._small[0] if self._small else None
+        if waiting is None and self._large:
+            waiting = self._large[0]
+            if self._running_large < self.large_cap and self._running < self.size:
+                return None
+        if waiting is None:
+            return None
+        candidates = [j for j in self._current if j is not None and j.started is not None
+                      and now - j.started >= SLICE_S and j.size > waiting.size
+                      and j.preemptions < MAX_PREEMPTIONS and (j.large or not waiting.large)
+                      and self._workers[j.lane] is not None]
+        return max(candidates, key=lambda j: (j.size, -j.seq), default=None)
 
     def _serve(self, index: int) -> None:
         """One child's thread: start it, then run compiles until the pool closes. A child killed
@@ -126,20 +196,30 @@ class CompilePool:
                 return
             self._workers[index] = worker
         self._restart(worker)
-        while (job := self._take()) is not None:
-            stopped = worker.stopped
+        while (job := self._take(index)) is not None:
+            stopped, preempted = worker.stopped, False
             try:
-                if job.future.set_running_or_notify_cancel():
+                if job.preemptions or job.future.set_running_or_notify_cancel():
                     job.future.set_result(worker.compile(job.text, job.kind))
+            except CompilePreempted:        # a shorter one takes this child; this one waits again
+                preempted = True
             except Exception as e:          # ValueError / CompileBudgetExceeded / closed: the caller's to see
                 job.future.set_exception(e)
             with self._cond:
-                self._compiled += 1
-            if worker.stopped != stopped:
+                self._compiled += not preempted
+                self._preempted += preempted
+            if worker.stopped != stopped or preempted:
                 self._restart(worker)
             with self._cond:
                 self._running -= 1
                 self._running_large -= job.large
+                self._current[index] = None
+                job.started = None
+                if preempted:
+                    if self._closed:
+                        job.future.set_exception(RuntimeError("the grammar compile pool is closed"))
+                    else:
+                        self._long.append(job)
                 self._cond.notify_all()
 
     def _info(self) -> str:
@@ -158,20 +238,22 @@ class CompilePool:
     def stats(self) -> PoolStats:
         with self._cond:
             workers = [w for w in self._workers if w is not None]
-            return PoolStats(sum(w.alive for w in workers), self._running, len(self._small) + len(self._large),
-                             self._compiled, sum(w.stopped for w in workers))
+            return PoolStats(sum(w.alive for w in workers), self._running,
+                             len(self._small) + len(self._large) + len(self._long), self._compiled,
+                             sum(w.stopped for w in workers), self._preempted)
 
     def close(self) -> None:
         """Stop every child (a compile in progress raises) and fail what is queued."""
         with self._cond:
             self._closed = True
-            queued = [*self._small, *self._large]
+            queued = [*self._small, *self._large, *self._long]
             self._small.clear()
             self._large.clear()
+            self._long.clear()
             workers = [w for w in self._workers if w is not None]
             self._cond.notify_all()
         for job in queued:
-            if job.future.set_running_or_notify_cancel():
+            if job.preemptions or job.future.set_running_or_notify_cancel():     # a requeued one runs already
                 job.future.set_exception(RuntimeError("the grammar compile pool is closed"))
         for w in workers:
             w.close()

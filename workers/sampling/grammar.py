@@ -143,6 +143,7 @@ class GrammarStats(NamedTuple):
     coalesced: int = 0        # requests that joined an identical compile in progress
     budget_kills: int = 0     # compiles stopped at their time or memory budget
     refusals_remembered: int = 0    # requests refused from memory: their grammar was refused before
+    preempted: int = 0        # compiles stopped after their slice for a shorter one, and queued again
 
 
 CACHE_ENTRIES = 64            # compiled grammars kept, least recently used dropped first
@@ -304,7 +305,7 @@ class GuideCompiler:
         if pool is None:
             return GrammarStats(cache_hits=hits, coalesced=coalesced, refusals_remembered=refused)
         return GrammarStats(pool.processes, pool.running, pool.queued, pool.compiled, hits, coalesced,
-                            pool.budget_kills, refused)
+                            pool.budget_kills, refused, pool.preempted)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -33,6 +33,11 @@ class CompileBudgetExceeded(Exception):
     """The compile ran past its time or memory budget (the message names which); it was stopped."""
 
 
+class CompilePreempted(Exception):
+    """The compile was stopped by `CompileWorker.preempt` to make room for another (its child is
+    killed; the caller queues it again)."""
+
+
 def _serve(conn, tokenizer_info_json: str) -> None:
     """The child: compile schemas sent on `conn` until it is closed (or None arrives)."""
     import xgrammar as xgr
@@ -75,6 +80,7 @@ class CompileWorker:
         self._proc = None
         self._conn = None
         self._closed = False
+        self._preempt = False   # set by preempt(): the compile in progress stops
         self.stopped = 0        # compiles killed for their budget (since construction)
 
     def start(self) -> None:
@@ -94,6 +100,7 @@ class CompileWorker:
         memory budget)."""
         with self._lock:
             conn = self._started()
+            self._preempt = False
             conn.send((kind, text))
             status, payload = self._wait(conn, self.timeout_s, budget=True)
         if status == "error":
@@ -124,6 +131,9 @@ class CompileWorker:
                 over = "budget: the compiler process died"
             elif self._closed:
                 over = "the grammar compiler was closed"
+            elif budget and self._preempt:
+                self._stop()
+                raise CompilePreempted("stopped to make room for a shorter compile")
             if over is not None:
                 self._stop()
                 if self._closed:
@@ -145,6 +155,11 @@ class CompileWorker:
         if self._conn is not None:
             self._conn.close()
         self._proc = self._conn = None
+
+    def preempt(self) -> None:
+        """Stop the compile in progress (from another thread): it raises CompilePreempted and the
+        child is killed (the next compile starts a fresh one); no effect between compiles."""
+        self._preempt = True
 
     def close(self) -> None:
         self._closed = True
