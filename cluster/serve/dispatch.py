@@ -128,12 +128,12 @@ class Dispatcher:
         hint = await self.prefix_hint(req.prompt)
         budget = prefill_budget_s(len(req.prompt), self.token_timeout_s, self.prefill_s_per_1k_tokens)
         if self.mode == "colocated":
-            async for chunk in self._stream("colocated", self.pools["colocated"].options(stream=True)
-                                            .generate.remote(req, hint=hint), budget):
+            async for chunk in self._stream("colocated", detached(lambda: self.pools["colocated"].options(
+                                                stream=True).generate.remote(req, hint=hint)), budget):
                 yield chunk
             return
         with self._counted("prefill"):
-            handoff = await self._first(self.pools["prefill"].prefill.remote(req, hint=hint), budget)
+            handoff = await self._first(detached(lambda: self.pools["prefill"].prefill.remote(req, hint=hint)), budget)
         if handoff.worker is not None:
             self.metrics.workers.update(handoff.worker)
         firsts = first_chunks(handoff)
@@ -150,9 +150,8 @@ class Dispatcher:
             held = firsts if req.params.n > 1 else []
             for chunk in firsts if not held else []:
                 yield chunk
-            call = lambda: self.pools["decode"].options(stream=True).decode.remote(  # noqa: E731
-                req, handoff, hint=decode_hint(hint, self.load_hint()))
-            decode = detached(call) if holds else call()
+            decode = detached(lambda: self.pools["decode"].options(stream=True).decode.remote(
+                req, handoff, hint=decode_hint(hint, self.load_hint())))
             chunks = self._stream("decode", decode, settle_first=holds)
             async for chunk in chunks:
                 for first in held:
@@ -199,8 +198,8 @@ class Dispatcher:
     async def _release(self, request_id: str, worker_id: str) -> None:
         log.debug("request %s ended before decode read its cache: prefill worker %s frees it", request_id, worker_id)
         try:
-            await asyncio.wait_for(self.pools["prefill"].release.remote(
-                request_id, hint=RouteHint(require_worker=worker_id)), self.token_timeout_s)
+            await asyncio.wait_for(detached(lambda: self.pools["prefill"].release.remote(
+                request_id, hint=RouteHint(require_worker=worker_id))), self.token_timeout_s)
         except Exception as e:
             log.warning("request %s: prefill worker %s did not free its cache (%s: %s); its release timeout "
                         "will", request_id, worker_id, type(e).__name__, e)

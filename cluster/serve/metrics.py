@@ -42,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from kvmesh.workers.engine.stats import StoreCounters
 
 from kvmesh.cluster.messages import RouteHint, TransferReport, WorkerStats
-from kvmesh.cluster.serve.routing import live_replica_ids
+from kvmesh.cluster.serve.routing import detached, live_replica_ids
 from kvmesh.kvstore.log_once import LogOnce
 
 log = logging.getLogger(__name__)
@@ -174,13 +174,14 @@ async def each_replica(handle, method: str, identify: Callable[[object], str | N
     if not ids:     # no call went through this process's router for it yet: the first makes it,
         deadline = time.monotonic() + timeout_s             # then Serve's update names the replicas
         try:
-            await asyncio.wait_for(_await(getattr(handle, method).remote()), timeout_s)
+            await asyncio.wait_for(_await(detached(getattr(handle, method).remote)), timeout_s)
         except Exception as e:
             log.debug("metrics: %s.%s did not answer: %r", name, method, e)
         while not (ids := live_replica_ids(app, name)) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         ids = ids or []
-    calls = [(wid, getattr(handle, method).remote(hint=RouteHint(require_worker=wid))) for wid in ids]
+    calls = [(wid, detached(lambda wid=wid: getattr(handle, method).remote(hint=RouteHint(require_worker=wid))))
+             for wid in ids]
     results = await asyncio.gather(*(asyncio.wait_for(_await(c), timeout_s) for _, c in calls),
                                    return_exceptions=True)
     out = {}

@@ -252,4 +252,5 @@ class Decode(_Worker):
                                           skip=reused).result(timeout_s=self.config.handoff.release_timeout_s)
 
     async def _fetch_export_async(self, handoff: Handoff) -> Offer:
-        return await self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id))
+        return await detached(lambda: self.prefill.export.remote(handoff.request_id,
+                                                                 hint=RouteHint(require_worker=handoff.worker_id)))

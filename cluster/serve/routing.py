@@ -25,7 +25,7 @@ import random
 from dataclasses import replace
 from typing import Callable, NamedTuple, TypeVar
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvmesh.cluster.messages import RouteHint
 
@@ -36,9 +36,16 @@ T = TypeVar("T")
 
 def detached(call: Callable[[], T]) -> T:
     """`call()` (a handle's `.remote(...)`, or starting a task) outside the Serve request being
-    served, in an empty context: Serve ties the calls a request makes to it and, when the request
-    is cancelled (its client went away), cancels those still waiting for a replica. A call that
-    frees what the client held, or must run to do so, has to outlive the client."""
+    served, in an empty context, so that it is a request of its own. kvmesh makes every handle
+    call this way, for two reasons:
+
+    * Serve gives every call a request makes that request's internal id, and a router matches the
+      replica it chose to the pending call by that id: calls made at once from one request (a
+      batch's prompts, a scrape of every replica) collide, and one is sent to the replica chosen
+      for another (a `require_worker` pin broken) or never sent;
+    * Serve cancels a request's calls when the request is cancelled (its client went away); a
+      call that frees what the client held, or must run to do so, has to outlive the client. The
+      dispatcher cancels the others itself."""
     return contextvars.Context().run(call)
 
 
@@ -140,10 +147,16 @@ def live_replica_ids(app: str, deployment: str) -> list[str] | None:
     return None if router is None else [rid.unique_id for rid in list(router.curr_replicas)]
 
 
-class KVAwareRouter(FIFOMixin, RequestRouter):
+class KVAwareRouter(RequestRouter):
     """Ranks every candidate (singleton ranks, best first); Serve's selector then takes the
     first one whose queue has room, backing off when all are full. `deployment` (the router's
-    kwargs) registers it for `live_replica_ids`: how /metrics reaches every replica."""
+    kwargs) registers it for `live_replica_ids`: how /metrics reaches every replica.
+
+    No FIFOMixin: with it Serve hands the replica chosen for one request to the *oldest* pending
+    request of the router, so with several pending at once a `require_worker` pin (a release of a
+    held cache, a scrape of one replica, a data-parallel rank's follow-up) or a prefix hint could
+    land on another replica. RequestRouter's own matching gives each request the replica chosen
+    for it; requests are still routed in arrival order (one routing task each, FIFO)."""
 
     def initialize_state(self, kv_weight: float = 1.0, deployment: str | None = None, **_: object) -> None:
         self.kv_weight = kv_weight

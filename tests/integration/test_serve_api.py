@@ -241,9 +241,9 @@ def test_with_two_ingress_replicas_every_scrape_reports_every_request(urls, clie
         codes = list(pool.map(lambda i: client.post(f"{urls['fallback']}/v1/completions", json={
             "prompt": f"request {i}", "max_tokens": 2, "temperature": 0}).status_code, range(n)))
     assert codes == [200] * n
-    scrapes = [client.get(f"{urls['fallback']}/metrics").text for _ in range(8)]
-    assert [metric(t, "kvmesh_ingress_replicas_scraped") for t in scrapes] == [INGRESS_REPLICAS] * 8
-    assert [completed(t) - before for t in scrapes] == [n] * 8
+    scrapes = [client.get(f"{urls['fallback']}/metrics").text for _ in range(20)]
+    assert [metric(t, "kvmesh_ingress_replicas_scraped") for t in scrapes] == [INGRESS_REPLICAS] * 20
+    assert [completed(t) - before for t in scrapes] == [n] * 20
     own = asyncio.run(each_replica(serve.get_deployment_handle("Ingress", "fallback"), "metric_families",
                                    lambda answer: answer[0]))
     served = {rid: sum(s.value for f in families for s in f.samples if s.name == "kvmesh_requests_total"
