@@ -47,7 +47,8 @@ class WorkerLimits:
 
     async def get(self) -> Limits:
         if self._limits is None:
-            infos = [await self.pools[n].info.remote() for n in self.names]
+            from kvmesh.cluster.serve.routing import detached     # lazy: Ray Serve's router, for serving only
+            infos = [await detached(self.pools[n].info.remote) for n in self.names]
             self._limits = Limits(max_model_len=min(i["max_model_len"] for i in infos),
                                   vocab_size=infos[0]["vocab_size"],
                                   max_schema_bytes=min(i["max_schema_bytes"] for i in infos))

@@ -248,8 +248,9 @@ class Decode(_Worker):
     def _fetch_export(self, handoff: Handoff, reused: int) -> Offer:
         """From the engine thread: ask the prefill worker holding `handoff` for a Ray copy
         (without the `reused` blocks this worker holds)."""
-        return self.prefill.export.remote(handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id),
-                                          skip=reused).result(timeout_s=self.config.handoff.release_timeout_s)
+        return detached(lambda: self.prefill.export.remote(
+            handoff.request_id, hint=RouteHint(require_worker=handoff.worker_id), skip=reused)
+        ).result(timeout_s=self.config.handoff.release_timeout_s)
 
     async def _fetch_export_async(self, handoff: Handoff) -> Offer:
         return await detached(lambda: self.prefill.export.remote(handoff.request_id,
