@@ -114,8 +114,11 @@ class Ingress:
         if self._peers is None:
             context = serve.get_replica_context()
             self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
-        answers = await each_replica(self._peers, "metric_families", lambda answer: answer[0])
-        return {rid: families for rid, (_, families) in answers.items()}
+        # its own series read here, the others' asked for: a call to itself through Serve's router
+        # missed a scrape's budget on a loaded node (a fresh-clone run's log)
+        me, families = await self.metric_families()
+        answers = await each_replica(self._peers, "metric_families", lambda answer: answer[0], skip=me)
+        return {me: families, **{rid: fams for rid, (_, fams) in answers.items()}}
 
     async def metric_families(self, hint=None) -> tuple[str, list]:
         """(this replica's id, its own series): called by the replica a scrape landed on, `hint`

@@ -162,13 +162,13 @@ def _le(bound: float) -> str:
 
 
 async def each_replica(handle, method: str, identify: Callable[[object], str | None],
-                       timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, object]:
+                       timeout_s: float = SCRAPE_TIMEOUT_S, skip: str | None = None) -> dict[str, object]:
     """{replica id: `method`'s answer} from every replica Serve routes `handle`'s deployment to
     (routing.live_replica_ids: the router's own replica set, no private actor names), each call
     pinned to its replica by a `require_worker` hint. `identify(answer)` names the replica that
     answered: an answer from another one (a pin the router could not honour) is dropped, never
     counted twice. A replica that does not answer within timeout_s is left out, with a warning
-    (once per replica)."""
+    (once per replica). `skip`: a replica not to call (the caller itself, which reads its own)."""
     app, name = handle.app_name, handle.deployment_name
     ids = live_replica_ids(app, name)
     if not ids:     # no call went through this process's router for it yet: the first makes it,
@@ -181,7 +181,7 @@ async def each_replica(handle, method: str, identify: Callable[[object], str | N
             await asyncio.sleep(0.01)
         ids = ids or []
     calls = [(wid, detached(lambda wid=wid: getattr(handle, method).remote(hint=RouteHint(require_worker=wid))))
-             for wid in ids]
+             for wid in ids if wid != skip]
     results = await asyncio.gather(*(asyncio.wait_for(_await(c), timeout_s) for _, c in calls),
                                    return_exceptions=True)
     out = {}
