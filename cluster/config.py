@@ -180,8 +180,15 @@ class PoolConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom node resources that pin the pool to a node type")
-    max_ongoing_requests: int = Field(32, ge=1)
+    max_ongoing_requests: int = Field(32, ge=1, description=(
+        "serving slots per replica: requests in its engine; a request waiting for its grammar's compile "
+        "holds none (max_grammar_waiting)"))
     max_queued_requests: int = Field(128, ge=-1, description="beyond this the API answers 503; -1 = no limit")
+    max_grammar_waiting: int = Field(32, ge=0, description=(
+        "guided requests per replica that may wait for their grammar's compile beside the serving slots "
+        "(cluster/serve/grammar_gate.py); past it a 429 with Retry-After"))
+    grammar_waiting_per_client: int = Field(4, ge=1, description=(
+        "of those, per client (its API key, else its address); past it a 429 with Retry-After"))
     engine: EngineOverrides = Field(default_factory=EngineOverrides,
                                     description="engine settings for this pool only (e.g. kv_cache_bytes)")
     tensor_parallel_size: int = Field(1, ge=1, description=(
@@ -259,9 +266,14 @@ class PoolConfig(_Strict):
         per = self.ranks_per_bundle
         return [{k: v * per for k, v in self.rank_bundle().items()} for _ in range(self.nodes)], "STRICT_SPREAD"
 
+    @property
+    def serve_max_ongoing_requests(self) -> int:
+        """Serve's limit for a replica: its serving slots and the requests waiting for a grammar."""
+        return self.max_ongoing_requests + self.max_grammar_waiting
+
     def deployment_options(self, name: str) -> dict[str, Any]:
         opts: dict[str, Any] = dict(
-            name=name, max_ongoing_requests=self.max_ongoing_requests,
+            name=name, max_ongoing_requests=self.serve_max_ongoing_requests,
             max_queued_requests=self.max_queued_requests,
             ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                "resources": dict(self.resources)})

@@ -33,6 +33,23 @@ def overloaded(retry_after_s: int) -> APIError:
                     code="overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+class TooManyRequests(Exception):
+    """A client is past a bound on what it may have in flight: a 429 with Retry-After
+    (rate_limited builds it). Raised in a worker, it crosses Ray as a RayTaskError's cause."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return TooManyRequests, (str(self), self.retry_after_s)
+
+
+def rate_limited(e: TooManyRequests) -> APIError:
+    return APIError(429, str(e), type="requests", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, e.retry_after_s))})
+
+
 def body_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than the limit of {limit} bytes "
                          "(ingress.max_body_bytes)", type="invalid_request_error", code="request_too_large")

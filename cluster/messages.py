@@ -19,6 +19,7 @@ class GenRequest:
     request_id: str
     prompt: list[int]               # token ids (the ingress tokenizes)
     params: SamplingParams
+    client: str = ""                # who sent it: its API key's id, else its address (shares of grammar compiles)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class WorkerStats:
     held_timeouts: int = 0          # prefill: held caches released because decode never read them
     handoff_reused_blocks: int = 0  # decode: prompt blocks it already held, so no handoff moved them
     handoff_saved_bytes: int = 0    # decode: their bytes
+    serving: int = 0                # requests holding one of the replica's serving slots now
+    grammar_gate_waiting: int = 0   # requests waiting for their grammar's compile, holding no slot
+    grammar_busy_refusals: int = 0  # requests refused with a 429: their client had too many compiles waiting
     ranks: tuple[EngineStats, ...] = ()     # data-parallel: each rank's, in rank order
 
 

@@ -8,6 +8,7 @@ Keys come from `ingress.api_keys` (config), `kvmesh serve --api-key` (repeatable
 `KVMESH_API_KEY` (comma-separated). They are held as pydantic SecretStr, compared in
 constant time, and never logged, echoed in an error, or exported as a metric label.
 """
+import hashlib
 import hmac
 import os
 from typing import Callable, Iterable
@@ -48,6 +49,18 @@ class ApiKeys:
 
     def __repr__(self) -> str:
         return f"ApiKeys({len(self._keys)} keys)"
+
+
+def client_of(request: Request, keyed: bool) -> str:
+    """Who sent `request`, as the workers share grammar compiles between clients
+    (cluster/serve/grammar_gate.py): with API keys on (`keyed`), its key (an 8-byte BLAKE2b id: the
+    key itself never leaves the ingress); else its address (every connection from one host is one
+    client; behind a proxy, the proxy's). Without keys a token names no one: any client could send
+    a new one with each request."""
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if keyed and scheme.lower() == "bearer" and token.strip():
+        return "key:" + hashlib.blake2b(token.strip().encode(), digest_size=8).hexdigest()
+    return "addr:" + (request.client.host if request.client else "?")
 
 
 def app_path(request: Request) -> str:

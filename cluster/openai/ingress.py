@@ -26,7 +26,7 @@ from kvmesh.workers.checkpoint.tokenizer import load_tokenizer
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.errors import APIError, bad_request
-from kvmesh.cluster.openai.auth import ApiKeys, require_api_key
+from kvmesh.cluster.openai.auth import ApiKeys, client_of, require_api_key
 from kvmesh.cluster.openai.limits import WorkerLimits, read_body
 from kvmesh.cluster.openai.protocol import package_version
 from kvmesh.cluster.openai.serving import PREPARE_THREADS, ServedModel, ServingContext, error_response, to_api_error
@@ -131,11 +131,11 @@ class Ingress:
     # ---- generation and tokens ------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self.serving_completion.serve(await self._body(request))
+        return await self.serving_completion.serve(await self._body(request), client_of(request, self.keys.enabled))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self.serving_chat.serve(await self._body(request))
+        return await self.serving_chat.serve(await self._body(request), client_of(request, self.keys.enabled))
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -28,7 +28,8 @@ from ray.serve.exceptions import BackPressureError
 from kvmesh.workers.checkpoint.tokenizer import Tokenizer
 from kvmesh.workers.sampling.params import InvalidRequestError
 
-from kvmesh.cluster.errors import APIError, WorkerFailed, bad_request, model_not_found, overloaded
+from kvmesh.cluster.errors import (APIError, TooManyRequests, WorkerFailed, bad_request, model_not_found,
+                                   overloaded, rate_limited)
 from kvmesh.cluster.messages import Chunk, GenRequest
 from kvmesh.cluster.openai.limits import Limits, WorkerLimits
 from kvmesh.cluster.openai.protocol import parse_body
@@ -51,6 +52,8 @@ def to_api_error(e: BaseException, retry_after_s: int) -> APIError:
         return e
     if isinstance(cause, InvalidRequestError):
         return bad_request(str(cause).split("\n")[0], cause.field)
+    if isinstance(cause, TooManyRequests):
+        return rate_limited(cause)
     if isinstance(cause, BackPressureError):
         return overloaded(retry_after_s)
     if isinstance(cause, WorkerFailed) or isinstance(e, RETRYABLE) or isinstance(cause, RETRYABLE):
@@ -133,12 +136,13 @@ class OpenAIServing(ABC):
         """The SSE event for `delta` of `choice`; `offset`: characters of its text sent so far;
         `first`: nothing of this choice was sent yet."""
 
-    async def serve(self, raw: bytes) -> JSONResponse | StreamingResponse | dict:
-        """The response to one request body: a JSON body, an SSE stream, or an error's status and
-        OpenAI body. Counts the request (by endpoint and status) and, once accepted, its prompt tokens."""
+    async def serve(self, raw: bytes, client: str = "") -> JSONResponse | StreamingResponse | dict:
+        """The response to one request body from `client` (auth.client_of): a JSON body, an SSE
+        stream, or an error's status and OpenAI body. Counts the request (by endpoint and status)
+        and, once accepted, its prompt tokens."""
         timer = RequestTimer(self.ctx.metrics)
         try:
-            gen = await self._start(raw, timer)
+            gen = await self._start(raw, timer, client)
         except Exception as e:
             err = to_api_error(e, self.ctx.retry_after_s)
             self.ctx.metrics.request(self.endpoint, err.status)
@@ -149,11 +153,11 @@ class OpenAIServing(ABC):
             return StreamingResponse(gen.sse(), media_type="text/event-stream")
         return await gen.whole()
 
-    async def _start(self, raw: bytes, timer: RequestTimer) -> Generation:
+    async def _start(self, raw: bytes, timer: RequestTimer, client: str) -> Generation:
         """Prepare (off the loop) and dispatch; returns once the first chunk is in (an error
         before the first token is still a status code)."""
         body, prompts = await self.ctx.off_loop(self._parse, raw)
-        reply, reqs = await self.ctx.off_loop(self._requests, body, prompts, await self.ctx.limits.get())
+        reply, reqs = await self.ctx.off_loop(self._requests, body, prompts, await self.ctx.limits.get(), client)
         chunks = merge([self.ctx.dispatch.stream(r) for r in reqs])
         first = await chunks.__anext__()
         return Generation(self, body, reply, first, chunks, timer)
@@ -165,10 +169,10 @@ class OpenAIServing(ABC):
         self.ctx.model.check(body.model)
         return body, prompts
 
-    def _requests(self, body: Body, prompts: Prompts, limits: Limits) -> tuple[Reply, list[GenRequest]]:
+    def _requests(self, body: Body, prompts: Prompts, limits: Limits, client: str) -> tuple[Reply, list[GenRequest]]:
         """The Reply and a GenRequest per prompt, checked against the workers' limits (or a 400)."""
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        reqs = [gen_request(body, prompts, ids, f"{rid}-{i}", limits) for i, ids in enumerate(prompts.ids)]
+        reqs = [gen_request(body, prompts, ids, f"{rid}-{i}", limits, client) for i, ids in enumerate(prompts.ids)]
         tok = self.ctx.tokenizer
         reply = Reply(rid, self.ctx.model.name, tok, body.stop_strings, prompts.ids, body.num_sequences,
                       keep=body.n, echo=[tok.decode(p) for p in prompts.ids] if prompts.echo else None,

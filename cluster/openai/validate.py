@@ -32,7 +32,8 @@ class Prompts(NamedTuple):
     fmt: ReplyFormat | None = None    # replies parsed in DeepSeek-V4's chat format
 
 
-def gen_request(body: Body, prompts: Prompts, ids: list[int], request_id: str, limits: Limits) -> GenRequest:
+def gen_request(body: Body, prompts: Prompts, ids: list[int], request_id: str, limits: Limits,
+                client: str = "") -> GenRequest:
     """The GenRequest for one prompt (`ids`) of `body`; raises the 400 APIError that names the
     field at fault (prompt, logit_bias, max_tokens, response_format, tools, ...)."""
     _check_tokens(body, prompts.field, ids, limits.vocab_size)
@@ -44,7 +45,7 @@ def gen_request(body: Body, prompts: Prompts, ids: list[int], request_id: str, l
         params = _params(body, prompts, prompts.max_tokens or room, limits.max_schema_bytes)
     except InvalidRequestError as e:
         raise bad_request(str(e), e.field) from None
-    return GenRequest(request_id, ids, params)
+    return GenRequest(request_id, ids, params, client)
 
 
 def _check_tokens(body: Body, field: str, ids: list[int], vocab: int) -> None:

@@ -1,6 +1,7 @@
 """The Serve side: pools of engines and how a request travels between them.
 
     pools.py      Prefill / Decode / Colocated deployments, each owning one AsyncEngine
+    grammar_gate.py  a replica's serving slots, and the wait for a grammar outside them (429 past a client's bound)
     ranks.py      the rank actors of a tensor- or data-parallel replica in its placement group
     routing.py    KVAwareRouter: choosing a replica (by its best data-parallel rank) inside a pool
     locator.py    which rank holds a prompt's prefix, and each rank's load (from KV events, else the index)

@@ -63,7 +63,7 @@ def continuation(req: GenRequest, sent: list[int]) -> GenRequest:
         return req
     p = req.params
     params = replace(p, max_tokens=p.max_tokens - len(sent), min_tokens=max(0, p.min_tokens - len(sent)))
-    return GenRequest(f"{req.request_id}-r{len(sent)}", req.prompt + sent, params)
+    return GenRequest(f"{req.request_id}-r{len(sent)}", req.prompt + sent, params, req.client)
 
 
 def first_chunks(handoff: Handoff) -> list[Chunk]:

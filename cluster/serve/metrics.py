@@ -84,7 +84,9 @@ class WorkerSnapshots:
             ([w.pool, w.worker_id], {**w.engine.as_dict(), "nixl_bytes": w.nixl_bytes, "ray_bytes": w.ray_bytes,
                                      "fallbacks": w.fallbacks, "held_timeouts": w.held_timeouts,
                                      "handoff_reused_blocks": w.handoff_reused_blocks,
-                                     "handoff_saved_bytes": w.handoff_saved_bytes}) for w in workers])
+                                     "handoff_saved_bytes": w.handoff_saved_bytes, "serving": w.serving,
+                                     "grammar_gate_waiting": w.grammar_gate_waiting,
+                                     "grammar_busy_refusals": w.grammar_busy_refusals}) for w in workers])
         ranks = [([w.pool, w.worker_id, str(r)], engine) for w in workers for r, engine in enumerate(w.ranks)]
         if not ranks:
             return

@@ -31,6 +31,7 @@ from kvmesh.workers.request import Resume
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.messages import Chunk, GenRequest, Handoff, RouteHint, WorkerStats
 from kvmesh.cluster.serve import replica_logs
+from kvmesh.cluster.serve.grammar_gate import GrammarGate
 from kvmesh.cluster.serve.routing import NO_HINT, detached, rank_hint
 from kvmesh.cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader, RayTransport
 
@@ -57,6 +58,9 @@ class _Worker:
         self.counters = {"nixl_bytes": 0, "ray_bytes": 0, "fallbacks": 0, "held_timeouts": 0,
                          "handoff_reused_blocks": 0, "handoff_saved_bytes": 0}
         self.ray = RayTransport(self.engine.fingerprint, config.handoff.release_timeout_s)
+        # serving slots, and a grammar's compile waited for outside them (grammar_gate.py)
+        self.gate = GrammarGate(self.engine.engine.guides, pool.max_ongoing_requests, pool.max_grammar_waiting,
+                                pool.grammar_waiting_per_client, config.ingress.retry_after_s)
 
     def _nixl(self) -> tuple[NixlTransport | None, str | None]:
         """(the NIXL transport or None, the fallback label handoffs carry when NIXL was wanted but
@@ -87,7 +91,8 @@ class _Worker:
         data-parallel replica's summed over its ranks, and each rank's in `ranks`."""
         ranks = self.engine.rank_stats()
         return WorkerStats(self.POOL, self.worker_id, self.engine.stats(), **self.counters,
-                           ranks=tuple(ranks) if len(ranks) > 1 else ())
+                           serving=self.gate.serving, grammar_gate_waiting=self.gate.grammar_waiting,
+                           grammar_busy_refusals=self.gate.refused, ranks=tuple(ranks) if len(ranks) > 1 else ())
 
     def _chunks(self, outs, transfer=None):
         """One Chunk, or a list of them when a step produced several (n > 1): one stream item."""
@@ -107,8 +112,9 @@ class Colocated(_Worker):
 
     async def generate(self, req: GenRequest, hint: RouteHint | None = None):
         rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix
-        async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True, rank=rank):
-            yield self._chunks(outs)
+        async with self.gate.admitted(req):
+            async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True, rank=rank):
+                yield self._chunks(outs)
 
 
 class Prefill(_Worker):
@@ -131,6 +137,10 @@ class Prefill(_Worker):
         """Every exit but a handoff that decode can still claim (NIXL: registered with a
         release deadline; Ray: exported) frees the held cache, cancellation included."""
         self._start_reaper()
+        async with self.gate.admitted(req):
+            return await self._prefill(req, hint)
+
+    async def _prefill(self, req: GenRequest, hint: RouteHint | None) -> Handoff:
         handed_over = False
         try:
             last = None
@@ -233,13 +243,14 @@ class Decode(_Worker):
         first = True
         rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix, else the front picks
         try:
-            async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
-                                                   batched=True, rank=rank):
-                failed = next((o for o in outs if o.error), None)
-                if failed is not None:      # the load raised at admission: the engine failed this request
-                    raise HandoffError(f"request {req.request_id}: the cache could not be moved: {failed.error}")
-                yield self._chunks(outs, loader.report if first else None)
-                first = False
+            async with self.gate.admitted(req, refuse=False):      # prefill admitted it: never a 429 here
+                async for outs in self.engine.generate(req.request_id, req.prompt, req.params, resume=resume,
+                                                       batched=True, rank=rank):
+                    failed = next((o for o in outs if o.error), None)
+                    if failed is not None:      # the load raised at admission: the engine failed this request
+                        raise HandoffError(f"request {req.request_id}: the cache could not be moved: {failed.error}")
+                    yield self._chunks(outs, loader.report if first else None)
+                    first = False
         finally:    # ended before the READ started: hand the held cache back now, not at the timeout
             if offer.transport == "nixl" and loader.give_back():     # (detached: this call may be cancelled)
                 detached(lambda: self.prefill.release.remote(handoff.request_id,

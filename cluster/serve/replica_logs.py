@@ -4,7 +4,8 @@ Ray Serve logs every exception a deployment method raises as ERROR "Request fail
 whole traceback (ray/serve/_private/replica.py), and most of them are no internal error here:
 
 * a refusal — InvalidRequestError from the engine (a schema past its compile budget, a prompt too
-  long, ...) is the client's mistake, answered with a 400: one WARNING line, no traceback, at most
+  long, ...) is the client's mistake, answered with a 400, and TooManyRequests (a client past its
+  bound of grammars compiling, cluster/serve/grammar_gate.py) a 429: one WARNING line, no traceback, at most
   one per cause (kind + field) every REFUSAL_EVERY_S, the next one counting those held back;
 * a cancel — the client went away (TaskCancelledError, RequestCancelledError): no error at all
   (a DEBUG line; Serve's access line already says CANCELLED);
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from kvmesh.cluster.errors import TooManyRequests
 from kvmesh.kvstore.log_once import RateLimit
 from kvmesh.workers.sampling.params import InvalidRequestError
 
@@ -41,8 +43,8 @@ def is_cancel(e: BaseException) -> bool:
 
 
 def is_refusal(e: BaseException) -> bool:
-    """The engine refused the request (a 400 names why)."""
-    return isinstance(_cause(e), InvalidRequestError)
+    """The worker refused the request (a 400 or a 429 names why)."""
+    return isinstance(_cause(e), (InvalidRequestError, TooManyRequests))
 
 
 def refusal_cause(e: BaseException) -> str:

@@ -133,3 +133,36 @@ def test_a_compile_is_stopped_for_shorter_ones_at_most_max_preemptions_times():
         assert pool.stats().preempted == MAX_PREEMPTIONS
     finally:
         pool.close()
+
+
+def test_another_clients_compile_goes_before_a_flooding_clients_queued_ones():
+    """Large compiles hold one child of two. Client A's three slow schemas queue; client B's,
+    the longest text (size order alone would put it last), runs next once A's first ends."""
+    pool = CompilePool(byte_compiler()._info_json, 2, BUDGET_S, 8 << 30)
+    try:
+        until(lambda: pool.stats().processes == 2)
+        flood = [pool.submit(wide(1000 + i), client="A") for i in range(3)]
+        until(lambda: flood[0].running())
+        other = pool.submit(wide(1010), client="B")
+        with pytest.raises(CompileBudgetExceeded):
+            flood[0].result(timeout=60)
+        until(lambda: other.running() or flood[1].running())
+        assert other.running() and not flood[1].running() and not flood[2].running()
+    finally:
+        pool.close()
+
+
+def test_a_client_over_its_share_of_children_is_stopped_for_another_after_its_slice():
+    """Four children (large compiles may hold three). Client A's three slow compiles hold them;
+    client B's arrives: A is over its share (two of four), so after its slice A's longest is
+    stopped and B's runs while every one of A's is still unanswered."""
+    pool = CompilePool(byte_compiler()._info_json, 4, BUDGET_S * 2, 8 << 30)
+    try:
+        until(lambda: pool.stats().processes == 4)
+        flood = [pool.submit(wide(1000 + i), client="A") for i in range(3)]
+        until(lambda: all(f.running() for f in flood))
+        other = pool.submit(wide(990), client="B")
+        until(lambda: other.running())
+        assert not any(f.done() for f in flood) and pool.stats().preempted == 1
+    finally:
+        pool.close()

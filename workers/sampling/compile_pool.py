@@ -34,6 +34,16 @@ alone was not enough: the slow ones already running would still hold every child
 whole budget. The work a stopped compile had done is lost, which is the price: a paused child
 (SIGSTOP) would keep its memory, up to the memory budget, for as long as it waits.
 
+Between clients (issue 48: one client's 40 slow schemas held every child), compile time is
+shared: a compile carries its client (the API key, else the address: cluster/openai/auth.py), and
+a child takes a compile of the client with the fewest compiles running, among equals the one
+that started one longest ago (round robin), and within a client in the order above (no child
+idles while work waits). A client's *share* is the children divided among the clients with a
+compile queued or running (rounded up); a compile of a client under its share that cannot
+start stops, after its slice, the longest compile of a client over its share (the same
+preemption, same bound). So behind any
+number of one client's compiles another client's waits at most SLICE_S and a restart.
+
 Children start with the pool, all at once and in the pool's threads (importing xgrammar takes
 seconds; `tokenizer_info()`, xgrammar's serialized TokenizerInfo, is called there once, so
 creating a pool never waits for an import: an engine may create it inside its step), and a
@@ -87,6 +97,7 @@ class _Job:
     preemptions: int = 0            # times it was stopped for a shorter one
     started: float | None = None    # when its current run began (None: queued)
     lane: int = -1                  # the child running it
+    client: str = ""                # who asked for it (the fair share's key)
 
     def __lt__(self, other: "_Job") -> bool:         # the fresh level's order
         return (self.size, self.seq) < (other.size, other.seq)
@@ -108,6 +119,8 @@ class CompilePool:
         self._long: deque[_Job] = deque()
         self._current: list[_Job | None] = [None] * self.size     # the compile each child runs
         self._running = self._running_large = self._compiled = self._preempted = self._seq = 0
+        self._by_client: dict[str, int] = {}     # client -> its compiles running now
+        self._last_start: dict[str, float] = {}  # client -> when a compile of its started last (while it has any)
         self._closed = False
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"kvmesh-grammar-{i}", daemon=True)
                          for i in range(self.size)]
@@ -115,11 +128,12 @@ class CompilePool:
         for t in self._threads:
             t.start()
 
-    def submit(self, text: str, kind: str = "json_schema") -> concurrent.futures.Future:
-        """Queue one compile; its future holds the serialized grammar, or raises ValueError
-        (unusable), CompileBudgetExceeded (stopped at its budget) or RuntimeError (pool closed)."""
+    def submit(self, text: str, kind: str = "json_schema", client: str = "") -> concurrent.futures.Future:
+        """Queue one compile for `client`; its future holds the serialized grammar, or raises
+        ValueError (unusable), CompileBudgetExceeded (stopped at its budget) or RuntimeError
+        (pool closed)."""
         size = len(text.encode())
-        job = _Job(kind, text, size >= LARGE_TEXT_BYTES, concurrent.futures.Future(), size)
+        job = _Job(kind, text, size >= LARGE_TEXT_BYTES, concurrent.futures.Future(), size, client=client)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the grammar compile pool is closed")
@@ -135,21 +149,44 @@ class CompilePool:
             while True:
                 if self._closed:
                     return None
-                room = self._running_large < self.large_cap
-                if self._small:
-                    job = heapq.heappop(self._small)
-                elif self._large and room:
-                    job = heapq.heappop(self._large)
-                elif self._long and (room or not self._long[0].large):
-                    job = self._long.popleft()
-                else:
+                job = self._next()
+                if job is None:
                     self._cond.wait()
                     continue
                 self._running += 1
                 self._running_large += job.large
+                self._by_client[job.client] = self._by_client.get(job.client, 0) + 1
                 job.started, job.lane = time.monotonic(), index
                 self._current[index] = job
                 return job
+
+    def _share(self) -> int:
+        """Children per client now (the lock held): the pool divided among the clients with a
+        compile queued or running, rounded up."""
+        clients = {j.client for j in self._queued()}
+        clients.update(c for c, n in self._by_client.items() if n)
+        return -(-self.size // max(1, len(clients)))
+
+    def _next(self) -> _Job | None:
+        """Take the compile to run next (the lock held), None when none may start: among those a
+        free child may take, the client with the fewest compiles running, then the one that
+        started one longest ago (round robin), then the levels' order."""
+        room = self._running_large < self.large_cap
+        fresh = [*self._small, *(self._large if room else [])]
+        rows = [((j.large, j.size, j.seq), j) for j in fresh]      # small first, then shortest, then oldest
+        rows += [((2, at, 0), j) for at, j in enumerate(self._long) if room or not j.large]    # first come first served
+        if not rows:
+            return None
+        order, job = min(rows, key=lambda row: (self._by_client.get(row[1].client, 0),
+                                                self._last_start.get(row[1].client, -1.0), row[0]))
+        if order[0] == 2:
+            self._long.remove(job)
+        else:
+            level = self._large if job.large else self._small
+            level.remove(job)
+            heapq.heapify(level)
+        self._last_start[job.client] = time.monotonic()
+        return job
 
     def _slices(self) -> None:
         """Stop a compile that has had its slice when a shorter fresh one waits for its child."""
@@ -160,24 +197,40 @@ class CompilePool:
                     victim.preemptions += 1
                     self._workers[victim.lane].preempt()
                     victim.started = None           # asked once; its lane requeues it
-                waiting = self._small or self._large
+                waiting = self._small or self._large or self._long
                 self._cond.wait(SLICE_S / 10 if waiting else None)     # submit() wakes it
 
     def _victim(self, now: float) -> _Job | None:
-        """The compile to stop now, if any (the lock held): the longest text among those that have
-        run SLICE_S, are longer than the shortest fresh compile that cannot start, may be stopped
-        again, and whose child that compile may take (a large one never takes the kept child)."""
-        if self._small and self._running < self.size:
-            return None                                 # a child is free for it
+        """The compile to stop now, if any (the lock held): for a client under its share whose
+        compile cannot start, the longest compile of a client over its share; else the longest
+        text among those longer than the shortest fresh compile that cannot start. Either way
+        only one that has run SLICE_S, may be stopped again, and whose child the waiting compile
+        may take (a large one never takes the kept child)."""
+        share = self._share()
+        starved = [j for j in self._queued() if self._by_client.get(j.client, 0) < share
+                   and not self._startable(j)]
+        if starved:
+            waiting = min(starved, key=lambda j: (j.size, j.seq))
+            victim = self._longest(now, waiting, lambda j: self._by_client.get(j.client, 0) > share)
+            if victim is not None:
+                return victim
         waiting = self._small[0] if self._small else None
         if waiting is None and self._large:
             waiting = self._large[0]
-            if self._running_large < self.large_cap and self._running < self.size:
-                return None
-        if waiting is None:
+        if waiting is None or self._startable(waiting):
             return None
+        return self._longest(now, waiting, lambda j: j.size > waiting.size)
+
+    def _queued(self) -> tuple[_Job, ...]:
+        return (*self._small, *self._large, *self._long)
+
+    def _startable(self, job: _Job) -> bool:
+        """A child is free that `job` may take (the lock held)."""
+        return self._running < self.size and (not job.large or self._running_large < self.large_cap)
+
+    def _longest(self, now: float, waiting: _Job, eligible: Callable[[_Job], bool]) -> _Job | None:
         candidates = [j for j in self._current if j is not None and j.started is not None
-                      and now - j.started >= SLICE_S and j.size > waiting.size
+                      and now - j.started >= SLICE_S and eligible(j)
                       and j.preemptions < MAX_PREEMPTIONS and (j.large or not waiting.large)
                       and self._workers[j.lane] is not None]
         return max(candidates, key=lambda j: (j.size, -j.seq), default=None)
@@ -213,6 +266,11 @@ class CompilePool:
             with self._cond:
                 self._running -= 1
                 self._running_large -= job.large
+                self._by_client[job.client] -= 1
+                if not self._by_client[job.client]:
+                    del self._by_client[job.client]
+                    if not preempted and all(j.client != job.client for j in self._queued()):
+                        self._last_start.pop(job.client, None)
                 self._current[index] = None
                 job.started = None
                 if preempted:

@@ -212,41 +212,55 @@ class GuideCompiler:
                                          lim.compile_memory_bytes)
             return self._pool
 
-    def compile_async(self, spec: tuple[str, str]) -> concurrent.futures.Future:
+    def compile_async(self, spec: tuple[str, str], client: str = "") -> concurrent.futures.Future:
         """A future of the compiled grammar of `spec` (done already when cached); it raises
         InvalidRequestError when the grammar is unusable or over its budget. An unknown kind or
-        a schema over the size limit raises here, before any work."""
+        a schema over the size limit raises here, before any work. `client`: whose compile it
+        is (the pool shares its children between clients; a coalesced request joins the first's)."""
         kind, schema = spec
         if kind not in GUIDE_KINDS:
             raise InvalidRequestError(f"unknown type {kind!r}", "response_format")
         check_schema_size(schema, self.limits.max_schema_bytes, None if kind == "ebnf" else "response_format")
-        key = _refusal_key(spec)
         with self._lock:
-            refused = self._refused.get(key)
-            if refused is not None:
-                self._refused_hits += 1
-                failed: concurrent.futures.Future = concurrent.futures.Future()
-                failed.set_exception(InvalidRequestError(refused.message, refused.field))
-                return failed
-            if spec in self._compiled:
-                self._compiled.move_to_end(spec)
-                self._hits += 1
-                done: concurrent.futures.Future = concurrent.futures.Future()
-                done.set_result(self._compiled[spec])
-                return done
-            if spec in self._pending:
-                self._coalesced += 1
-                return self._pending[spec]
+            known = self._known(spec)
+            if known is not None:
+                return known
             self._pending[spec] = out = concurrent.futures.Future()
             out.set_running_or_notify_cancel()    # shared by every waiter: one leaving cannot cancel it
         try:
             text = JSON_OBJECT_SCHEMA if kind == "json_object" else schema   # JSON mode: an *object* (as vLLM)
-            raw = self._started().submit(text, "ebnf" if kind == "ebnf" else "json_schema")
+            raw = self._started().submit(text, "ebnf" if kind == "ebnf" else "json_schema", client)
         except BaseException as e:
             self._settle(spec, out, None, e)
             raise
         raw.add_done_callback(lambda f: self._finished(spec, f, out))
         return out
+
+    def known(self, spec: tuple[str, str]) -> concurrent.futures.Future | None:
+        """`spec`'s future when that costs no compile: done when cached or refused before, the
+        compile in progress when one is; None when asking would start a compile. Counts a refusal
+        from memory (the request ends there), not a cache hit or a join (compile_async counts
+        those when the request asks)."""
+        with self._lock:
+            return self._known(spec, count=False)
+
+    def _known(self, spec: tuple[str, str], count: bool = True) -> concurrent.futures.Future | None:
+        refused = self._refused.get(_refusal_key(spec))
+        if refused is not None:
+            self._refused_hits += 1
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(InvalidRequestError(refused.message, refused.field))
+            return failed
+        if spec in self._compiled:
+            self._compiled.move_to_end(spec)
+            self._hits += count
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self._compiled[spec])
+            return done
+        if spec in self._pending:
+            self._coalesced += count
+            return self._pending[spec]
+        return None
 
     def _finished(self, spec: tuple[str, str], raw: concurrent.futures.Future, out) -> None:
         """A pool compile ended (in the pool's thread): deserialize, cache, answer every waiter."""
