@@ -9,6 +9,7 @@ InvalidRequestError, before any byte of a stream is sent), dispatch, and turn th
 into OpenAI bodies or SSE events. The API key is one dependency on the whole app (auth.py).
 """
 
+import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +37,7 @@ from kvmesh.cluster.openai.serving_tokenize import ServingTokenize
 from kvmesh.cluster.serve import replica_logs
 from kvmesh.cluster.serve.dispatch import Dispatcher
 from kvmesh.cluster.serve.locator import PrefixLocator
-from kvmesh.cluster.serve.metrics import Metrics, each_replica, scrape_pools
+from kvmesh.cluster.serve.metrics import SCRAPE_TIMEOUT_S, Metrics, each_replica, pool_replica_states, scrape_pools
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER_S = 1     # outside a request's handler the config's ingress.retry_after_s is not at hand
@@ -109,6 +110,15 @@ class Ingress:
         """Every replica's live counters, read now (a scrape of each replica of each pool)."""
         return await scrape_pools(self.pools)
 
+    async def _pool_replicas(self) -> dict:
+        """Each pool's replicas by state (metrics.pool_replica_states), or nothing if Serve's
+        controller does not answer within the scrape's budget."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(pool_replica_states, self.pools), SCRAPE_TIMEOUT_S)
+        except Exception as e:
+            log.debug("metrics: no replica states from Serve's controller: %r", e)
+            return {}
+
     async def _ingress_families(self) -> dict:
         """Every ingress replica's own series (this one's included), by replica id."""
         if self._peers is None:
@@ -165,7 +175,7 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self):
-        return Response(await self.ctx.metrics.exposition(self._ingress_families), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.ctx.metrics.exposition(self._ingress_families, self._pool_replicas), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self):

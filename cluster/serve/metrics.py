@@ -205,6 +205,19 @@ async def scrape_pools(pools: dict, timeout_s: float = SCRAPE_TIMEOUT_S) -> list
     return [r for got in answers for r in got.values()]
 
 
+def pool_replica_states(pools: dict) -> dict[str, dict[str, int]]:
+    """{pool: {state: replicas}} of the pools' deployments, from Serve's controller (blocking: a
+    call to it; `pools` maps a pool's name to its deployment handle)."""
+    from ray import serve
+    out: dict[str, dict[str, int]] = {}
+    apps = serve.status().applications
+    for pool, handle in pools.items():
+        app = apps.get(handle.app_name)
+        deployment = app.deployments.get(handle.deployment_name) if app else None
+        out[pool] = {str(getattr(k, "value", k)): int(n) for k, n in (deployment.replica_states if deployment else {}).items()}
+    return out
+
+
 def _stats_worker(answer: object) -> str | None:
     return answer.worker_id if isinstance(answer, WorkerStats) else None
 
@@ -353,14 +366,26 @@ class Metrics:
         self.tokens_per_s.set(sum(n for _, n in self._recent) / RATE_WINDOW_S)
         return list(self.registry.collect())
 
-    async def exposition(self, ingress: Callable[[], Awaitable[dict[str, list[Metric]]]] | None = None) -> bytes:
+    async def exposition(self, ingress: Callable[[], Awaitable[dict[str, list[Metric]]]] | None = None,
+                         pools: Callable[[], Awaitable[dict[str, dict[str, int]]]] | None = None) -> bytes:
         """The text of /metrics: every ingress replica's series summed (`ingress()`: each replica's
-        `families()`; None, or no answer: this replica's alone), then the workers' (WorkerSnapshots)."""
-        replicas, _ = await asyncio.gather(ingress() if ingress else _none(), self.workers.refresh())
+        `families()`; None, or no answer: this replica's alone), then the workers' (WorkerSnapshots),
+        then each pool's replicas by state as Serve's controller counts them (`pools()`:
+        {pool: {state: n}}, starting ones included, which no worker scrape can see)."""
+        replicas, _, states = await asyncio.gather(ingress() if ingress else _none(), self.workers.refresh(),
+                                                   pools() if pools else _none())
         replicas = list((replicas or {}).values()) or [self.families()]
         scraped = GaugeMetricFamily("kvmesh_ingress_replicas_scraped", "ingress replicas whose series this "
                                     "scrape summed", value=len(replicas))
-        return generate_latest(_Families(merge_families(replicas) + [scraped] + list(self.workers.collect())))
+        extra = [scraped]
+        if states:
+            family = GaugeMetricFamily("kvmesh_pool_replicas", "replicas of each pool by state (Serve's "
+                                       "controller: STARTING, RUNNING, STOPPING, ...)", labels=["pool", "state"])
+            for pool, by_state in states.items():
+                for state, n in by_state.items():
+                    family.add_metric([pool, state], float(n))
+            extra.append(family)
+        return generate_latest(_Families(merge_families(replicas) + extra + list(self.workers.collect())))
 
 
 class RequestTimer:

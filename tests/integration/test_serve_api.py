@@ -209,6 +209,8 @@ def test_models_health_and_metrics(urls, client):
                  "kvmesh_worker_free_blocks", 'kvmesh_handoff_bytes_total{transport="nixl"}'):
         assert name in text, name
     assert metric(text, 'kvmesh_handoff_bytes_total{transport="nixl"}') > 0
+    for pool in ("prefill", "decode"):      # Serve's controller's count, starting replicas included
+        assert metric(text, f'kvmesh_pool_replicas{{pool="{pool}",state="RUNNING"}}') == 1
     assert 'transport="ray"' not in text and "kvmesh_handoff_fallbacks_total{" not in text
 
 
