@@ -6,7 +6,9 @@ and their ITL target, per replica-second provisioned (issue 46 item 1; DistServe
                             [--requests N] [--start K] [--trace FILE] [--block-tokens B]
                             [--max-tokens M] [--vocab V] [--api-key KEY] [--poll-s S]
                             [--plot FILE] [--json]
-    python bench/goodput.py --serve colocated|disaggregated ...      # a local deployment of the built-in model
+    python bench/goodput.py --serve colocated|disaggregated [--overrides JSON] ...
+                            # a local deployment of the built-in model (tests/local_serve.small_config,
+                            # its sections updated by --overrides, e.g. '{"ingress": {"decode_prefill_max_tokens": 256}}')
 
 Open loop: request i of the trace (../shared/traces/conversation_trace.jsonl, Mooncake's
 format; requests [--start, --start + --requests)) is sent at its arrival time divided by
@@ -26,7 +28,8 @@ included) and integrated over the run, from the first request sent to the last o
 
 Printed: a table (requests, failed, attainment, TTFT and ITL percentiles, replica_s, goodput
 per replica-second, the load average beside it), or with --json one line with
-`goodput_per_replica_s`, `attainment`, `failed`, `replica_s` and the rest. --plot writes a
+`goodput_per_replica_s`, `attainment`, `failed`, `replica_s` and the rest (`prefill_routes`: where a
+disaggregated deployment ran the prompts, from /metrics). --plot writes a
 figure over time: arrivals, queued prompt tokens (sent, no first token yet: what the client
 has waiting), replicas per pool, attainment of the requests that ended in each second.
 """
@@ -252,6 +255,15 @@ def table(row: dict) -> str:
         f"{fmt(row['goodput_per_replica_s'], 3)} |"])
 
 
+def prefill_routes(url: str, headers: dict) -> dict[str, int]:
+    """/metrics' kvmesh_prefill_route_total by route (a disaggregated deployment: where prompts ran)."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", headers=headers, timeout=60).text.splitlines():
+        if line.startswith("kvmesh_prefill_route_total{"):
+            out[line.split('route="', 1)[1].split('"', 1)[0]] = int(float(line.split()[-1]))
+    return out
+
+
 def run(args, url: str) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(timeout=60) as c:
@@ -261,8 +273,11 @@ def run(args, url: str) -> dict:
     if not reqs:
         raise SystemExit(f"no requests in {trace} from line {args.start + 1}")
     plan = prompts(reqs, args.block_tokens, args.vocab, card["max_model_len"], args.max_tokens)
+    routes_before = prefill_routes(url, headers)
     outcomes, polls, _ = asyncio.run(replay(url, plan, args.time_scale, headers, args.poll_s, card["id"]))
     row = summary(outcomes, polls, args.slo_ttft_ms, args.slo_itl_ms)
+    after = prefill_routes(url, headers)
+    row["prefill_routes"] = {r: after[r] - routes_before.get(r, 0) for r in after}
     row.update(trace=str(trace), time_scale=args.time_scale, block_tokens=args.block_tokens,
                max_tokens=args.max_tokens)
     if args.plot:
@@ -275,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="the deployment's base URL (its /v1/completions, /v1/models, /metrics)")
     p.add_argument("--serve", choices=("colocated", "disaggregated"),
                    help="start a local deployment of the built-in model (tests/local_serve.py's small pools) instead")
+    p.add_argument("--overrides", default="{}", help="with --serve: config sections to update, as JSON")
     p.add_argument("--slo-ttft-ms", type=float, required=True)
     p.add_argument("--slo-itl-ms", type=float, required=True)
     p.add_argument("--time-scale", type=float, default=1.0, help="the replay runs this many times as fast as the trace")
@@ -294,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve:
         from tests.local_serve import LocalServe, small_config
         with LocalServe(num_cpus=8) as ls:
-            row = run(a, ls.deploy("goodput", small_config(a.serve), "/"))
+            row = run(a, ls.deploy("goodput", small_config(a.serve, **json.loads(a.overrides)), "/"))
         row["config"] = a.serve
+        row["overrides"] = json.loads(a.overrides)
     else:
         row = run(a, a.url.rstrip("/"))
     if a.json:

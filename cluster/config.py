@@ -300,6 +300,12 @@ class IngressConfig(_Strict):
         8 * MiB, gt=0, description="larger request bodies are refused with 413 (bytes, or e.g. 8MiB)")
     max_retries: int = Field(1, ge=0, description="re-runs of a request whose worker died mid-stream")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 503")
+    decode_prefill_max_tokens: int = Field(0, ge=0, description=(
+        "disaggregated: a prompt whose uncached part (after the prefix hint) is at most this many tokens is "
+        "prefilled on the decode replica it is routed to, with no prefill call and no handoff (0: never)"))
+    decode_prefill_queue: int = Field(0, ge=0, description=(
+        "disaggregated: while this many prompts are in flight to the prefill pool from this ingress replica, "
+        "a new one is prefilled on decode instead (0: never)"))
     api_keys: list[SecretStr] = Field(default_factory=list,
                                       description="accepted `Authorization: Bearer` keys; empty = no auth")
     allow_special_tokens_in_content: bool = Field(False, description=(

@@ -93,7 +93,9 @@ class Ingress:
         metrics.routing.attach(locator)
         dispatch = Dispatcher(config.mode, pools, metrics, config.ingress.token_timeout_s,
                               config.ingress.max_retries, locator.hint_async, config.ingress.prefill_s_per_1k_tokens,
-                              locator.load_hint)
+                              locator.load_hint, config.ingress.decode_prefill_max_tokens,
+                              config.ingress.decode_prefill_queue,
+                              lambda: locator.hasher.block_tokens if locator.hasher else 0)
         self.ctx = ServingContext(
             model=ServedModel(config.ingress.model_name or model_dir.name, config.engine.model),
             tokenizer=load_tokenizer(model_dir), limits=WorkerLimits(config.mode, pools, locator),

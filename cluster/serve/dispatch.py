@@ -11,6 +11,12 @@ request is retried the same way until its first tokens are sent (they wait for d
 first chunk), and ends with `WorkerFailed` after that. A request that failed for its own
 content (InvalidRequestError: a 400) is never retried.
 
+Conditional disaggregation: a prompt whose uncached part is short (`direct_max_tokens`, after
+the prefix hint: the longest prefix a decode replica holds), or one that arrives while
+`direct_queue` prompts are in flight to the prefill pool, is run whole on the decode replica the
+router picks (`Decode.generate`): no prefill call, no handoff (Dynamo's disaggregated router
+decides the same way). /metrics `kvmesh_prefill_route_total{route}` counts each route taken.
+
 A request that ends early (its client went away, a stop string matched) releases what it holds on
 the pools at once; a timeout (`handoff.release_timeout_s`) stays only for a peer that crashed.
 Between prefill's answer and decode's READ the cache is held on the prefill worker (a NIXL offer):
@@ -45,7 +51,7 @@ from kvmesh.workers.errors import EngineDeadError, RankFailed
 
 from kvmesh.cluster.messages import Chunk, GenRequest, Handoff, RouteHint
 from kvmesh.cluster.serve.metrics import Metrics
-from kvmesh.cluster.serve.routing import decode_hint, detached
+from kvmesh.cluster.serve.routing import decode_hint, detached, live_replica_ids
 from kvmesh.cluster.errors import WorkerFailed, WorkerStalled
 from kvmesh.cluster.serve.transfer import HandoffError
 
@@ -91,8 +97,11 @@ async def no_hint(_prompt: list[int]) -> RouteHint:
 class Dispatcher:
     def __init__(self, mode: str, pools: dict, metrics: Metrics, token_timeout_s: float, max_retries: int,
                  prefix_hint: Callable[[list[int]], Awaitable[RouteHint]] | None = None, prefill_s_per_1k_tokens: float = 0.0,
-                 load_hint: Callable[[], RouteHint] | None = None):
+                 load_hint: Callable[[], RouteHint] | None = None, direct_max_tokens: int = 0,
+                 direct_queue: int = 0, block_tokens: Callable[[], int] = lambda: 0):
         self.mode, self.pools, self.metrics = mode, pools, metrics
+        self.direct_max_tokens, self.direct_queue = direct_max_tokens, direct_queue
+        self.block_tokens = block_tokens      # the prefix hint's block size (0: unknown, nothing counts cached)
         self.token_timeout_s, self.max_retries = token_timeout_s, max_retries
         self.prefill_s_per_1k_tokens = prefill_s_per_1k_tokens
         self.prefix_hint = prefix_hint or no_hint       # async: it must never block the ingress's loop
@@ -132,6 +141,13 @@ class Dispatcher:
                                                 stream=True).generate.remote(req, hint=hint)), budget):
                 yield chunk
             return
+        route = self._prefill_route(req.prompt, hint)
+        self.metrics.prefill_route.labels(route).inc()
+        if route != "prefill_pool":     # the whole request on a decode replica: no handoff
+            async for chunk in self._stream("decode", detached(lambda: self.pools["decode"].options(
+                    stream=True).generate.remote(req, hint=decode_hint(hint, self.load_hint()))), budget):
+                yield chunk
+            return
         with self._counted("prefill"):
             handoff = await self._first(detached(lambda: self.pools["prefill"].prefill.remote(req, hint=hint)), budget)
         if handoff.worker is not None:
@@ -165,6 +181,22 @@ class Dispatcher:
                 await chunks.aclose()
             elif holds:     # ended before decode was called: no one else can read or free the cache
                 self._release_held(handoff)
+
+    def _prefill_route(self, prompt: list[int], hint: RouteHint) -> str:
+        """prefill_pool, decode_short or decode_queue (the module docstring)."""
+        if self.direct_max_tokens and len(prompt) - self._cached_on_decode(hint) <= self.direct_max_tokens:
+            return "decode_short"
+        if self.direct_queue and self.in_flight["prefill"] >= self.direct_queue:
+            return "decode_queue"
+        return "prefill_pool"
+
+    def _cached_on_decode(self, hint: RouteHint) -> int:
+        """Prompt tokens the decode replica best placed for it holds, per the hint (0 without one)."""
+        block, handle = self.block_tokens(), self.pools["decode"]
+        ids = live_replica_ids(handle.app_name, handle.deployment_name) if block and hint.prefix_blocks else None
+        if not ids:
+            return 0
+        return block * max((n for where, n in hint.prefix_blocks.items() if where.split("/")[0] in ids), default=0)
 
     async def _first(self, response, budget_s: float):
         try:

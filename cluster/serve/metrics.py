@@ -323,6 +323,9 @@ class Metrics:
         self.tpot = Histogram("kvmesh_time_per_output_token_seconds", "mean gap between output tokens",
                               buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvmesh_prompt_tokens", "prompt tokens", registry=r)
+        self.prefill_route = Counter("kvmesh_prefill_route", "where a disaggregated deployment ran each prompt: "
+                                     "prefill_pool (then a handoff), decode_short (its uncached part was short) or "
+                                     "decode_queue (the prefill pool's queue was long)", ["route"], registry=r)
         self.generated_tokens = Counter("kvmesh_generated_tokens", "generated tokens", registry=r)
         self.cached_tokens = Counter("kvmesh_cached_tokens", "prompt tokens reused instead of computed",
                                      registry=r)

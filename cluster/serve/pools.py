@@ -107,14 +107,19 @@ class _Worker:
                      out.all_finished, out.prompt_logprobs)
 
 
-class Colocated(_Worker):
-    POOL = "colocated"
+class _WholeRequests:
+    """`generate`: a request's prompt and every token on this worker (Colocated; Decode when
+    the ingress keeps a prompt off the prefill pool)."""
 
-    async def generate(self, req: GenRequest, hint: RouteHint | None = None):
+    async def generate(self: _Worker, req: GenRequest, hint: RouteHint | None = None):
         rank = rank_hint(hint or NO_HINT, self.worker_id, self.dp_ranks)      # data-parallel: the rank holding the prefix
         async with self.gate.admitted(req):
             async for outs in self.engine.generate(req.request_id, req.prompt, req.params, batched=True, rank=rank):
                 yield self._chunks(outs)
+
+
+class Colocated(_WholeRequests, _Worker):
+    POOL = "colocated"
 
 
 class Prefill(_Worker):
@@ -221,7 +226,10 @@ class Prefill(_Worker):
         return await asyncio.wrap_future(self.engine.call(self.engine.engine.release_read, self.nixl))
 
 
-class Decode(_Worker):
+class Decode(_WholeRequests, _Worker):
+    """Continues handed-off requests (`decode`), and runs a whole request itself (`generate`)
+    when the ingress decides its prompt is not worth a handoff (dispatch.py: conditional
+    disaggregation)."""
     POOL = "decode"
 
     def __init__(self, config: ServeConfig, prefill):

@@ -1,7 +1,7 @@
 """The OpenAI API over HTTP against a local Ray Serve app, disaggregated and colocated.
 
-The session's Ray + Serve (tests/integration/conftest.py), three apps for the module: disaggregated at `/`, colocated at
-`/colocated`, and disaggregated with NIXL unavailable (every handoff falls back to a Ray
+The session's Ray + Serve (tests/integration/conftest.py), three apps for the module: disaggregated at `/` (a
+prompt of at most DECODE_PREFILL_MAX tokens runs on decode, no handoff), colocated at `/colocated`, and disaggregated with NIXL unavailable (every handoff falls back to a Ray
 object) and two ingress replicas at `/fallback`. Greedy output must equal the offline engine's, token for token.
 """
 from __future__ import annotations
@@ -32,13 +32,15 @@ MAX_TOKENS = 12
 # CI's load a 4 s timeout once left it 3 s too few (one fallback in test_models_health_and_metrics).
 RELEASE_TIMEOUT_S = 10.0
 INGRESS_REPLICAS = 2        # the fallback app's: /metrics must add up over them
+DECODE_PREFILL_MAX = 4      # the disaggregated app's: a prompt this short runs whole on decode (no handoff)
 
 
 @pytest.fixture(scope="module")
 def urls(local_serve):
     no_nixl = small_config("disaggregated", handoff={"nixl_backend": "NO_SUCH_BACKEND"},
                            ingress={"num_replicas": INGRESS_REPLICAS})
-    disagg = small_config("disaggregated", handoff={"release_timeout_s": RELEASE_TIMEOUT_S})
+    disagg = small_config("disaggregated", handoff={"release_timeout_s": RELEASE_TIMEOUT_S},
+                          ingress={"decode_prefill_max_tokens": DECODE_PREFILL_MAX})
     urls = local_serve.deploy_many({"disagg": (disagg, "/"), "fallback": (no_nixl, "/fallback")},
                                    shared=("colocated",))      # the session's default colocated app
     return {"disaggregated": urls["disagg"], "colocated": urls["colocated"], "fallback": urls["fallback"]}
@@ -83,6 +85,24 @@ def test_greedy_completion_equals_offline_engine(urls, client, offline, mode):
         assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
         assert body["usage"]["completion_tokens"] == MAX_TOKENS
         assert isinstance(body["usage"]["prompt_tokens_details"]["cached_tokens"], int)
+
+
+def test_a_short_prompt_runs_whole_on_decode_and_equals_the_offline_engine(urls, client, offline):
+    """Conditional disaggregation: a prompt of at most DECODE_PREFILL_MAX tokens is prefilled on
+    its decode replica (no prefill call, no handoff), a longer one goes through the prefill pool;
+    greedy tokens equal the offline engine's either way, and /metrics counts each route."""
+    url = urls["disaggregated"]
+    routes = lambda: {r: metric_or_0(client.get(f"{url}/metrics").text, f'kvmesh_prefill_route_total{{route="{r}"}}')
+                      for r in ("decode_short", "prefill_pool")}      # noqa: E731
+    before = routes()
+    short, long_ = [5, 17, 300, 42], [5, 17, 300, 42, 99, 7, 11]
+    for prompt in (short, long_, short):
+        r = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                       "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == greedy(offline, prompt).token_ids
+    after = routes()
+    assert (after["decode_short"] - before["decode_short"], after["prefill_pool"] - before["prefill_pool"]) == (2, 1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -345,6 +365,11 @@ def test_the_issues_1_4_mb_schema_is_a_400_naming_response_format_and_serving_go
         assert r.status_code == 400 and err["param"] == "response_format" and "max_schema_bytes" in err["message"]
         assert time.monotonic() - start < 10
         assert client.post(f"{urls[mode]}/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+
+
+def metric_or_0(text: str, name: str) -> float:
+    values = [float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")]
+    return values[0] if values else 0.0
 
 
 def metric(text: str, name: str) -> float:

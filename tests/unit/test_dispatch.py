@@ -297,3 +297,25 @@ def test_a_prefill_call_whose_client_left_is_cancelled_and_its_answer_released()
     cancelled, pools = asyncio.run(scenario())
     assert cancelled
     assert pools.released == [("r", "p0")] and pools.calls == []
+
+
+def test_a_short_uncached_part_or_a_long_prefill_queue_keeps_a_prompt_off_the_prefill_pool(monkeypatch):
+    """Conditional disaggregation's decision: the prompt's part no decode replica holds (per the
+    prefix hint, in the hint's blocks) against direct_max_tokens; the prompts in flight to the
+    prefill pool against direct_queue; else the prefill pool."""
+    from kvmesh.cluster.messages import RouteHint
+    from kvmesh.cluster.serve import dispatch as module
+    pools = SimpleNamespace(app_name="app", deployment_name="Decode")
+    d = Dispatcher("disaggregated", {"prefill": pools, "decode": pools}, Metrics(), 5.0, 1,
+                   direct_max_tokens=4, direct_queue=2, block_tokens=lambda: 4)
+    monkeypatch.setattr(module, "live_replica_ids", lambda app, name: ["d1"])
+    assert d._prefill_route([1] * 4, RouteHint()) == "decode_short"
+    assert d._prefill_route([1] * 5, RouteHint()) == "prefill_pool"
+    held = RouteHint(prefix_blocks={"d1/dp0": 2, "p1": 5})       # decode d1 holds 8 tokens, prefill p1 more
+    assert d._prefill_route([1] * 12, held) == "decode_short"
+    assert d._prefill_route([1] * 13, held) == "prefill_pool"
+    assert d._prefill_route([1] * 12, RouteHint(prefix_blocks={"p1": 5})) == "prefill_pool"    # only prefill holds it
+    d.in_flight["prefill"] = 2
+    assert d._prefill_route([1] * 100, RouteHint()) == "decode_queue"
+    off = Dispatcher("disaggregated", {"prefill": pools, "decode": pools}, Metrics(), 5.0, 1)
+    assert off._prefill_route([1], RouteHint()) == "prefill_pool"
