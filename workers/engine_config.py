@@ -72,6 +72,7 @@ def parse_bytes(value: int | str | None) -> int | None:
 # numbers are strict: a string or a bool is not a number (an int is a float)
 Count = Annotated[int, Strict(), Field(gt=0)]                    # an integer > 0
 Seconds = Annotated[float, Strict(), Field(gt=0)]                # a number > 0
+SecondsOrZero = Annotated[float, Strict(), Field(ge=0)]          # a number >= 0
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Strict(), Field(gt=0)]    # "64MiB" or an int > 0
 BytesOrZero = Annotated[int, BeforeValidator(parse_bytes), Strict(), Field(ge=0)]
 
@@ -192,6 +193,13 @@ class EngineConfig:
     worker_id: str | None = setting(None, "name in the index's memory tier (default host:pid)", serve=False,
                                     cli=False)
     prefix_reuse: bool = setting(True, "restore and persist prefixes (false: never; baselines)")
+    restore_prefetch_bytes: BytesOrZero = setting(
+        512 << 20, "prefetch: store objects a queued request's hit needs are read off the engine step into "
+                   "host memory of at most this many bytes, before it is scheduled; 0 = read in the step", unit="bytes")
+    restore_wait_s: Seconds = setting(2.0, "prefetch: a request waits at most this long for its reads, plus "
+                                         "restore_wait_s_per_1k_tokens; then it runs with what arrived "
+                                         "(the rest recomputed)")
+    restore_wait_s_per_1k_tokens: SecondsOrZero = setting(0.05, "prefetch: the wait's share per 1,000 prompt tokens")
     speculative_tokens: Annotated[int | str | None, PlainValidator(_drafts)] = setting(
         None, "drafts per decode step from the checkpoint's MTP layer: K, or auto (by the batch: "
               "speculative_auto); 0 = off; default: auto when the checkpoint has mtp.* weights, else 0")

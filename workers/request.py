@@ -98,6 +98,7 @@ class Sequence:
     resume: object | None = None    # handoff.Resume: cache filled by another engine (decode role)
     chain: list[int] = field(default_factory=list)   # prefix hashes of full blocks, computed lazily
     branch_at: int = 0              # auto policy: checkpoint this block boundary when passing it
+    prefetched: object | None = None    # prefix_cache.Prefetch: its store reads ran off the step (find reads no store)
     end_state: tuple | None = None  # (position, slot state) at the latest block boundary while decoding
     finish_reason: str | None = None
     emitted: int = 0                # output tokens already reported

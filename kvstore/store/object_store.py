@@ -397,21 +397,23 @@ class ObjectStore(CacheTier):
             objs.append(obj)
         return rows, objs
 
-    def get_many(self, kind: str, hashes: Sequence[int], expect: Shapes | None = None
+    def get_many(self, kind: str, hashes: Sequence[int], expect: Shapes | None = None, own: bool = False
                  ) -> list[RowTensors | dict[str, torch.Tensor] | None]:
         """The tier interface's read (kvstore.store.tiers). Blocks are read in one pass into the
         rows of one tensor (`RowTensors`, valid until the next get_many: they view a reused
-        staging buffer); checkpoints are read whole. An object that does not fit `expect` is
-        rejected (counted corrupt, removed). Raises IoTimeoutError when a read hangs (the
-        staging buffer it may still write into is dropped first)."""
+        staging buffer; `own`: a buffer of their own instead, kept as long as they are, and
+        safe from another thread); checkpoints are read whole. An object that does not fit
+        `expect` is rejected (counted corrupt, removed). Raises IoTimeoutError when a read hangs
+        (the staging buffer it may still write into is dropped first)."""
         if kind != "block":
             return [self._fitting(kind, h, self.get(kind, h), expect) for h in hashes]
         if not hashes:
             return []
         try:
-            rows, objs = self.get_rows(kind, hashes, self._staging)
+            rows, objs = self.get_rows(kind, hashes, None if own else self._staging)
         except IoTimeoutError:
-            self._staging = torch.zeros_like(self._staging)
+            if not own:
+                self._staging = torch.zeros_like(self._staging)
             raise
         out = []
         for i, (h, obj) in enumerate(zip(hashes, objs)):

@@ -1,7 +1,12 @@
 """Invariant 3 and 5 for prefix reuse: a restored run (any SWA policy, any hit length,
 from memory or from the store) equals the cold run; corrupt objects, a stopped Redis and
-a full store never change the output."""
+a full store never change the output. A store hit is read off the engine step, while its
+request is parked (issue 45): no store read on the step's thread, and a read that misses its
+deadline is recomputed, with the same tokens."""
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -195,3 +200,49 @@ def test_a_second_kvmesh_generate_process_reuses_what_the_first_wrote(model_dir,
     assert results[0]["cached_tokens"] == 0
     assert results[1]["cached_tokens"] == 10 * BT           # a fresh process, restored from the store
     assert results[1]["token_ids"] == results[0]["token_ids"]
+
+
+def spy_reads(e: Engine) -> list[str]:
+    """The thread of every read of `e`'s store (the real store, wrapped to note who calls it)."""
+    threads, store = [], e.prefix.store
+    real = store.get_many
+
+    def noted(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+    store.get_many = noted
+    return threads
+
+
+def test_a_store_hit_is_read_off_the_step_while_its_request_is_parked(model_dir, cold, tmp_path):
+    writer = engine(model_dir, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    reader = engine(model_dir, store=str(tmp_path))
+    threads = spy_reads(reader)
+    prompt, shared = CASES["many_blocks"]
+    reader.add_request("r", prompt, GREEDY)
+    assert len(reader.restore_wait) == 1 and not reader.scheduler.has_work()     # parked, not scheduled
+    out = reader.generate([CASES["whole_prompt"][0]], GREEDY)[0]     # runs "r" alongside
+    assert_same_run(out, cold["whole_prompt"])
+    assert threads and all(t.startswith("kvmesh-prefetch") for t in threads), threads
+    assert reader.prefix.stats.tier_hit_tokens["store"] >= shared
+
+
+def test_a_read_past_its_deadline_is_recomputed_with_the_same_tokens(model_dir, cold, tmp_path):
+    writer = engine(model_dir, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    reader = engine(model_dir, store=str(tmp_path), restore_wait_s=0.05, restore_wait_s_per_1k_tokens=0.0)
+    store = reader.prefix.store
+    slow = store.get_many
+
+    def late(*args, **kw):      # the store answers after the request's deadline
+        time.sleep(0.5)
+        return slow(*args, **kw)
+    store.get_many = late
+    threads = spy_reads(reader)
+    out = reader.generate([CASES["many_blocks"][0]], GREEDY)[0]
+    assert_same_run(out, cold["many_blocks"])
+    assert out.cached_tokens == 0 and reader.prefix.stats.tier_hit_tokens["store"] == 0
+    assert threads and all(t.startswith("kvmesh-prefetch") for t in threads), threads

@@ -208,7 +208,7 @@ SIZES = [("8MiB", 8 << 20), ("1GiB", 1 << 30), ("512KiB", 512 << 10), ("1.5 GiB"
 def test_every_size_field_takes_bytes_or_a_binary_suffix(text, size):
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("unit") == "bytes"]
     assert set(names) == {"kv_cache_bytes", "store_capacity_bytes", "host_cache_bytes", "store_scrub_pass_bytes",
-                          "max_schema_bytes", "grammar_compile_memory_bytes"}
+                          "max_schema_bytes", "grammar_compile_memory_bytes", "restore_prefetch_bytes"}
     config = EngineConfig(**{name: text for name in names})
     assert all(getattr(config, name) == size for name in names)
     serve = ServeConfig.model_validate({"engine": {"kv_cache_bytes": text}, "decode": {"engine": {"host_cache_bytes": text}}})

@@ -163,7 +163,8 @@ def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cac
     if store is not None:
         store.attach_events(events)     # the blocks this rank puts in / removes from the store
     return PrefixCache(cache, blocks, hasher, config.policy, span, store, index, HostCache(config.host_cache_bytes),
-                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub, events=events)
+                       worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub, events=events,
+                       prefetch_bytes=config.restore_prefetch_bytes)
 
 
 def kv_events(config: EngineConfig, index: PrefixIndex | None, worker: str) -> KvEventPublisher | None:

@@ -13,9 +13,11 @@ this with a background loop and async streams.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,13 +30,14 @@ from kvmesh.workers.model.args import ConfigError
 from kvmesh.workers.parallel.collectives import Collectives, RankFailed
 from kvmesh.workers.parallel.replica import RankLauncher
 from kvmesh.workers.request import HeldKV, RequestOutput, Resume, Sequence, Status
+from kvmesh.workers.reuse.prefix_cache import Prefetch
 from kvmesh.workers.sampling.grammar import GrammarLimits, Guide, GuideCompiler
 from kvmesh.workers.sampling.params import InvalidRequestError, PromptTooLongError, SamplingParams, make_generator
 from kvmesh.workers.spec.mtp import MTPDrafter
 from kvmesh.workers.spec.speculative import Drafter, DraftLimits, Speculator
 
 from .builder import StoreUnavailable, balancer, build, start_ranks
-from .grammar_wait import GrammarWait
+from .grammar_wait import GrammarWait, Parked
 from .output import OutputProcessor, RequestTable
 from .protocol import run_to_completion
 from .scheduler import Scheduler
@@ -42,7 +45,8 @@ from .stats import EngineCounters, EngineStats, EplbCounters, GrammarCounters, H
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
-GRAMMAR_POLL_S = 0.01    # an engine with nothing to run but parked requests waits this long for a compile
+GRAMMAR_POLL_S = 0.01    # an engine with nothing to run but parked requests waits this long for a compile or a read
+LOADER_THREADS = 4       # prefetches (index lookup + store reads) in flight at once
 
 
 class Engine:
@@ -87,6 +91,9 @@ class Engine:
                                     GrammarLimits(config.max_schema_bytes, config.grammar_compile_timeout_s,
                                                   config.grammar_compile_memory_bytes, config.grammar_compile_workers))
         self.grammar_wait = GrammarWait()
+        self.restore_wait = Parked()        # requests whose hit's store reads run on a loader thread
+        self._loader = (ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kvmesh-prefetch")
+                        if self.prefix.staged is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, eos, self.table, self.scheduler, self.prefix,
                                        self.counters)
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
@@ -137,6 +144,8 @@ class Engine:
 
     def close(self) -> None:
         self.guides.close()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
         self.prefix.close()
         if self.ranks is not None:
             self.ranks.close()
@@ -190,16 +199,30 @@ class Engine:
         seq.guide = Guide(grammar, self.args.vocab_size) if grammar is not None else None
         if seq.resume is not None:
             self._resume_lead(seq, seq.resume)
+        if self._loader is not None and self.prefix.wants_prefetch(seq):
+            job = Prefetch()
+            budget = self.config.restore_wait_s + self.config.restore_wait_s_per_1k_tokens * len(seq.prompt) / 1000
+            future = self._loader.submit(self.prefix.prefetch, self.prefix.prefetch_chain(seq), len(seq.prompt), job)
+            seq.prefetched = job
+            self.restore_wait.park(seq, future, time.monotonic() + budget)
+            return
+        self._schedule(seq)
+
+    def _schedule(self, seq: Sequence) -> None:
         if seq.params.n > 1 and not seq.hold_kv:     # a held request forks on the decode worker
             self.groups[seq.request_id] = [seq]
         self.scheduler.add(seq)
 
     def _join_compiled(self) -> list[RequestOutput]:
-        """Queue the parked requests whose grammar is ready; error outputs for those whose
-        compile failed. With nothing else to run (and no data-parallel lockstep to keep), first
-        wait a little for a compile instead of spinning."""
-        if self.dp is None and self.grammar_wait and not self.scheduler.has_work():
-            self.grammar_wait.wait(GRAMMAR_POLL_S)
+        """Queue the parked requests whose grammar is ready, and those whose prefetch ended or
+        ran out of time; error outputs for those whose compile failed. With nothing else to run
+        (and no data-parallel lockstep to keep), first wait a little for either instead of spinning."""
+        if self.dp is None and (self.grammar_wait or self.restore_wait) and not self.scheduler.has_work():
+            until = self.restore_wait.next_deadline() - time.monotonic()
+            concurrent.futures.wait(self.grammar_wait.futures() + self.restore_wait.futures(),
+                                    max(0.0, min(GRAMMAR_POLL_S, until)), return_when=concurrent.futures.FIRST_COMPLETED)
+        for seq, _ in self.restore_wait.ready():        # late reads: what arrived counts, the rest is recomputed
+            self._schedule(seq)
         failed = []
         for seq, grammar in self.grammar_wait.ready():
             try:
@@ -244,7 +267,7 @@ class Engine:
         """Stop a request and free its cache, wherever it is: waiting, running, or already
         held for a handoff (a cancel can race the step that moves it to `held`)."""
         seq = self.seqs.pop(request_id, None)
-        if self.grammar_wait.drop(request_id):       # parked: never scheduled, holds nothing
+        if self.grammar_wait.drop(request_id) or self.restore_wait.drop(request_id):    # parked: holds nothing
             seq = None
         for s in self.groups.pop(request_id, None) or ([seq] if seq is not None else []):
             if s.status != Status.FINISHED:
@@ -253,7 +276,7 @@ class Engine:
         self.release_held(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self.grammar_wait)
+        return self.scheduler.has_work() or bool(self.grammar_wait) or bool(self.restore_wait)
 
     def reap_landing(self) -> bool:
         """Take back the memory of handoffs given up while their transfer was in flight, where

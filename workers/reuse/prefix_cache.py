@@ -2,8 +2,16 @@
 after each step.
 
 Tiers, fastest first: the device block pool (blocks still resident, shared by refcount),
-then the `kvmesh.kvstore.store.tiers.CacheTier`s: the host cache (recent objects) and the shared store
-(through the prefix index). What is restored and what is recomputed is
+then the `kvmesh.kvstore.store.tiers.CacheTier`s: the host cache (recent objects), the objects
+prefetched from the store, and the shared store (through the prefix index).
+
+Prefetch (issue 45): a request whose hit needs store objects is not read in the engine step.
+When it is queued the engine computes its hash chain and hands `prefetch` (on a loader thread)
+the chain: the index lookup and the store reads run there, the objects land in `staged` (host
+memory, LRU by bytes, `restore_prefetch_bytes`), and the request waits outside the scheduler
+(engine/grammar_wait.py's `Parked`) until they are in or its deadline passes. Its `find` in the
+step then reads no store and asks no index: it uses the prefetch's lookup and the objects that
+arrived; one that did not (late, missing, corrupt) ends the hit there, and the rest is recomputed. What is restored and what is recomputed is
 `kvmesh.kvstore.policy.planner.plan_restore`'s decision. The prefix cache never allocates: it *finds*
 a hit (`find`, all reads and checks) and *fills* the blocks and slot the KV-cache manager
 (`kvmesh.workers.engine.kv_manager`) gives the request (`fill`, memory copies only).
@@ -65,6 +73,16 @@ class Restore(NamedTuple):
     read_s: float = 0.0                  # finding and reading it (fill adds the copy: stats.load_s)
 
 
+class Prefetch:
+    """One request's reads ahead of its admission: the index's answer once looked up (None: no
+    index, or it failed), then the objects staged. Written by the loader thread, read by the
+    engine's once the request is released (done, or past its deadline: what arrived counts)."""
+
+    def __init__(self):
+        self.looked = None          # the index lookup (IndexLookup) or None
+        self.staged_bytes = 0
+
+
 class PrefixCache:
     """Finds prefix hits, fills them in, names and persists what requests compute.
 
@@ -74,7 +92,8 @@ class PrefixCache:
     def __init__(self, cache: CacheTensors, pool: BlockPool, hasher: PrefixHasher, policy: SwaPolicy,
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
                  worker_id: str, enabled: bool = True, auto: AutoPeriod | None = None,
-                 scrub: ScrubSchedule | None = None, events: KvEventPublisher | None = None):
+                 scrub: ScrubSchedule | None = None, events: KvEventPublisher | None = None,
+                 prefetch_bytes: int = 0):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.enabled = enabled              # False: no restore, no persistence (baselines)
@@ -89,7 +108,10 @@ class PrefixCache:
         self._reconnects = 0
         self._block_shapes = cache.block_shapes()
         self._slot_shapes = cache.slot_shapes()
-        self.tiers: list[tuple[str, CacheTier]] = [("host", host)] + ([("store", store)] if store else [])
+        # objects read ahead from the store for queued requests (counted as store hits: they are)
+        self.staged = HostCache(prefetch_bytes) if store is not None and prefetch_bytes else None
+        staged = [("store", self.staged)] if self.staged is not None else []
+        self.tiers: list[tuple[str, CacheTier]] = [("host", host)] + staged + ([("store", store)] if store else [])
         self._warn = LogOnce(log)
 
     def _failed(self, what: str, error: BaseException) -> None:
@@ -136,11 +158,15 @@ class PrefixCache:
             self._reconnects = reconnects
             self.index.rebuild_from(self.store)
 
-    def availability(self, hashes: list[int]) -> Availability:
-        if self.index is not None:
-            self._index_call("reseed", self._reseed_after_outage)
-        looked = (self._index_call("lookup", self.index.lookup, hashes)
-                  if self.index is not None and self.store is not None else None)
+    def availability(self, hashes: list[int], prefetched: Prefetch | None = None) -> Availability:
+        """How much of `hashes` some tier holds; `prefetched`: the index's answer comes from
+        there (looked up off the step), none is asked here."""
+        if prefetched is not None:
+            looked = prefetched.looked
+        else:
+            if self.index is not None:
+                self._index_call("reseed", self._reseed_after_outage)
+            looked = self._lookup(hashes)
         stored = looked.stored if looked else 0
         ckpts = set(looked.checkpoints) if looked else set()
         n = 0
@@ -152,6 +178,47 @@ class PrefixCache:
         if self.policy.checkpoints:
             ckpts |= {i for i, h in enumerate(hashes[:n]) if self.host.contains("checkpoint", h)}
         return Availability(n, frozenset(c for c in ckpts if c < n))
+
+    def _lookup(self, hashes: list[int]):
+        return (self._index_call("lookup", self.index.lookup, hashes)
+                if self.index is not None and self.store is not None else None)
+
+    # ---- prefetch: the store's part of a hit, read before the request is scheduled ----------------
+    def wants_prefetch(self, seq: Sequence) -> bool:
+        """Whether seq's hit may need store reads worth doing off the step (no handoff, a whole block)."""
+        return (self.staged is not None and self.enabled and seq.resume is None
+                and seq.params.prompt_logprobs is None and len(seq.prompt) > self.bt)
+
+    def prefetch_chain(self, seq: Sequence) -> list[int]:
+        """seq's hash chain as `find` uses it (on the engine thread: the loader never touches seq)."""
+        return self.chain(seq, (len(seq.prompt) - 1) // self.bt)
+
+    def prefetch(self, hashes: list[int], prompt_tokens: int, job: Prefetch) -> Prefetch:
+        """On a loader thread: the index lookup, then the store objects the planned hit needs
+        and no faster tier holds, read (verified by the store) into `staged`. Any failure is a
+        shorter hit later, never an error."""
+        try:
+            job.looked = self._lookup(hashes)
+            avail = self.availability(hashes, job)
+            plan = plan_restore(prompt_tokens, self.bt, avail, self.policy, self.span)
+            if plan.is_miss:
+                return job
+            want = [("block", h) for h in hashes[:plan.load_blocks]
+                    if self.pool.lookup(h) is None and not self.host.contains("block", h)]
+            if plan.checkpoint is not None and not self.host.contains("checkpoint", hashes[plan.checkpoint]):
+                want.append(("checkpoint", hashes[plan.checkpoint]))
+            for kind in ("block", "checkpoint"):
+                keys = [h for k, h in want if k == kind and not self.staged.contains(k, h)]
+                if not keys:
+                    continue
+                shapes = self._block_shapes if kind == "block" else self._slot_shapes
+                for h, obj in zip(keys, self.store.get_many(kind, keys, shapes, own=True)):
+                    if obj is None:         # missing or corrupt: the hit ends there
+                        break
+                    job.staged_bytes += self.staged.put(kind, h, None, 0, obj)
+        except Exception as e:
+            self._failed("prefetch", e)
+        return job
 
     def find(self, seq: Sequence) -> Restore | None:
         """The longest usable prefix of seq's prompt across the tiers, read and verified
@@ -175,14 +242,14 @@ class PrefixCache:
         hashes = self.chain(seq, (len(seq.prompt) - 1) // self.bt)
         if not hashes:
             return None
-        avail = self.availability(hashes)
+        avail = self.availability(hashes, seq.prefetched)
         t0 = time.perf_counter()
         while True:
             plan = plan_restore(len(seq.prompt), self.bt, avail, self.policy, self.span)
             seq.branch_at = branch_point(plan, avail, self.bt, self.policy) or 0
             if plan.is_miss:
                 return None
-            found = self._read(hashes, plan, avail)
+            found = self._read(hashes, plan, avail, store=seq.prefetched is None)
             if isinstance(found, Restore):
                 return found._replace(read_s=time.perf_counter() - t0)
             self.stats.truncated_hits += 1
@@ -194,9 +261,12 @@ class PrefixCache:
         self.auto.observe_store((self.stats.bytes_loaded, self.stats.load_s), (w["bytes"], w["write_s"]))
         self.auto.observe_request(self.chain(seq, len(seq.prompt) // self.bt), len(seq.prompt))
 
-    def _read(self, chain: list[int], plan: RestorePlan, avail: Availability) -> Restore | Availability:
+    def _read(self, chain: list[int], plan: RestorePlan, avail: Availability, store: bool = True
+              ) -> Restore | Availability:
         """Find plan's blocks (device pool, then each tier) and its checkpoint state. Returns
-        the Restore, or a reduced Availability when something is missing."""
+        the Restore, or a reduced Availability when something is missing. `store` False (a
+        prefetched request): the store itself is not read; what was not staged is missing."""
+        tiers_read = self.tiers if store else [(n, t) for n, t in self.tiers if t is not self.store]
         def shorter(blocks: int, drop: int | None = None) -> Availability:
             return Availability(blocks, frozenset(c for c in avail.checkpoints if c < blocks and c != drop))
 
@@ -205,7 +275,7 @@ class PrefixCache:
         tiers = ["device" if b is not None else "" for b in resident]
         loaded: dict[int, Tensors] = {}
         missing = [i for i, b in enumerate(resident) if b is None]
-        for name, tier in self.tiers:
+        for name, tier in tiers_read:
             if not missing:
                 break
             got = tier.get_many("block", [hashes[i] for i in missing], self._block_shapes)
@@ -214,7 +284,7 @@ class PrefixCache:
                     loaded[i], tiers[i] = obj, name
             missing = [i for i, obj in zip(missing, got) if obj is None]
         if missing:
-            if self.store is not None:
+            if self.store is not None and store:       # the store lacks what the index named
                 self._forget("block", hashes[missing[0]])
             return shorter(missing[0])
         from_store = [("block", hashes[i]) for i, t in enumerate(tiers) if t == "store"]
@@ -222,7 +292,7 @@ class PrefixCache:
         self.stored.update(from_store)
         state = None
         if plan.checkpoint is not None:
-            state = self._fetch("checkpoint", chain[plan.checkpoint])
+            state = self._fetch("checkpoint", chain[plan.checkpoint], tiers_read, forget=store)
             if state is None:
                 return shorter(avail.blocks, drop=plan.checkpoint)
         return Restore(plan, hashes, resident, loaded, tuple(tiers), state)
@@ -235,17 +305,18 @@ class PrefixCache:
             else:
                 self._index_call("remove", self.index.remove_checkpoint, h)
 
-    def _fetch(self, kind: str, h: int) -> Tensors | None:
+    def _fetch(self, kind: str, h: int, tiers: list[tuple[str, CacheTier]] | None = None,
+               forget: bool = True) -> Tensors | None:
         """One object from the first tier that has it whole (checkpoints: checked against the slot)."""
         expect = self._slot_shapes if kind == "checkpoint" else self._block_shapes
-        for name, tier in self.tiers:
+        for name, tier in tiers or self.tiers:
             tensors = tier.get_many(kind, [h], expect)[0]
             if tensors is not None:
                 if name == "store":
                     self.stats.bytes_loaded += nbytes(tensors)
                     self.stored.add((kind, h))
                 return tensors
-        if self.store is not None:
+        if self.store is not None and forget:
             self._forget(kind, h)
         return None
 

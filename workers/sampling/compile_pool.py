@@ -206,6 +206,8 @@ class CompilePool:
         text among those longer than the shortest fresh compile that cannot start. Either way
         only one that has run SLICE_S, may be stopped again, and whose child the waiting compile
         may take (a large one never takes the kept child)."""
+        if any(j is not None and j.started is None for j in self._current):
+            return None         # one asked to stop already: its child frees (after a restart) for the waiting one
         share = self._share()
         starved = [j for j in self._queued() if self._by_client.get(j.client, 0) < share
                    and not self._startable(j)]
