@@ -17,12 +17,13 @@ Key = tuple[str, int]   # (kind, hash)
 
 
 class HostCache(CacheTier):
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, track_evictions: bool = True):
         self.capacity = capacity_bytes
         self.used = 0
         self._items: OrderedDict[Key, dict[str, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
-        self.evicted: list[Key] = []        # dropped keys, drained by the owner (kv events)
+        self.track_evictions = track_evictions
+        self.evicted: list[Key] = []        # dropped keys, drained by the owner (kv events); if tracked
 
     def contains(self, kind: str, h: int) -> bool:
         return (kind, h) in self._items
@@ -38,7 +39,8 @@ class HostCache(CacheTier):
                 return None
             if expect is not None and shapes_of(item) != expect:
                 self.used -= nbytes(self._items.pop((kind, h)))
-                self.evicted.append((kind, h))
+                if self.track_evictions:
+                    self.evicted.append((kind, h))
                 return None
             self._items.move_to_end((kind, h))
             return item
@@ -57,8 +59,17 @@ class HostCache(CacheTier):
             while self.used > self.capacity:
                 key, evicted = self._items.popitem(last=False)
                 self.used -= nbytes(evicted)
-                self.evicted.append(key)
+                if self.track_evictions:
+                    self.evicted.append(key)
         return size
+
+    def discard(self, keys) -> None:
+        """Drop these (kind, hash) keys, where held (no eviction is recorded: nothing was lost)."""
+        with self._lock:
+            for key in keys:
+                item = self._items.pop(key, None)
+                if item is not None:
+                    self.used -= nbytes(item)
 
     def __contains__(self, key: Key) -> bool:
         return self.contains(*key)

@@ -109,7 +109,8 @@ class PrefixCache:
         self._block_shapes = cache.block_shapes()
         self._slot_shapes = cache.slot_shapes()
         # objects read ahead from the store for queued requests (counted as store hits: they are)
-        self.staged = HostCache(prefetch_bytes) if store is not None and prefetch_bytes else None
+        self.staged = (HostCache(prefetch_bytes, track_evictions=False)    # no one routes on what it holds
+                       if store is not None and prefetch_bytes else None)
         staged = [("store", self.staged)] if self.staged is not None else []
         self.tiers: list[tuple[str, CacheTier]] = [("host", host)] + staged + ([("store", store)] if store else [])
         self._warn = LogOnce(log)
@@ -250,6 +251,9 @@ class PrefixCache:
             if plan.is_miss:
                 return None
             found = self._read(hashes, plan, avail, store=seq.prefetched is None)
+            if isinstance(found, Restore) and seq.prefetched is not None:    # staged for it: taken now
+                self.staged.discard([("block", h) for h in found.hashes] + (
+                    [("checkpoint", hashes[plan.checkpoint])] if plan.checkpoint is not None else []))
             if isinstance(found, Restore):
                 return found._replace(read_s=time.perf_counter() - t0)
             self.stats.truncated_hits += 1
