@@ -246,3 +246,24 @@ def test_a_read_past_its_deadline_is_recomputed_with_the_same_tokens(model_dir, 
     assert_same_run(out, cold["many_blocks"])
     assert out.cached_tokens == 0 and reader.prefix.stats.tier_hit_tokens["store"] == 0
     assert threads and all(t.startswith("kvmesh-prefetch") for t in threads), threads
+
+
+def test_more_store_hits_than_the_pool_holds_all_finish_exactly(model_dir, cold, tmp_path):
+    """Eight requests whose hits come from the store, all at once, on a KV pool that holds about
+    two of them: each is parked while its reads run (holding no block and no slot), then
+    scheduled as memory frees; every one finishes with the cold run's tokens."""
+    writer = engine(model_dir, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    names = ["many_blocks", "whole_prompt", "one_past_boundary", "at_checkpoint"] * 2
+    reader = Engine(EngineConfig(model=str(model_dir), block_tokens=BT, kv_cache_bytes=512 << 10, store=str(tmp_path)))
+    assert reader.blocks.num_blocks * BT < sum(len(CASES[n][0]) for n in names) / 3     # room for about two
+    for i, name in enumerate(names):
+        reader.add_request(f"r{i}", CASES[name][0], GREEDY)
+    assert len(reader.restore_wait) == len(names) and reader.blocks.num_used == 0     # parked: hold nothing
+    outs = {}
+    while reader.has_unfinished():
+        outs.update((o.request_id, o) for o in reader.step() if o.finished)
+    for i, name in enumerate(names):
+        assert_same_run(outs[f"r{i}"], cold[name])
+    assert reader.prefix.stats.tier_hit_tokens["store"] > 0

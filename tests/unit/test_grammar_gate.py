@@ -38,8 +38,15 @@ async def until(check, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_grammar_waits_hold_no_slot_and_each_client_is_bounded():
-    compiler = byte_compiler(compile_timeout_s=BUDGET_S, compile_workers=2, compile_memory_bytes=8 << 30)
+@pytest.fixture(scope="module")
+def compiler():
+    """One compiler (its two processes) for the module: each test's schemas are its own."""
+    c = byte_compiler(compile_timeout_s=BUDGET_S, compile_workers=2, compile_memory_bytes=8 << 30)
+    yield c
+    c.close()
+
+
+def test_grammar_waits_hold_no_slot_and_each_client_is_bounded(compiler):
     gate = GrammarGate(compiler, slots=1, waiting=3, per_client=2, retry_after_s=3)
 
     async def scenario():
@@ -76,27 +83,22 @@ def test_grammar_waits_hold_no_slot_and_each_client_is_bounded():
         small = asyncio.create_task(served(gate, request("A", SMALL), inside, go))
         assert await small == "served" and inside == [("A", 1, 0)]
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        compiler.close()
+    asyncio.run(scenario())
 
 
-def test_a_client_that_leaves_stops_waiting_and_the_compile_goes_on():
-    compiler = byte_compiler(compile_timeout_s=BUDGET_S, compile_workers=2, compile_memory_bytes=8 << 30)
+def test_a_client_that_leaves_stops_waiting_and_the_compile_goes_on(compiler):
     gate = GrammarGate(compiler, slots=1, waiting=4, per_client=4, retry_after_s=1)
 
+    kills = compiler.stats().budget_kills
+
     async def scenario():
-        waiter = asyncio.create_task(served(gate, request("A", wide(1000)), [], asyncio.Event()))
+        waiter = asyncio.create_task(served(gate, request("A", wide(1100)), [], asyncio.Event()))
         await until(lambda: gate.grammar_waiting == 1)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert gate.grammar_waiting == 0 and gate.serving == 0
         assert compiler.stats().running + compiler.stats().queued == 1     # shared: it goes on for the cache
-        await until(lambda: compiler.stats().budget_kills == 1)             # ... to its end (its budget)
+        await until(lambda: compiler.stats().budget_kills == kills + 1)     # ... to its end (its budget)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        compiler.close()
+    asyncio.run(scenario())
