@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -132,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(row[f'{kind}_max_s'])} | {row[f'{kind}_n']} | {row[f'{kind}_status']} |")
     print(f"flood: {a.slow} answered in {row['flood_s']:.1f} s, statuses {row['flood_status']}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(row, f, indent=1)
+        Path(a.out).write_text(json.dumps(row, indent=1))
     return 0
 
 
