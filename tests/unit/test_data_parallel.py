@@ -91,7 +91,7 @@ def test_dp2_batched_chunked_and_restored_equals_tp1_and_tp1_restores_what_dp2_s
     prompt_tokens = [s.counters.prompt_tokens for s in engine.rank_stats]
     assert all(prompt_tokens) and prompt_tokens[0] != prompt_tokens[1]         # both ranks, batches differ
     total = engine.stats()                                    # the replica's: every rank's summed
-    assert total.counters.prompt_tokens == sum(prompt_tokens) and total.load == 0
+    assert total.counters.prompt_tokens == sum(prompt_tokens) and total.load == 0 and total.restoring == 0
     assert total.total_blocks == sum(s.total_blocks for s in engine.rank_stats)
     assert total.reuse.query_tokens == sum(s.reuse.query_tokens for s in engine.rank_stats) > 0
     engine.flush()

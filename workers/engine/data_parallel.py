@@ -250,9 +250,10 @@ class DataParallelEngine:
         return self._tick(tick)
 
     def _only_parked(self) -> bool:
-        """As of the last tick, no rank has a request to step, and some wait for their grammar."""
+        """As of the last tick, no rank has a request to step, and some wait for their grammar or
+        their prefix's reads."""
         ranks = self.rank_stats
-        return all(s.running + s.waiting == 0 for s in ranks) and any(s.grammar.waiting for s in ranks)
+        return all(s.running + s.waiting == 0 for s in ranks) and any(s.grammar.waiting or s.restoring for s in ranks)
 
     def flush(self) -> None:
         """Every rank's persisted blocks and checkpoints durable in the store (a flush tick)."""

@@ -372,7 +372,8 @@ class Engine:
             kv_cache_usage=self.blocks.num_used / max(1, self.blocks.num_blocks),
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
             reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()),
-            eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None)
+            eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None,
+            restoring=len(self.restore_wait))
 
     def queued_tokens(self) -> int:
         """The load routers weigh against a prefix's blocks: tokens left to prefill, plus the

@@ -158,11 +158,12 @@ class EngineStats:
     store: StoreCounters | None = None      # None without a shared store
     grammar: GrammarCounters = field(default_factory=GrammarCounters)
     eplb: EplbCounters | None = None        # None without EPLB
+    restoring: int = 0              # requests parked while their prefix hit's store reads run (prefetch)
 
     @property
     def load(self) -> int:
-        """Requests running, waiting for admission, or waiting for their grammar."""
-        return self.running + self.waiting + self.grammar.waiting
+        """Requests running, waiting for admission, for their grammar, or for their prefix's reads."""
+        return self.running + self.waiting + self.grammar.waiting + self.restoring
 
     @property
     def free_kv(self) -> float:
