@@ -11,10 +11,12 @@ the chain: the index lookup and the store reads run there, the objects land in `
 memory, LRU by bytes, `restore_prefetch_bytes`), and the request waits outside the scheduler
 (engine/grammar_wait.py's `Parked`) until they are in or its deadline passes. Its `find` in the
 step then reads no store and asks no index: it uses the prefetch's lookup and the objects that
-arrived; one that did not (late, missing, corrupt) ends the hit there, and the rest is recomputed. What is restored and what is recomputed is
-`kvmesh.kvstore.policy.planner.plan_restore`'s decision. The prefix cache never allocates: it *finds*
-a hit (`find`, all reads and checks) and *fills* the blocks and slot the KV-cache manager
-(`kvmesh.workers.engine.kv_manager`) gives the request (`fill`, memory copies only).
+arrived; one that did not (late, missing, corrupt) ends the hit there, and the rest is recomputed.
+
+What is restored and what is recomputed is `kvmesh.kvstore.policy.planner.plan_restore`'s
+decision. The prefix cache never allocates: it *finds* a hit (`find`, all reads and checks) and
+*fills* the blocks and slot the KV-cache manager (`kvmesh.workers.engine.kv_manager`) gives the
+request (`fill`, memory copies only).
 """
 from __future__ import annotations
 
