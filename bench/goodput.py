@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvmesh.kvstore.policy.trace import TraceRequest, load_trace, prompt_token_ids  # noqa: E402
 
@@ -132,15 +133,18 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict, ids: list[int]
     return out
 
 
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called `name` in a /metrics text (prometheus_client's parser)."""
+    return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name]
+
+
 def replicas_by_pool(text: str) -> dict[str, int]:
     """{pool: replicas} from a /metrics text (kvmesh_pool_replicas, every state that holds resources)."""
     out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith("kvmesh_pool_replicas{"):
-            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.index("}")].split(","))
-            pool, state = labels["pool"].strip('"'), labels["state"].strip('"')
-            if state in LIVE_STATES:
-                out[pool] = out.get(pool, 0) + int(float(line.split()[-1]))
+    for labels, value in samples(text, "kvmesh_pool_replicas"):
+        if labels["state"] in LIVE_STATES:
+            out[labels["pool"]] = out.get(labels["pool"], 0) + int(value)
     return out
 
 
@@ -257,11 +261,8 @@ def table(row: dict) -> str:
 
 def prefill_routes(url: str, headers: dict) -> dict[str, int]:
     """/metrics' kvmesh_prefill_route_total by route (a disaggregated deployment: where prompts ran)."""
-    out = {}
-    for line in httpx.get(f"{url}/metrics", headers=headers, timeout=60).text.splitlines():
-        if line.startswith("kvmesh_prefill_route_total{"):
-            out[line.split('route="', 1)[1].split('"', 1)[0]] = int(float(line.split()[-1]))
-    return out
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=60).text
+    return {labels["route"]: int(value) for labels, value in samples(text, "kvmesh_prefill_route_total")}
 
 
 def run(args, url: str) -> dict:

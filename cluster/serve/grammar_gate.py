@@ -68,9 +68,9 @@ class GrammarGate:
         if future is not None and future.done():
             future.result()             # cached, or refused from memory: at once
             return
-        if refuse and (self.waiting[client] >= self.per_client or self.grammar_waiting >= self.max_waiting):
+        mine = self.waiting[client] >= self.per_client
+        if refuse and (mine or self.grammar_waiting >= self.max_waiting):
             self.refused += 1
-            mine = self.waiting[client] >= self.per_client
             what, key, limit = ((f"{self.waiting[client]} of this client's requests", "grammar_waiting_per_client",
                                  self.per_client) if mine else
                                 (f"{self.grammar_waiting} requests", "max_grammar_waiting", self.max_waiting))

@@ -77,12 +77,11 @@ class Restore(NamedTuple):
 
 class Prefetch:
     """One request's reads ahead of its admission: the index's answer once looked up (None: no
-    index, or it failed), then the objects staged. Written by the loader thread, read by the
-    engine's once the request is released (done, or past its deadline: what arrived counts)."""
+    index, or it failed; the objects themselves go to PrefixCache.staged). Written by the loader
+    thread, read by the engine's once the request is released (done, or past its deadline)."""
 
     def __init__(self):
         self.looked = None          # the index lookup (IndexLookup) or None
-        self.staged_bytes = 0
 
 
 class PrefixCache:
@@ -218,7 +217,7 @@ class PrefixCache:
                 for h, obj in zip(keys, self.store.get_many(kind, keys, shapes, own=True)):
                     if obj is None:         # missing or corrupt: the hit ends there
                         break
-                    job.staged_bytes += self.staged.put(kind, h, None, 0, obj)
+                    self.staged.put(kind, h, None, 0, obj)
         except Exception as e:
             self._failed("prefetch", e)
         return job

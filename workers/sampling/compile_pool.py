@@ -53,7 +53,6 @@ restart counts in its compile's lane). Thread-safe.
 from __future__ import annotations
 
 import concurrent.futures
-import heapq
 import logging
 import os
 import threading
@@ -99,7 +98,7 @@ class _Job:
     lane: int = -1                  # the child running it
     client: str = ""                # who asked for it (the fair share's key)
 
-    def __lt__(self, other: "_Job") -> bool:         # the fresh level's order
+    def __lt__(self, other: "_Job") -> bool:         # shortest first, then oldest
         return (self.size, self.seq) < (other.size, other.seq)
 
 
@@ -112,7 +111,7 @@ class CompilePool:
         self._info_lock = threading.Lock()
         self._workers: list[CompileWorker | None] = [None] * self.size
         self._cond = threading.Condition()
-        # fresh levels (heaps, shortest text first), then the long level (compiles stopped for a
+        # fresh levels (in arrival order; taken shortest first), then the long level (compiles stopped for a
         # shorter one: first come first served)
         self._small: list[_Job] = []
         self._large: list[_Job] = []
@@ -139,7 +138,7 @@ class CompilePool:
                 raise RuntimeError("the grammar compile pool is closed")
             self._seq += 1
             job.seq = self._seq
-            heapq.heappush(self._large if job.large else self._small, job)
+            (self._large if job.large else self._small).append(job)
             self._cond.notify_all()
         return job.future
 
@@ -182,9 +181,7 @@ class CompilePool:
         if order[0] == 2:
             self._long.remove(job)
         else:
-            level = self._large if job.large else self._small
-            level.remove(job)
-            heapq.heapify(level)
+            (self._large if job.large else self._small).remove(job)
         self._last_start[job.client] = time.monotonic()
         return job
 
@@ -212,13 +209,11 @@ class CompilePool:
         starved = [j for j in self._queued() if self._by_client.get(j.client, 0) < share
                    and not self._startable(j)]
         if starved:
-            waiting = min(starved, key=lambda j: (j.size, j.seq))
+            waiting = min(starved)
             victim = self._longest(now, waiting, lambda j: self._by_client.get(j.client, 0) > share)
             if victim is not None:
                 return victim
-        waiting = self._small[0] if self._small else None
-        if waiting is None and self._large:
-            waiting = self._large[0]
+        waiting = min(self._small or self._large, default=None)     # the shortest fresh one, small first
         if waiting is None or self._startable(waiting):
             return None
         return self._longest(now, waiting, lambda j: j.size > waiting.size)
