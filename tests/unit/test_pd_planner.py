@@ -1,0 +1,196 @@
+"""The P/D planner's decisions, its online fit, the P/D simulation and `kvmesh simulate --pd` (issue 46
+items 2-3): states and counts, no timing."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cluster.cli import main
+from kvmesh.cluster.serve.pd_sim import (
+    PlannerPolicy,
+    SimRequest,
+    Simulation,
+    StaticPolicy,
+    overlaid,
+    simulate,
+)
+from kvmesh.cluster.serve.planner import BUILTIN_CPU_PROFILE, Planner, PlannerConfig, PoolObservation, Profile
+from kvmesh.kvstore.policy.trace import load_trace
+
+EXCERPT = Path(__file__).resolve().parents[1] / "data" / "conversation_trace_excerpt.jsonl"
+PROF = replace(BUILTIN_CPU_PROFILE, start_s=5.0)
+
+
+def obs(running=1, **kw) -> PoolObservation:
+    return PoolObservation(running=running, **kw)
+
+
+def steady(planner: Planner, prefill: PoolObservation, decode: PoolObservation, n: int):
+    return [planner.decide({"prefill": prefill, "decode": decode}) for _ in range(n)]
+
+
+def test_a_queue_scales_prefill_up_at_once_and_decode_stays():
+    p = Planner(PlannerConfig(2.0, 0.2), PROF)
+    tps = 1 / PROF.prefill_token_s
+    d = p.decide({"prefill": obs(queued_tokens=int(tps * 40), arrived_tokens=int(tps * 10), arrived_requests=20),
+                  "decode": obs(decode_seqs=2.0, decoding=2, decode_kv_tokens=800)})
+    assert d.targets["prefill"] > 1 and d.reasons["prefill"] == "up_queue"
+    assert d.targets["decode"] == 1 and d.reasons["decode"] in ("hold", "hold_cooldown")
+
+
+def test_scale_down_waits_for_agreeing_decisions_and_says_why():
+    cfg = PlannerConfig(2.0, 0.2, down_intervals=3, down_intervals_fast=2)
+    p = Planner(cfg, PROF)
+    idle_p = obs(running=3, arrived_tokens=2000, arrived_requests=4)
+    idle_d = obs(running=2, decode_seqs=1.0, decoding=1, decode_kv_tokens=300)
+    ds = steady(p, idle_p, idle_d, 3)
+    # three replicas for a trickle: a cut to half or fewer after two decisions, the first one holds
+    assert [d.reasons["prefill"] for d in ds[:2]] == ["hold_cooldown", "down_idle"]
+    assert ds[1].targets["prefill"] == 1
+    # decode 2 -> 1 is a cut to half: also fast
+    assert ds[1].targets["decode"] == 1
+    # a small cut (4 -> 3) needs all down_intervals decisions to agree
+    p = Planner(cfg, PROF)
+    tps = 1 / PROF.prefill_token_s
+    busy = obs(running=4, arrived_tokens=int(tps * 10 * 2.2), arrived_requests=400)
+    ds = steady(p, busy, idle_d, 3)
+    assert [d.reasons["prefill"] for d in ds] == ["hold_cooldown", "hold_cooldown", "down_idle"]
+    assert ds[-1].targets["prefill"] == 3
+
+
+def test_budgets_bound_the_pools_and_total():
+    cfg = PlannerConfig(2.0, 0.2, max_replicas={"prefill": 5, "decode": 8}, max_total_replicas=6)
+    p = Planner(cfg, PROF)
+    tps = 1 / PROF.prefill_token_s
+    d = p.decide({"prefill": obs(queued_tokens=int(tps * 500), arrived_tokens=int(tps * 100), arrived_requests=50),
+                  "decode": obs(decode_seqs=30.0, decoding=8, decode_kv_tokens=8 * 300, waiting=20,
+                                handoff_wait_s=5.0)})
+    assert d.targets["prefill"] <= 5 and sum(d.targets.values()) == 6
+    assert "budget_total" in d.reasons.values()
+    d = Planner(PlannerConfig(2.0, 0.2, min_replicas={"prefill": 2}), PROF).decide(
+        {"prefill": obs(), "decode": obs()})
+    assert d.targets["prefill"] == 2 and d.reasons["prefill"] == "min_replicas"
+
+
+def test_replicas_for_grows_with_load_and_with_a_tighter_target():
+    p = Planner(PlannerConfig(2.0, 0.2), PROF)
+    ns = [p.replicas_for(load, 0.1, 0.1) for load in (0.5, 1.5, 3.0, 6.0)]
+    assert ns == sorted(ns) and ns[0] == 1 and ns[-1] >= 7
+    tight = Planner(PlannerConfig(0.15, 0.2), PROF)
+    assert tight.replicas_for(3.0, 0.1, 0.1) > p.replicas_for(3.0, 0.1, 0.1)
+    assert p.replicas_for(3.0, 0.1, 0.01) >= p.replicas_for(3.0, 0.1, 0.1)
+
+
+def test_the_fit_leaves_a_wrong_profile_for_what_replicas_measure():
+    truth = PROF
+    p = Planner(PlannerConfig(2.0, 0.2), truth.scaled(0.5))      # the profile says twice as fast
+    samples = [(truth.decode_s(b, b * k), b, b * k) for b in (1, 2, 4, 8) for k in (100, 500, 1000) for _ in range(5)]
+    tokens = 50_000
+    for _ in range(2):
+        p.decide({"prefill": obs(prefill_tokens=tokens, prefill_busy_s=tokens * truth.prefill_token_s),
+                  "decode": obs(decode_samples=samples)})
+    assert p.prefill_token_s() == pytest.approx(truth.prefill_token_s, rel=0.1)
+    a, b, c = p.decode_coefficients()
+    assert a + 4 * b + 2000 * c == pytest.approx(truth.decode_s(4, 2000), rel=0.1)
+
+
+def test_bad_planner_and_profile_settings_are_named():
+    with pytest.raises(ValueError, match="mode 'nope'"):
+        Planner(PlannerConfig(2.0, 0.2), PROF, "nope")
+    with pytest.raises(ValueError, match="must be positive"):
+        Planner(PlannerConfig(0.0, 0.2), PROF)
+    with pytest.raises(ValueError, match="unknown keys \\['bogus'\\]"):
+        Profile.from_json({**PROF.__dict__, "bogus": 1})
+    with pytest.raises(ValueError, match="no observation"):
+        Planner(PlannerConfig(2.0, 0.2), PROF).decide({"prefill": obs()})
+
+
+# ---- the simulation ----------------------------------------------------------------------------------
+def test_one_request_takes_exactly_its_profiled_steps():
+    prof = replace(PROF, handoff_s=0.5)
+    req = SimRequest(1.0, 1200, (1, 2, 3), 4, 400)
+    res = simulate([req], prof, StaticPolicy({"prefill": 1, "decode": 1}), "disaggregated",
+                   initial={"prefill": 1, "decode": 1})
+    (r,) = res.requests
+    assert r.ttft == pytest.approx(2 * prof.prefill_s(512) + prof.prefill_s(176))
+    # three decode steps after the handoff; its first gap waits for the handoff
+    steps = [prof.decode_s(1, 1200 + i) for i in range(3)]
+    assert r.end_t == pytest.approx(r.first_t + 0.5 + sum(steps))
+    assert r.itl == pytest.approx(0.5 + steps[0])
+    assert res.replica_s == pytest.approx(2 * (r.end_t - 1.0))
+
+
+def test_a_repeated_prefix_is_a_hit_and_colocated_serves_both_phases():
+    a = SimRequest(0.0, 400, (7, 8), 3, 200)
+    b = SimRequest(5.0, 600, (7, 8, 9), 3, 200)
+    res = simulate([a, b], PROF, StaticPolicy({"colocated": 1}), "colocated", initial={"colocated": 1})
+    first, second = sorted(res.requests, key=lambda r: r.arrival)
+    assert first.uncached == 400 and second.uncached == 200
+    assert second.ttft == pytest.approx(PROF.prefill_s(200))
+
+
+class Shrink:
+    """Three prefill and three decode replicas, cut to one of each at the second decision."""
+    name, interval_s = "shrink", 1.0
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, sim):
+        sim.observe()
+        self.calls += 1
+        sizes = {"prefill": 3, "decode": 3} if self.calls == 1 else {"prefill": 1, "decode": 1}
+        sim.timeline.append((sim.now, sizes, {}))
+        return sizes
+
+
+def test_a_scale_down_drains_every_request_it_held():
+    reqs = [SimRequest(0.01 * i, 900, (i,), 20, 300) for i in range(60)]
+    sim = Simulation(reqs, PROF, Shrink(), "disaggregated", initial={"prefill": 3, "decode": 3})
+    res = sim.run()
+    assert len(res.requests) == 60 and all(r.end_t > 0 and r.first_t > 0 for r in res.requests)
+    gone = [r for rs in sim.replicas.values() for r in rs if r.state == "gone"]
+    assert len(gone) == 4 and all(r.empty() for r in gone)
+
+
+def test_the_planner_in_the_simulation_grows_with_a_burst():
+    trace = [r._replace(t=r.t / 30) for r in load_trace(EXCERPT, 32)]     # 300 requests in 108 s
+    reqs = overlaid(trace, 32, 32, 2, 100.0, (40.0, 30.0, 20))
+    policy = PlannerPolicy(Planner(PlannerConfig(2.0, 0.2, interval_s=5.0), PROF))
+    res = simulate(reqs, PROF, policy, "disaggregated", {"prefill": 1, "decode": 1})
+    assert len(res.requests) == len(reqs)
+    before = max(t["prefill"] for when, t, _ in res.timeline if when < 40)
+    after = [(when, t["prefill"]) for when, t, _ in res.timeline if when >= 40]
+    assert next(when for when, n in after if n > before) <= 40 + 2 * 5.0
+    assert {r for _, _, rs in res.timeline for r in rs.values()} <= {
+        "up_queue", "up_demand", "up_itl", "up_kv", "down_idle", "hold", "hold_cooldown", "min_replicas",
+        "budget_pool", "budget_total"}
+
+
+def test_simulate_pd_cli_prints_every_policy_per_load(capsys):
+    assert main(["simulate", "--pd", "--trace", str(EXCERPT), "--loads", "1,2", "--duration-s", "60",
+                 "--warmup-s", "10", "--steady-s", "120", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["load"] for r in out["loads"]] == ["x1", "x2", "burst x1->x10"]
+    for row in out["loads"]:
+        for name in ("planner", "ray_default", "dynamo", "best_static"):
+            assert {"goodput_per_replica_s", "attainment"} <= set(row[name])
+    assert out["optimistic_profile"]["factor"] == 0.5 and "steady_turns_per_hour" in out
+    assert main(["simulate", "--pd", "--trace", str(EXCERPT), "--loads", "1", "--duration-s", "40",
+                 "--warmup-s", "5", "--steady-s", "60", "--mode", "colocated"]) == 0
+    assert "dynamo" not in capsys.readouterr().out
+
+
+def test_simulate_pd_cli_bad_arguments(capsys, tmp_path):
+    assert main(["simulate", "--pd", "--trace", str(EXCERPT), "--config", "V4-Pro"]) == 2
+    assert "--profile" in capsys.readouterr().err
+    assert main(["simulate", "--pd", "--trace", str(EXCERPT), "--loads", "0"]) == 2
+    bad = tmp_path / "fit.json"
+    bad.write_text('{"prefill_token_s": 1e-4, "nope": 1}')
+    assert main(["simulate", "--pd", "--trace", str(EXCERPT), "--profile", str(bad)]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(EXCERPT)]) == 2
+    assert "--config is required" in capsys.readouterr().err
