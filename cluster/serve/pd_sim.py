@@ -26,7 +26,7 @@ bench/goodput.py measures it) <= the ITL target; goodput per replica-second = go
 Policies (each with `interval_s` and `decide(sim) -> {pool: replicas}`): `PlannerPolicy` (the service's
 planner, cluster/serve/planner.py), `RayDefaultPolicy` (Ray Serve's per-deployment request-count policy
 with kvmesh's Autoscaling defaults), `DynamoPolicy` (Dynamo Planner's throughput mode as its design doc
-gives it), `StaticPolicy` (fixed sizes; `best_static` searches them).
+gives it), `StaticPolicy` (fixed sizes; `hill_static` searches them).
 """
 from __future__ import annotations
 
@@ -307,7 +307,6 @@ class Simulation:
         """The pools' reports since the last call (the counters restart)."""
         out, span = {}, max(self.now - self._observed, 1e-9)
         self._observed = self.now
-        in_prefill = len(self.ingress) + sum(len(r.queue) for r in self.replicas[self.first])
         for pool in self.pools:
             rs = [r for r in self.replicas[pool] if r.state != "gone"]
             c = self.counters[pool]
@@ -320,7 +319,6 @@ class Simulation:
                 prefill_tokens=c.prefill_tokens, prefill_busy_s=c.prefill_busy_s, decode_samples=c.samples,
                 decoding=sum(r.batch for r in rs), decode_seqs=c.seq_s / span, decode_kv_tokens=sum(r.kv for r in rs),
                 waiting=sum(len(r.waiting) for r in rs) + (len(self.handed) if pool == "decode" else 0),
-                prefilling=in_prefill if pool == self.first else 0,
                 handoff_wait_s=c.handoff_wait_s / c.handoffs if c.handoffs else 0.0)
         self.counters = {p: Counters() for p in self.pools}
         return out
@@ -540,44 +538,12 @@ def simulate(requests, profile: Profile, policy, mode: str, initial: dict[str, i
     return Simulation(fresh, profile, policy, mode, initial, warmup_s).run()
 
 
-def best_static(requests, profile: Profile, mode: str, slo_ttft_s: float, slo_itl_s: float,
-                max_replicas: dict[str, int], max_total: int, warmup_s: float = 0.0
-                ) -> tuple[dict[str, int], SimResult]:
-    """The fixed sizes with the most goodput per replica-second (every size within the budgets, the
-    decode pool searched upward from one until goodput per replica falls twice in a row)."""
-    best: tuple[float, dict[str, int], SimResult] | None = None
-
-    def score(sizes):
-        res = simulate(requests, profile, StaticPolicy(sizes), mode, initial=sizes, warmup_s=warmup_s)
-        return res.summary(slo_ttft_s, slo_itl_s)["goodput_per_replica_s"], res
-
-    if mode == "colocated":
-        cands = [{"colocated": n} for n in range(1, max_replicas.get("colocated", 8) + 1)]
-        for sizes in cands:
-            g, res = score(sizes)
-            if best is None or g > best[0]:
-                best = (g, sizes, res)
-        return best[1], best[2]
-    for p in range(1, max_replicas.get("prefill", 8) + 1):
-        falls, last = 0, -1.0
-        for d in range(1, min(max_replicas.get("decode", 8), max_total - p) + 1):
-            sizes = {"prefill": p, "decode": d}
-            g, res = score(sizes)
-            if best is None or g > best[0]:
-                best = (g, sizes, res)
-            falls = falls + 1 if g < last else 0
-            last = g
-            if falls >= 2:
-                break
-    return best[1], best[2]
-
-
 def hill_static(requests, profile: Profile, mode: str, slo_ttft_s: float, slo_itl_s: float,
                 max_replicas: dict[str, int], max_total: int, start: dict[str, int], warmup_s: float = 0.0
                 ) -> tuple[dict[str, int], SimResult]:
     """The best fixed sizes by hill climbing on goodput per replica-second from `start` (one replica more
-    or fewer in one pool at a time, within the budgets, until no neighbour is better): the search
-    `best_static` does exhaustively, in a dozen runs instead of dozens."""
+    or fewer in one pool at a time, within the budgets, until no neighbour is better): a local optimum, in
+    a dozen runs rather than the whole grid's."""
     seen: dict[tuple, tuple[float, SimResult]] = {}
 
     def score(sizes: dict[str, int]) -> float:

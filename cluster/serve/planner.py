@@ -10,22 +10,25 @@ replica count and a reason code per pool. It reads
     profile by how many tokens were measured (the profile's weight decays each interval);
   * decode step time against the batch: step_s = a + b * sequences + c * KV tokens, fitted online by
     ridge-regularised least squares toward the profile (old samples decay);
-  * decode concurrency: sequences in a batch, handed off and waiting, and those still in prefill (they
-    reach decode next).
+  * decode concurrency: sequences in a batch on time average, and handoffs waiting for a slot (with how
+    long they waited).
 
 Sizing, per pool:
 
-  * prefill: (arrival rate + queue / drain time) / (measured tokens/s * utilization) replicas, the
-    drain time the TTFT target;
-  * decode: concurrency / the largest batch whose fitted step stays within `itl_margin` of the ITL
-    target (and within the replica's KV tokens and max_num_seqs);
-  * colocated: the sum of both shares on one replica.
+  * prefill: the fewest replicas that start `attainment` of the prompts within the TTFT target (an M/M/c
+    queue: the arrival-side token rate on the measured speed, `replicas_for`), or enough to drain the
+    queued tokens within the target plus two start-ups while serving arrivals, whichever is more;
+  * decode: the interval's mean batch (plus the handoffs waiting, once they wait as long as a TTFT
+    target) over the largest batch whose fitted step stays within `itl_margin` of the ITL target (and
+    within the replica's KV tokens and max_num_seqs); it at most doubles (+1) a decision;
+  * colocated: the sum of both on one pool.
 
-Scaling up is immediate; scaling down needs `down_intervals` decisions in a row that would fit the load
-on fewer replicas at the lower utilization `utilization_down` (a band, so a steady load does not flip
-the count), goes to the largest of those needs, and never below what the queue needs. A pool stays in
-[min_replicas, max_replicas] and all pools within `max_total_replicas`. The same class runs inside the
-Ray Serve application policy and in `kvmesh simulate --pd` (cluster/serve/pd_sim.py).
+Scaling up is immediate. Scaling down needs `down_intervals` decisions in a row (`down_intervals_fast`
+for a cut to half or fewer) whose sizing for a `down_strict` share of the misses (and `down_band` of a
+batch) fits on fewer replicas, goes to the largest of those, and never below what the queue needs. A pool
+stays in [min_replicas, max_replicas], all pools within `max_total_replicas`. `kvmesh simulate --pd`
+(cluster/serve/pd_sim.py) runs this class against its baselines; wiring it into a running deployment as a
+Ray Serve application-level autoscaling policy is still to come (issue 46 item 2).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import numpy as np
 
 POOLS_BY_MODE = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
 
-# Reason codes (label values of kvmesh_planner_decisions_total{pool, reason}).
+# Reason codes: every decision gives one per pool.
 REASONS = ("up_queue", "up_demand", "up_itl", "up_kv", "down_idle", "hold", "hold_cooldown", "min_replicas",
            "budget_pool", "budget_total")
 
@@ -103,7 +106,6 @@ class PoolObservation:
     decode_seqs: float = -1.0           # sequences in a batch on time average over the interval (-1: unknown)
     decode_kv_tokens: int = 0           # KV tokens those hold
     waiting: int = 0                    # requests handed off (or prefilled) waiting for a batch slot
-    prefilling: int = 0                 # requests queued or in prefill (they reach decode next)
     handoff_wait_s: float = 0.0         # mean wait of a handoff in the interval
 
 
