@@ -30,9 +30,14 @@ def _router(name: str) -> RequestRouterConfig:
                                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
 
 
-def _pool(cls: type, pool: PoolConfig, name: str):
+def _pool(cls: type, pool: PoolConfig, name: str, planned: bool = False):
+    """`planned`: the app's planner (cluster/serve/autoscale.py) sizes the pool within its autoscaling
+    bounds and keeps its own hysteresis, so Serve applies its decisions at once."""
     router = _router(name)
-    return serve.deployment(cls).options(**pool.deployment_options(name), request_router_config=router,
+    opts = pool.deployment_options(name)
+    if planned:
+        opts["autoscaling_config"] = {**opts["autoscaling_config"], "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}
+    return serve.deployment(cls).options(**opts, request_router_config=router,
                                          health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                          graceful_shutdown_timeout_s=5)
 
@@ -53,12 +58,62 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         config = config.model_copy(update={"ingress": config.ingress.model_copy(update={"api_keys": [SecretStr(k) for k in env_keys]})})
     if HEAD_IP in config.engine.index:
         config = config.with_head_ip(ray_head_ip())
+    planned = config.planner.policy != "ray"
     if config.mode == "colocated":
-        pools = {"colocated": _pool(Colocated, config.colocated, "Colocated").bind(config)}
+        pools = {"colocated": _pool(Colocated, config.colocated, "Colocated", planned).bind(config)}
     else:
-        prefill = _pool(Prefill, config.prefill, "Prefill").bind(config)
-        pools = {"prefill": prefill, "decode": _pool(Decode, config.decode, "Decode").bind(config, prefill)}
+        prefill = _pool(Prefill, config.prefill, "Prefill", planned).bind(config)
+        pools = {"prefill": prefill, "decode": _pool(Decode, config.decode, "Decode", planned).bind(config, prefill)}
     ing = config.ingress
     # the ingress's own router too: /metrics sums every ingress replica's counters (metrics.py)
     return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
                            request_router_config=_router(INGRESS), ray_actor_options={"num_cpus": ing.num_cpus, "resources": dict(ing.resources)}).bind(config, pools)
+
+
+def deploy(config: ServeConfig, name: str = "kvmesh", route_prefix: str = "/", timeout_s: float = 600.0) -> None:
+    """Run the app on the started Serve, and wait until it runs (a planner app: `deploy_planned`)."""
+    if config.planner.policy == "ray":
+        serve.run(build_app(config), name=name, route_prefix=route_prefix)
+    else:
+        deploy_planned({name: (config, route_prefix)}, timeout_s)
+
+
+def deploy_planned(apps: dict[str, tuple[ServeConfig, str]], timeout_s: float = 600.0) -> None:
+    """Run apps whose pools the planner sizes (planner.policy "planner" or "dry-run"), {name: (config,
+    route prefix)}, and wait until they run. They go through Serve's config path, the one that takes an
+    application-level autoscaling policy (cluster/serve/autoscale.py): Serve's controller builds each from
+    `build_app`'s import path and its config (API keys cross as $KVMESH_API_KEY in the app's runtime
+    environment, never in its arguments). Serve keeps one set of config-deployed apps: this set replaces
+    the last one (apps run with `serve.run` stay)."""
+    import time
+
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from kvmesh.cluster.serve.autoscale import policy_spec
+    specs = []
+    for name, (config, route_prefix) in apps.items():
+        keys = [k.get_secret_value() for k in config.ingress.api_keys]
+        args = config.model_dump(mode="json")
+        if keys:
+            args["ingress"] = {k: v for k, v in args.get("ingress", {}).items() if k != "api_keys"}
+        spec = {"name": name, "route_prefix": route_prefix, "import_path": "kvmesh.cluster.app:build_app",
+                "args": args, "autoscaling_policy": policy_spec(config, name)}
+        if keys:
+            spec["runtime_env"] = {"env_vars": {"KVMESH_API_KEY": ",".join(keys)}}
+        specs.append(spec)
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=specs))
+    deadline = time.monotonic() + timeout_s
+    waiting = set(apps)
+    while waiting:
+        statuses = serve.status().applications
+        for name in list(waiting):
+            status = statuses.get(name)
+            if status is not None and status.status == "RUNNING":
+                waiting.discard(name)
+            elif status is not None and status.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"app {name!r} failed to deploy: {status.message}")
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(f"apps {sorted(waiting)} not running after {timeout_s:g} s")
+        if waiting:
+            time.sleep(0.5)

@@ -319,6 +319,21 @@ class HandoffConfig(_Strict):
     release_timeout_s: float = Field(30.0, gt=0, description="prefill frees held KV after this if decode never reads")
 
 
+class PlannerSettings(_Strict):
+    """Who sizes the pools (cluster/serve/planner.py, cluster/serve/autoscale.py)."""
+    policy: Literal["ray", "planner", "dry-run"] = Field("ray", description=(
+        "ray: each pool's own autoscaling (Ray Serve's request-count policy); planner: one application-level "
+        "policy sizes the pools together from the TTFT / ITL targets; dry-run: the planner decides and logs, "
+        "Serve's replica counts stay as they are"))
+    slo_ttft_ms: float = Field(2000.0, gt=0, description="time-to-first-token target")
+    slo_itl_ms: float = Field(200.0, gt=0, description="inter-token latency target (a request's p90 gap)")
+    interval_s: float = Field(10.0, gt=0, description="seconds between the planner's decisions")
+    max_total_replicas: int = Field(16, ge=1, description="replicas of all pools together")
+    profile: dict[str, float] | None = Field(None, description=(
+        "the start-up step-time profile (bench/pd_profile.py --json), over the built-in model's on CPU "
+        "(cluster/serve/planner.py BUILTIN_CPU_PROFILE); an unknown key fails at start-up"))
+
+
 class ServeConfig(_Strict):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     engine: EngineSettings = EngineSettings()
@@ -327,6 +342,18 @@ class ServeConfig(_Strict):
     colocated: PoolConfig = PoolConfig()
     ingress: IngressConfig = IngressConfig()
     handoff: HandoffConfig = HandoffConfig()
+    planner: PlannerSettings = PlannerSettings()
+
+    @model_validator(mode="after")
+    def _planner_pools_autoscale(self):
+        if self.planner.policy != "ray":
+            pools = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+            fixed = [p for p in pools if getattr(self, p).autoscaling is None]
+            if fixed:
+                raise ValueError(f"planner.policy {self.planner.policy!r} sizes the pools within their autoscaling "
+                                 f"bounds: set {', '.join(p + '.autoscaling' for p in fixed)} (min_replicas, "
+                                 f"max_replicas)")
+        return self
 
     def with_head_ip(self, head_ip: str) -> "ServeConfig":
         """`{head_ip}` in the index spec -> the Ray head's IP (Redis runs on the head);

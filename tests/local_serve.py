@@ -98,7 +98,7 @@ class LocalServe:
         (SHARED_APPS names) included: deployed here unless one is already running."""
         from ray import serve
 
-        from kvmesh.cluster.app import build_app
+        from kvmesh.cluster.app import build_app, deploy_planned
         running = serve.status().applications
         apps = dict(apps)
         for name in shared:
@@ -106,9 +106,12 @@ class LocalServe:
             if name not in self.kept or name not in running or running[name].status != "RUNNING":
                 apps[name] = (small_config(mode), prefix)
             self.kept.add(name)
-        if apps:
+        planned = {n: a for n, a in apps.items() if a[0].planner.policy != "ray"}   # Serve's config path
+        if len(apps) > len(planned):
             serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=prefix)
-                            for name, (config, prefix) in apps.items()])
+                            for name, (config, prefix) in apps.items() if name not in planned])
+        if planned:
+            deploy_planned(planned)
         urls = {name: self.base + prefix.rstrip("/") for name, (_, prefix) in apps.items()}
         return {**urls, **{name: self.base + SHARED_APPS[name][1].rstrip("/") for name in shared}}
 

@@ -61,6 +61,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="attach to this Ray cluster (HOST:PORT or auto) instead of starting a local one "
                         "(default: $RAY_ADDRESS)")
+    p.add_argument("--planner", choices=["ray", "planner", "dry-run"],
+                   help="who sizes the pools (planner.policy): ray (each pool's own autoscaling, the default), "
+                        "planner (one policy sizes them together from the TTFT / ITL targets), dry-run (it "
+                        "decides and logs, nothing moves); the pools need autoscaling bounds")
+    p.add_argument("--slo-ttft-ms", type=float, help="the planner's time-to-first-token target (planner.slo_ttft_ms)")
+    p.add_argument("--slo-itl-ms", type=float, help="the planner's inter-token latency target (planner.slo_itl_ms)")
     add_vllm_flags(p)
     p.set_defaults(handler=cmd_serve)
 
@@ -124,16 +130,24 @@ def serve_config(args: argparse.Namespace, keys: list[str] | None = None):
     """The ServeConfig `kvmesh serve` runs: the config file (or the defaults), then the flags.
     ConfigFileError (ServeFlagError) where they do not validate, disagree, or give a parallel size
     that does not split the model (checked here, before Ray starts)."""
-    from kvmesh.cluster.config import check_parallel_sizes, load_config, read_config_file
+    from kvmesh.cluster.config import ConfigFileError, check_parallel_sizes, load_config, read_config_file
     from kvmesh.cluster.cli.serve_flags import flag_overrides
     data = read_config_file(args.config)
     overrides = {k: v for k, v in {"engine.model": args.model, "mode": args.mode,
-                                   "ingress.api_keys": keys or None}.items() if v is not None}
+                                   "ingress.api_keys": keys or None, "planner.policy": args.planner,
+                                   "planner.slo_ttft_ms": args.slo_ttft_ms,
+                                   "planner.slo_itl_ms": args.slo_itl_ms}.items() if v is not None}
     overrides.update(flag_overrides(args, data, args.config or "the defaults"))
     config = load_config(args.config, overrides, data=data)
     check_parallel_sizes(config)
     if not args.address:
         check_one_node(config)
+    if config.planner.policy != "ray":
+        from kvmesh.cluster.serve.autoscale import profile_of
+        try:
+            profile_of(config)
+        except ValueError as e:
+            raise ConfigFileError(str(e)) from None
     return config
 
 
@@ -169,10 +183,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from kvmesh.cluster.app import build_app
+    from kvmesh.cluster.app import deploy
     start_ray(args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(config), name="kvmesh", route_prefix="/")
+    deploy(config)
     print(f"kvmesh serve: on Ray at {ray.get_runtime_context().gcs_address}"
           f"{' (attached)' if args.address else ' (a new local cluster)'}", flush=True)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

@@ -10,6 +10,7 @@ into OpenAI bodies or SSE events. The API key is one dependency on the whole app
 """
 
 import asyncio
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -121,6 +122,23 @@ class Ingress:
             log.debug("metrics: no replica states from Serve's controller: %r", e)
             return {}
 
+    async def _planner(self) -> dict | None:
+        """The P/D planner's last decision (published by Serve's controller in Ray's internal KV), or
+        None when this app has no planner (or the KV does not answer within the scrape's budget)."""
+        if self.config.planner.policy == "ray":
+            return None
+        from kvmesh.cluster.serve.autoscale import planner_key
+
+        def read():
+            from ray.experimental.internal_kv import _internal_kv_get
+            raw = _internal_kv_get(planner_key(serve.get_replica_context().app_name))
+            return json.loads(raw) if raw else None
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(read), SCRAPE_TIMEOUT_S)
+        except Exception as e:
+            log.debug("metrics: no planner snapshot: %r", e)
+            return None
+
     async def _ingress_families(self) -> dict:
         """Every ingress replica's own series (this one's included), by replica id."""
         if self._peers is None:
@@ -177,7 +195,7 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self):
-        return Response(await self.ctx.metrics.exposition(self._ingress_families, self._pool_replicas), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.ctx.metrics.exposition(self._ingress_families, self._pool_replicas, self._planner), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self):

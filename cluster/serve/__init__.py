@@ -9,4 +9,7 @@
     transfer.py   the handoff's transports: NIXL and Ray objects, the decode-side Loader
     metrics.py    the ingress's Prometheus metrics and the pools' scraped stats
     replica_logs.py  what a replica logs for a refused (one WARNING line per cause) or cancelled request
+    planner.py    the P/D planner: one decision sizes the pools from TTFT / ITL targets and replicas' reports
+    autoscale.py  the planner as Serve's application-level autoscaling policy (decisions in /metrics)
+    pd_sim.py     simulated pools on a replayed trace: the planner against its baselines (`kvmesh simulate --pd`)
 """

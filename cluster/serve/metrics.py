@@ -370,13 +370,16 @@ class Metrics:
         return list(self.registry.collect())
 
     async def exposition(self, ingress: Callable[[], Awaitable[dict[str, list[Metric]]]] | None = None,
-                         pools: Callable[[], Awaitable[dict[str, dict[str, int]]]] | None = None) -> bytes:
+                         pools: Callable[[], Awaitable[dict[str, dict[str, int]]]] | None = None,
+                         planner: Callable[[], Awaitable[dict | None]] | None = None) -> bytes:
         """The text of /metrics: every ingress replica's series summed (`ingress()`: each replica's
         `families()`; None, or no answer: this replica's alone), then the workers' (WorkerSnapshots),
         then each pool's replicas by state as Serve's controller counts them (`pools()`:
-        {pool: {state: n}}, starting ones included, which no worker scrape can see)."""
-        replicas, _, states = await asyncio.gather(ingress() if ingress else _none(), self.workers.refresh(),
-                                                   pools() if pools else _none())
+        {pool: {state: n}}, starting ones included, which no worker scrape can see), then the P/D
+        planner's decisions (`planner()`: its last published snapshot, cluster/serve/autoscale.py)."""
+        replicas, _, states, plan = await asyncio.gather(ingress() if ingress else _none(), self.workers.refresh(),
+                                                         pools() if pools else _none(),
+                                                         planner() if planner else _none())
         replicas = list((replicas or {}).values()) or [self.families()]
         scraped = GaugeMetricFamily("kvmesh_ingress_replicas_scraped", "ingress replicas whose series this "
                                     "scrape summed", value=len(replicas))
@@ -388,7 +391,30 @@ class Metrics:
                 for state, n in by_state.items():
                     family.add_metric([pool, state], float(n))
             extra.append(family)
+        if plan:
+            extra += planner_families(plan)
         return generate_latest(_Families(merge_families(replicas) + extra + list(self.workers.collect())))
+
+
+def planner_families(plan: dict) -> list[Metric]:
+    """The P/D planner's snapshot as series: decisions by pool and reason, and per pool the replicas it
+    targets and the replicas the load needs (before hysteresis and budgets)."""
+    decisions = CounterMetricFamily("kvmesh_planner_decisions", "the P/D planner's decisions by pool and reason "
+                                    "(cluster/serve/planner.py REASONS)", labels=["pool", "reason"])
+    for pool, reasons in plan.get("reasons", {}).items():
+        for reason, n in reasons.items():
+            decisions.add_metric([pool, reason], float(n))
+    target = GaugeMetricFamily("kvmesh_planner_target_replicas", "replicas the planner's last decision set "
+                               "(dry-run: would set)", labels=["pool"])
+    need = GaugeMetricFamily("kvmesh_planner_needed_replicas", "replicas the load needs, before hysteresis and "
+                             "budgets", labels=["pool"])
+    for pool, n in plan.get("targets", {}).items():
+        target.add_metric([pool], float(n))
+    for pool, n in plan.get("needs", {}).items():
+        need.add_metric([pool], float(n))
+    dry = GaugeMetricFamily("kvmesh_planner_dry_run", "1 when the planner only logs its decisions",
+                            value=1.0 if plan.get("dry_run") else 0.0)
+    return [decisions, target, need, dry]
 
 
 class RequestTimer:

@@ -36,9 +36,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
-from .planner import POOLS_BY_MODE, Decision, Planner, PlannerConfig, PoolObservation, Profile
+from .planner import POOLS_BY_MODE, Decision, Planner, PlannerConfig, PoolObservation, Profile, fit_moments
 
-SAMPLE_EVERY = 4        # every 4th decode step is a sample of (step s, seqs, KV tokens)
 
 
 @dataclass
@@ -83,10 +82,11 @@ class Counters:
     arrived_requests: int = 0
     prefill_tokens: int = 0
     prefill_busy_s: float = 0.0
-    samples: list = field(default_factory=list)
+    fit: list = field(default_factory=lambda: [0.0] * 9)     # decode-only steps' fit_moments, summed
     handoff_wait_s: float = 0.0
     handoffs: int = 0
     seq_s: float = 0.0                              # sequence-seconds in decode batches
+    kv_s: float = 0.0                               # their KV token-seconds
     ended: list = field(default_factory=list)       # requests ended in the interval (Dynamo reads these)
 
 
@@ -201,9 +201,11 @@ class Simulation:
             c = self.counters[r.pool]
             c.prefill_tokens += n
             c.prefill_busy_s += dur
-        elif r.step % SAMPLE_EVERY == 0:
-            self.counters[r.pool].samples.append((dur, r.batch, r.kv))
-        self.counters[r.pool].seq_s += r.batch * dur
+        c = self.counters[r.pool]
+        if not n:
+            c.fit = [a + b for a, b in zip(c.fit, fit_moments(dur, r.batch, r.kv))]
+        c.seq_s += r.batch * dur
+        c.kv_s += r.kv * dur
         r.busy = True
         self._at(self.now + dur, self._end_step, r, chunk, r.batch > 0)
 
@@ -316,8 +318,9 @@ class Simulation:
                 arrived_requests=c.arrived_requests,
                 queued_tokens=sum(r.queued_tokens for r in rs) + (
                     sum(q.uncached for q in self.ingress) if pool == self.first else 0),
-                prefill_tokens=c.prefill_tokens, prefill_busy_s=c.prefill_busy_s, decode_samples=c.samples,
-                decoding=sum(r.batch for r in rs), decode_seqs=c.seq_s / span, decode_kv_tokens=sum(r.kv for r in rs),
+                prefill_tokens=c.prefill_tokens, prefill_busy_s=c.prefill_busy_s, decode_fit=tuple(c.fit),
+                decoding=sum(r.batch for r in rs), decode_seqs=c.seq_s / span,
+                decode_kv_mean=c.kv_s / span, decode_kv_tokens=sum(r.kv for r in rs),
                 waiting=sum(len(r.waiting) for r in rs) + (len(self.handed) if pool == "decode" else 0),
                 handoff_wait_s=c.handoff_wait_s / c.handoffs if c.handoffs else 0.0)
         self.counters = {p: Counters() for p in self.pools}
@@ -364,11 +367,12 @@ class SimResult:
                 "attainment": good / n if n else 0.0, "requests": n, "replica_s": round(self.replica_s, 1),
                 "mean_replicas": round(self.replica_s / self.duration_s, 2) if self.duration_s else 0.0}
 
-    def flips(self) -> dict[str, int]:
-        """Per pool, how often the target count turned from rising to falling or back."""
+    def flips(self, after: float = 0.0) -> dict[str, int]:
+        """Per pool, how often the target count turned from rising to falling or back (decisions from
+        `after` on)."""
         out = {}
         for pool in (self.timeline[0][1] if self.timeline else {}):
-            seq = [t[pool] for _, t, _ in self.timeline]
+            seq = [t[pool] for when, t, _ in self.timeline if when >= after]
             moves = [b - a for a, b in zip(seq, seq[1:]) if b != a]
             out[pool] = sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
         return out
@@ -585,7 +589,8 @@ def compare(trace, profile: Profile, *, mode: str = "disaggregated", slo_ttft_s:
     warmup_s + 2 intervals), all scored after `warmup_s`; then the planner's own checks: how many
     intervals after the burst its prefill target rose, how many intervals it takes with a profile
     `optimistic` times the real step times to fit speeds within 10 % of the real ones, and its targets'
-    turns per hour on the middle load run for `steady_s`."""
+    turns per hour on the middle load run for `steady_s` (after the warm-up: the cold start from one
+    replica a pool is not a steady load)."""
     pools = POOLS_BY_MODE[mode]
     max_replicas = max_replicas or {p: 8 for p in pools}
     initial = {p: 1 for p in pools}
@@ -625,9 +630,10 @@ def compare(trace, profile: Profile, *, mode: str = "disaggregated", slo_ttft_s:
     out["optimistic_profile"] = converge(overlaid(trace, block_tokens, max_tokens, mid, duration_s), profile, cfg,
                                          mode, optimistic)
     steady = PlannerPolicy(Planner(cfg, profile, mode))
-    res = simulate(overlaid(trace, block_tokens, max_tokens, mid, steady_s), profile, steady, mode, initial)
+    res = simulate(overlaid(trace, block_tokens, max_tokens, mid, warmup_s + steady_s), profile, steady, mode, initial,
+                   warmup_s)
     hours = max(res.duration_s / 3600.0, 1e-9)
-    out["steady_turns_per_hour"] = {p: round(n / hours, 2) for p, n in res.flips().items()}
+    out["steady_turns_per_hour"] = {p: round(n / hours, 2) for p, n in res.flips(after=warmup_s).items()}
     return out
 
 

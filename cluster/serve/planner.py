@@ -26,9 +26,9 @@ Sizing, per pool:
 Scaling up is immediate. Scaling down needs `down_intervals` decisions in a row (`down_intervals_fast`
 for a cut to half or fewer) whose sizing for a `down_strict` share of the misses (and `down_band` of a
 batch) fits on fewer replicas, goes to the largest of those, and never below what the queue needs. A pool
-stays in [min_replicas, max_replicas], all pools within `max_total_replicas`. `kvmesh simulate --pd`
-(cluster/serve/pd_sim.py) runs this class against its baselines; wiring it into a running deployment as a
-Ray Serve application-level autoscaling policy is still to come (issue 46 item 2).
+stays in [min_replicas, max_replicas], all pools within `max_total_replicas`. The same class sizes a
+running deployment as Serve's application-level autoscaling policy (cluster/serve/autoscale.py) and
+runs against its baselines in `kvmesh simulate --pd` (cluster/serve/pd_sim.py).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import numpy as np
 POOLS_BY_MODE = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
 
 # Reason codes: every decision gives one per pool.
-REASONS = ("up_queue", "up_demand", "up_itl", "up_kv", "down_idle", "hold", "hold_cooldown", "min_replicas",
+REASONS = ("up_queue", "up_demand", "up_itl", "up_kv", "up_slots", "up_handoff_wait", "down_idle", "hold", "hold_cooldown", "min_replicas",
            "budget_pool", "budget_total")
 
 
@@ -91,6 +91,16 @@ BUILTIN_CPU_PROFILE = Profile(prefill_step_s=0.003059, prefill_token_s=0.0001704
                               kv_tokens=12_288, handoff_s=0.02, start_s=8.0)
 
 
+FIT_FIELDS = ("n", "b", "k", "bb", "bk", "kk", "y", "yb", "yk")
+
+
+def fit_moments(step_s: float, seqs: int, kv_tokens: int) -> tuple[float, ...]:
+    """One decode step's share of the least-squares sums for step_s = a + b * seqs + c * KV tokens
+    (summed over steps, then over replicas, they are all the fit needs)."""
+    b, k = float(seqs), float(kv_tokens)
+    return (1.0, b, k, b * b, b * k, k * k, step_s, step_s * b, step_s * k)
+
+
 @dataclass
 class PoolObservation:
     """What one pool's replicas reported over the last interval (sums over its replicas)."""
@@ -101,9 +111,10 @@ class PoolObservation:
     queued_tokens: int = 0              # prompt tokens arrived and not yet computed (queued + in flight), now
     prefill_tokens: int = 0             # prompt tokens computed in the interval
     prefill_busy_s: float = 0.0         # step seconds spent computing them
-    decode_samples: list[tuple[float, int, int]] = field(default_factory=list)   # (step s, seqs, KV tokens)
+    decode_fit: tuple[float, ...] = ()  # decode steps' moments (fit_moments), summed over the interval
     decoding: int = 0                   # sequences in a batch now
     decode_seqs: float = -1.0           # sequences in a batch on time average over the interval (-1: unknown)
+    decode_kv_mean: float = -1.0        # KV tokens those held on time average (-1: unknown)
     decode_kv_tokens: int = 0           # KV tokens those hold
     waiting: int = 0                    # requests handed off (or prefilled) waiting for a batch slot
     handoff_wait_s: float = 0.0         # mean wait of a handoff in the interval
@@ -155,6 +166,7 @@ class Planner:
         self._theta0 = np.array([profile.decode_step_s, profile.decode_seq_s, profile.decode_kv_token_s])
         self._xtx, self._xty = np.zeros((3, 3)), np.zeros(3)
         self._rate: dict[str, float] = {}       # smoothed arrival rate (tokens/s) per pool
+        self._waited = 0                        # decisions in a row whose handoffs waited past the TTFT target
         self._down: dict[str, deque[int]] = {p: deque(maxlen=config.down_intervals) for p in self.pools}
 
     # ---- what the planner has measured -----------------------------------------------------------
@@ -181,10 +193,10 @@ class Planner:
             if o.prefill_tokens > 0 and o.prefill_busy_s > 0:
                 self._pre_w += o.prefill_tokens
                 self._pre_s += o.prefill_busy_s
-            for step_s, seqs, kv in o.decode_samples:
-                x = np.array([1.0, seqs, kv])
-                self._xtx += np.outer(x, x)
-                self._xty += x * step_s
+            if o.decode_fit:
+                n, b, k, bb, bk, kk, y, yb, yk = o.decode_fit
+                self._xtx += np.array([[n, b, k], [b, bb, bk], [k, bk, kk]])
+                self._xty += np.array([y, yb, yk])
 
     # ---- what the load needs -------------------------------------------------------------------
     def _update_rates(self, obs: dict[str, PoolObservation]) -> None:
@@ -235,19 +247,27 @@ class Planner:
         by_itl = int(budget / per_seq) if per_seq > 0 else self.profile.max_num_seqs
         by_kv = int(self.profile.kv_tokens / max(context, 1.0))
         batch = min(by_itl, by_kv, self.profile.max_num_seqs)
-        reason = "up_itl" if by_itl <= min(by_kv, self.profile.max_num_seqs) else "up_kv"
+        reason = ("up_itl" if by_itl <= min(by_kv, self.profile.max_num_seqs) else
+                  "up_kv" if by_kv <= self.profile.max_num_seqs else "up_slots")
         return max(batch, 1), reason
 
     def _decode_need(self, o: PoolObservation, strict: float) -> tuple[float, str]:
         # concurrency: the pool's sequences in a batch on time average over the interval (now, when not
-        # reported), plus those handed off and waiting for a slot now if handoffs waited as long as a TTFT
-        # target (a shorter wait is one long gap among a request's many: its p90 gap hardly moves)
+        # reported), plus those handed off and waiting for a slot now once handoffs have waited as long as
+        # a TTFT target two intervals running (a shorter wait is one long gap among a request's many: its
+        # p90 gap hardly moves; one such interval is a passing surge more often than a lasting one)
         seqs = o.decode_seqs if o.decode_seqs >= 0 else o.decoding
-        if o.handoff_wait_s > self.config.slo_ttft_s:
-            seqs += o.waiting
-        context = o.decode_kv_tokens / o.decoding if o.decoding else (
-            o.arrived_tokens / o.arrived_requests if o.arrived_requests else 1024.0)
+        self._waited = self._waited + 1 if o.handoff_wait_s > self.config.slo_ttft_s else 0
+        if o.decode_seqs > 0 and o.decode_kv_mean >= 0:
+            context = o.decode_kv_mean / o.decode_seqs
+        elif o.decoding:
+            context = o.decode_kv_tokens / o.decoding
+        else:
+            context = o.arrived_tokens / o.arrived_requests if o.arrived_requests else 1024.0
         batch, reason = self.max_batch(context)
+        if self._waited >= 2 and o.waiting:
+            seqs += o.waiting
+            reason = "up_handoff_wait"
         return seqs / (batch * self.config.max_utilization * (1.0 if strict == 1.0 else self.config.down_band)), reason
 
     def needs(self, obs: dict[str, PoolObservation], strict: float = 1.0) -> dict[str, tuple[float, str]]:
@@ -285,7 +305,7 @@ class Planner:
                     target = min(target, int(current * self.config.decode_growth) + 1)
             else:
                 # the count fewer replicas would need at the lower utilization (never below the queue's)
-                want_down = max(math.ceil(down[pool][0] - 1e-9), want)
+                want_down = max(math.ceil(down[pool][0] - 1e-9), want, lo)
                 self._down[pool].append(want_down)
                 window = list(self._down[pool])
                 # a small cut waits down_intervals agreeing decisions, a cut to half or less (after a burst)

@@ -37,6 +37,7 @@ from kvmesh.cluster.serve.transfer import NIXL_UNAVAILABLE, HandoffError, Loader
 
 log = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.005
+DRAIN_HELD_S = 4.0          # within app.py's graceful_shutdown_timeout_s
 
 
 class _Worker:
@@ -79,6 +80,16 @@ class _Worker:
     def record_routing_stats(self) -> dict:
         s = self.engine.stats()
         return {"load": s.load, "free_kv": s.free_kv, "rank_loads": [r.load for r in self.engine.rank_stats()]}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the P/D planner reads (cluster/serve/autoscale.py), pushed to Serve's controller: the
+        engine's monotonic sums and its gauges (a data-parallel replica's summed over its ranks)."""
+        s = self.engine.stats()
+        c, q = s.counters, s.queue_time
+        return {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+                "queue_time_sum": q["sum"], "queue_time_count": q["count"],
+                "queued_prompt_tokens": s.queued_prompt_tokens, "running": s.running, "waiting": s.waiting,
+                **{k: float(v) for k, v in dataclasses.asdict(s.planner).items()}}
 
     def check_health(self) -> None:
         if self.engine.dead is not None:
@@ -171,6 +182,14 @@ class Prefill(_Worker):
             if not handed_over:     # no await here: this also runs when the call was cancelled
                 self.held.pop(req.request_id, None)
                 self.engine.release_held_soon(req.request_id)
+
+    async def __del__(self):
+        """Serve's graceful stop (a scale-down): routing already left this replica and its calls
+        have returned; wait a little for decode to read (or release) what it still holds, so a
+        drained prefill replica fails no handoff (Serve stops it after graceful_shutdown_timeout_s)."""
+        deadline = time.monotonic() + min(self.config.handoff.release_timeout_s, DRAIN_HELD_S)
+        while self.held and time.monotonic() < deadline:
+            await asyncio.sleep(RELEASE_POLL_S)
 
     def _hold(self, request_id: str) -> None:
         self.held[request_id] = time.monotonic() + self.config.handoff.release_timeout_s

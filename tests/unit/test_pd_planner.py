@@ -17,7 +17,15 @@ from kvmesh.cluster.serve.pd_sim import (
     overlaid,
     simulate,
 )
-from kvmesh.cluster.serve.planner import BUILTIN_CPU_PROFILE, Planner, PlannerConfig, PoolObservation, Profile
+from kvmesh.cluster.serve.planner import (
+    BUILTIN_CPU_PROFILE,
+    REASONS,
+    Planner,
+    PlannerConfig,
+    PoolObservation,
+    Profile,
+    fit_moments,
+)
 from kvmesh.kvstore.policy.trace import load_trace
 
 EXCERPT = Path(__file__).resolve().parents[1] / "data" / "conversation_trace_excerpt.jsonl"
@@ -87,11 +95,14 @@ def test_replicas_for_grows_with_load_and_with_a_tighter_target():
 def test_the_fit_leaves_a_wrong_profile_for_what_replicas_measure():
     truth = PROF
     p = Planner(PlannerConfig(2.0, 0.2), truth.scaled(0.5))      # the profile says twice as fast
-    samples = [(truth.decode_s(b, b * k), b, b * k) for b in (1, 2, 4, 8) for k in (100, 500, 1000) for _ in range(5)]
+    fit = [0.0] * 9
+    for b in (1, 2, 4, 8):
+        for k in (100, 500, 1000):
+            fit = [x + 5 * y for x, y in zip(fit, fit_moments(truth.decode_s(b, b * k), b, b * k))]
     tokens = 50_000
     for _ in range(2):
         p.decide({"prefill": obs(prefill_tokens=tokens, prefill_busy_s=tokens * truth.prefill_token_s),
-                  "decode": obs(decode_samples=samples)})
+                  "decode": obs(decode_fit=tuple(fit))})
     assert p.prefill_token_s() == pytest.approx(truth.prefill_token_s, rel=0.1)
     a, b, c = p.decode_coefficients()
     assert a + 4 * b + 2000 * c == pytest.approx(truth.decode_s(4, 2000), rel=0.1)
@@ -165,9 +176,7 @@ def test_the_planner_in_the_simulation_grows_with_a_burst():
     before = max(t["prefill"] for when, t, _ in res.timeline if when < 40)
     after = [(when, t["prefill"]) for when, t, _ in res.timeline if when >= 40]
     assert next(when for when, n in after if n > before) <= 40 + 2 * 5.0
-    assert {r for _, _, rs in res.timeline for r in rs.values()} <= {
-        "up_queue", "up_demand", "up_itl", "up_kv", "down_idle", "hold", "hold_cooldown", "min_replicas",
-        "budget_pool", "budget_total"}
+    assert {r for _, _, rs in res.timeline for r in rs.values()} <= set(REASONS)
 
 
 def test_simulate_pd_cli_prints_every_policy_per_load(capsys):
@@ -194,3 +203,88 @@ def test_simulate_pd_cli_bad_arguments(capsys, tmp_path):
     assert "nope" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(EXCERPT)]) == 2
     assert "--config is required" in capsys.readouterr().err
+
+
+# ---- the Ray Serve application policy ------------------------------------------------------------------
+def contexts(reports: dict[str, dict[str, dict]], running: dict[str, int], target: dict[str, int]) -> dict:
+    """AutoscalingContexts as Serve's controller builds them: {deployment: {replica: its latest report}}."""
+    from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
+    from ray.serve.config import AutoscalingContext
+    out = {}
+    for name, replicas in reports.items():
+        dep = DeploymentID(name, "app")
+        ids = {r: ReplicaID(r, dep) for r in replicas}
+        raw: dict = {}
+        for r, report in replicas.items():
+            for metric, value in report.items():
+                raw.setdefault(metric, {})[ids[r]] = [TimeStampedValue(0.0, float(value))]
+        out[dep] = AutoscalingContext(
+            deployment_id=dep, deployment_name=name, app_name="app", current_num_replicas=running[name],
+            target_num_replicas=target[name], running_replicas=list(ids.values()), total_num_requests=0.0,
+            total_queued_requests=0.0, aggregated_metrics={}, raw_metrics=raw, capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=4, policy_state={}, last_scale_up_time=None, last_scale_down_time=None,
+            current_time=None, config=None)
+    return out
+
+
+def test_the_serve_policy_decides_each_interval_from_replica_sums(monkeypatch):
+    from kvmesh.cluster.serve import autoscale
+    clock = [100.0]
+    monkeypatch.setattr(autoscale.time, "monotonic", lambda: clock[0])
+    published = []
+    monkeypatch.setattr(autoscale.PoolPlanner, "_publish", lambda self, d, o: published.append(self.snapshot(d, o)))
+    policy = autoscale.PoolPlanner("app", "disaggregated", False, 2.0, 0.2, 10.0, 8, {"prefill": 1, "decode": 1},
+                                   {"prefill": 4, "decode": 4}, PROF.__dict__)
+    tps = 1 / PROF.prefill_token_s
+    quiet = {"Prefill": {"p1": {"prompt_tokens": 0}}, "Decode": {"d1": {"prompt_tokens": 0}}}
+    ones = {"Prefill": 1, "Decode": 1}
+    out, _ = policy(contexts(quiet, ones, ones))
+    assert sorted(out.values()) == [1, 1] and not published        # the first call only remembers the sums
+    clock[0] += 10
+    busy = {"Prefill": {"p1": {"prompt_tokens": tps * 30, "arrived_requests": 100, "queued_prompt_tokens": tps * 20,
+                               "prefill_tokens": tps * 9, "prefill_step_s": 9.0}},
+            "Decode": {"d1": {"prompt_tokens": 0}}}
+    out, _ = policy(contexts(busy, ones, ones))
+    by_name = {dep.name: n for dep, n in out.items()}
+    assert by_name["Prefill"] == 4 and by_name["Decode"] == 1
+    assert published[-1]["reasons"]["prefill"] in ({"up_queue": 1}, {"up_demand": 1}, {"budget_pool": 1})
+    clock[0] += 3               # within the interval: the targets it set, no decision
+    out, _ = policy(contexts(busy, ones, {"Prefill": 4, "Decode": 1}))
+    assert {dep.name: n for dep, n in out.items()} == by_name and len(published) == 1
+    # a replica restarted (its sums start again from 0) counts from 0, not as a negative change
+    clock[0] += 10
+    again = {"Prefill": {"p1": {"prompt_tokens": 10.0, "arrived_requests": 1}}, "Decode": {"d1": {"prompt_tokens": 0}}}
+    policy(contexts(again, {"Prefill": 4, "Decode": 1}, {"Prefill": 4, "Decode": 1}))
+    assert published[-1]["running"] == {"prefill": 4, "decode": 1}
+
+
+def test_the_serve_policy_in_dry_run_keeps_serves_targets(monkeypatch):
+    from kvmesh.cluster.serve import autoscale
+    clock = [0.0]
+    monkeypatch.setattr(autoscale.time, "monotonic", lambda: clock[0])
+    published = []
+    monkeypatch.setattr(autoscale.PoolPlanner, "_publish", lambda self, d, o: published.append(self.snapshot(d, o)))
+    policy = autoscale.PoolPlanner("app", "colocated", True, 2.0, 0.2, 1.0, 8, {"colocated": 1}, {"colocated": 3},
+                                   PROF.__dict__)
+    tps = 1 / PROF.prefill_token_s
+    policy(contexts({"Colocated": {"c": {}}}, {"Colocated": 1}, {"Colocated": 1}))
+    clock[0] += 1
+    out, _ = policy(contexts({"Colocated": {"c": {"prompt_tokens": tps * 10, "queued_prompt_tokens": tps * 10,
+                                                  "arrived_requests": 50}}}, {"Colocated": 1}, {"Colocated": 1}))
+    assert list(out.values()) == [1]
+    assert published[-1]["dry_run"] and published[-1]["targets"] == {"colocated": 3}
+
+
+def test_a_planner_config_needs_autoscaling_bounds_and_known_profile_keys():
+    from pydantic import ValidationError
+
+    from kvmesh.cluster.config import ServeConfig
+    with pytest.raises(ValidationError, match="set prefill.autoscaling, decode.autoscaling"):
+        ServeConfig.model_validate({"planner": {"policy": "planner"}})
+    from kvmesh.cluster.serve.autoscale import policy_spec, profile_of
+    with pytest.raises(ValueError, match="planner.profile: unknown keys \\['bogus'\\]"):
+        profile_of(ServeConfig.model_validate({"planner": {"profile": {"bogus": 1.0}}}))
+    ok = ServeConfig.model_validate({"mode": "colocated", "planner": {"policy": "dry-run"},
+                                     "colocated": {"autoscaling": {"min_replicas": 1, "max_replicas": 3}}})
+    spec = policy_spec(ok, "kvmesh")
+    assert spec["policy_kwargs"]["dry_run"] and spec["policy_kwargs"]["max_replicas"] == {"colocated": 3}

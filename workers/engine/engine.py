@@ -41,7 +41,16 @@ from .grammar_wait import GrammarWait, Parked
 from .output import OutputProcessor, RequestTable
 from .protocol import run_to_completion
 from .scheduler import Scheduler
-from .stats import EngineCounters, EngineStats, EplbCounters, GrammarCounters, Histogram, ReuseCounters, StoreCounters
+from .stats import (
+    EngineCounters,
+    EngineStats,
+    EplbCounters,
+    GrammarCounters,
+    Histogram,
+    PlannerCounters,
+    ReuseCounters,
+    StoreCounters,
+)
 
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
@@ -82,6 +91,7 @@ class Engine:
         self.table = RequestTable()
         self.seqs, self.groups, self.held = self.table.seqs, self.table.groups, self.table.held
         self.counters = EngineCounters()
+        self.planner_counters = PlannerCounters()
         self.queue_time = Histogram()            # arrival -> first scheduled (vLLM's request_queue_time)
         self.scheduler = Scheduler(self.kv, self.slots.num_slots, config.max_batched_tokens, on_admit=self._admit)
         if self.prefix.events is not None:      # the load routers read with the KV events
@@ -183,6 +193,7 @@ class Engine:
         seq = Sequence(request_id, ids, params, make_generator(params), arrival=time.monotonic(),
                        hold_kv=hold_kv, resume=resume)
         self.counters.prompt_tokens += len(ids)
+        self.planner_counters.arrived_requests += 1
         self.seqs[request_id] = seq
         if grammar is not None and not grammar.done():
             self.grammar_wait.park(seq, grammar)
@@ -373,7 +384,13 @@ class Engine:
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
             reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()),
             eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None,
-            restoring=len(self.restore_wait))
+            restoring=len(self.restore_wait), queued_prompt_tokens=self.queued_prompt_tokens(),
+            planner=dataclasses.replace(self.planner_counters))
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of the sequences waiting or running that no step has computed yet."""
+        seqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        return sum(max(0, len(s.prompt) - s.num_computed) for s in seqs)
 
     def queued_tokens(self) -> int:
         """The load routers weigh against a prefix's blocks: tokens left to prefill, plus the
@@ -427,10 +444,13 @@ class Engine:
         drafts = spec.propose(batch) if spec else {}
         saved = spec.save(batch, drafts) if drafts else None
         starts = [seq.num_computed for seq, _ in batch]
+        prompt_tokens = sum(min(n, max(0, len(seq.prompt) - seq.num_computed)) for seq, n in batch)
+        decoding = [start for (seq, _), start in zip(batch, starts) if start >= len(seq.prompt)]
         observe = spec is not None and spec.drafter.wants_streams
         logits, sampled, extra = self.runner.run(batch, drafts, keep_streams=observe)
         self.counters.restore_s += t1 - t0
         forward_s = time.perf_counter() - t1
+        self.planner_counters.step(forward_s, prompt_tokens, len(decoding), sum(decoding))
         self.counters.forward_s += forward_s
         if self.prefix.auto is not None:
             self.prefix.auto.observe_prefill(sum(n for _, n in batch), forward_s)

@@ -46,6 +46,47 @@ class EngineCounters:
                     spec_tokens_per_step=1 + self.accepted_draft_tokens / steps if self.drafted_steps else 0.0)
 
 
+@dataclass
+class PlannerCounters:
+    """Monotonic sums the P/D planner reads (cluster/serve/planner.py, through the pools'
+    `record_autoscaling_stats`): prompt tokens computed and the seconds of the steps that computed
+    them, sequence- and KV-token-seconds of the sequences decoding, and the decode-only steps'
+    least-squares moments for step_s = a + b * sequences + c * KV tokens (planner.fit_moments)."""
+    arrived_requests: int = 0
+    prefill_tokens: int = 0
+    prefill_step_s: float = 0.0
+    decode_seq_s: float = 0.0
+    decode_kv_s: float = 0.0
+    fit_n: float = 0.0
+    fit_b: float = 0.0
+    fit_k: float = 0.0
+    fit_bb: float = 0.0
+    fit_bk: float = 0.0
+    fit_kk: float = 0.0
+    fit_y: float = 0.0
+    fit_yb: float = 0.0
+    fit_yk: float = 0.0
+
+    def step(self, step_s: float, prompt_tokens: int, seqs: int, kv_tokens: int) -> None:
+        """One engine step: `prompt_tokens` computed, `seqs` sequences decoding with `kv_tokens` KV."""
+        if prompt_tokens:
+            self.prefill_tokens += prompt_tokens
+            self.prefill_step_s += step_s
+        self.decode_seq_s += seqs * step_s
+        self.decode_kv_s += kv_tokens * step_s
+        if seqs and not prompt_tokens:
+            b, k = float(seqs), float(kv_tokens)
+            self.fit_n += 1.0
+            self.fit_b += b
+            self.fit_k += k
+            self.fit_bb += b * b
+            self.fit_bk += b * k
+            self.fit_kk += k * k
+            self.fit_y += step_s
+            self.fit_yb += step_s * b
+            self.fit_yk += step_s * k
+
+
 def _metric(name: str, shared: bool = False) -> dict:
     """A field's metadata: its /metrics name; `shared`: one value every rank sees (not summed)."""
     return {"metric": name, "shared": shared}
@@ -159,6 +200,8 @@ class EngineStats:
     grammar: GrammarCounters = field(default_factory=GrammarCounters)
     eplb: EplbCounters | None = None        # None without EPLB
     restoring: int = 0              # requests parked while their prefix hit's store reads run (prefetch)
+    queued_prompt_tokens: int = 0   # prompt tokens waiting or running and not computed yet
+    planner: PlannerCounters = field(default_factory=PlannerCounters)
 
     @property
     def load(self) -> int:
@@ -202,7 +245,7 @@ def summed(stats: list[EngineStats]) -> EngineStats:
     return EngineStats(**counts, kv_cache_usage=usage, counters=added([s.counters for s in stats]),
                        queue_time=queue, reuse=added([s.reuse for s in stats]),
                        store=added(stores) if stores else None, grammar=added([s.grammar for s in stats]),
-                       eplb=added(eplb) if eplb else None)
+                       eplb=added(eplb) if eplb else None, planner=added([s.planner for s in stats]))
 
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
