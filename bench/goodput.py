@@ -5,7 +5,7 @@ and their ITL target, per replica-second provisioned (issue 46 item 1; DistServe
     python bench/goodput.py --url URL --slo-ttft-ms MS --slo-itl-ms MS [--time-scale X]
                             [--requests N] [--start K] [--trace FILE] [--block-tokens B]
                             [--max-tokens M] [--vocab V] [--api-key KEY] [--poll-s S]
-                            [--plot FILE] [--json]
+                            [--burst START:LENGTH:FACTOR] [--plot FILE] [--json]
     python bench/goodput.py --serve colocated|disaggregated [--overrides JSON] ...
                             # a local deployment of the built-in model (tests/local_serve.small_config,
                             # its sections updated by --overrides, e.g. '{"ingress": {"decode_prefill_max_tokens": 256}}')
@@ -181,6 +181,31 @@ async def replay(url: str, plan: list[tuple[float, list[int], int]], time_scale:
     return outcomes, polls, time.monotonic() - start
 
 
+def bursty(plan: list[tuple[float, list[int], int]], time_scale: float, start: float, length: float,
+           factor: float) -> list[tuple[float, list[int], int]]:
+    """The plan with a step in its arrival rate: requests whose replay time falls in [start, start +
+    length * factor) arrive `factor` times as fast (within [start, start + length)), the later ones
+    shifted to follow."""
+    t0, out = plan[0][0], []
+    for t, ids, asked in plan:
+        tau = (t - t0) / time_scale
+        if tau > start:
+            tau = start + (tau - start) / factor if tau <= start + length * factor else tau - length * factor + length
+        out.append((t0 + tau * time_scale, ids, asked))
+    return out
+
+
+def pool_response(polls: list[tuple[float, dict[str, int]]], burst_at: float) -> dict:
+    """How the prefill pool answered a burst at `burst_at` s: its replicas (any live state) then, the
+    first poll that saw more (s after the burst), the most it reached, and how many at the end."""
+    before = [n.get("prefill", 0) for t, n in polls if t <= burst_at] or [0]
+    after = [(t, n.get("prefill", 0)) for t, n in polls if t > burst_at]
+    rose = next((t - burst_at for t, n in after if n > before[-1]), None)
+    return {"prefill_at_burst": before[-1], "prefill_rose_after_s": round(rose, 1) if rose is not None else None,
+            "prefill_max": max((n for _, n in after), default=before[-1]),
+            "prefill_at_end": after[-1][1] if after else before[-1]}
+
+
 def replica_seconds(polls: list[tuple[float, dict[str, int]]], t0: float, t1: float) -> float:
     """The replica count integrated over [t0, t1], each poll standing until the next."""
     total = 0.0
@@ -274,6 +299,8 @@ def run(args, url: str) -> dict:
     if not reqs:
         raise SystemExit(f"no requests in {trace} from line {args.start + 1}")
     plan = prompts(reqs, args.block_tokens, args.vocab, card["max_model_len"], args.max_tokens)
+    if args.burst:
+        plan = bursty(plan, args.time_scale, *args.burst)
     routes_before = prefill_routes(url, headers)
     outcomes, polls, _ = asyncio.run(replay(url, plan, args.time_scale, headers, args.poll_s, card["id"]))
     row = summary(outcomes, polls, args.slo_ttft_ms, args.slo_itl_ms)
@@ -281,6 +308,9 @@ def run(args, url: str) -> dict:
     row["prefill_routes"] = {r: after[r] - routes_before.get(r, 0) for r in after}
     row.update(trace=str(trace), time_scale=args.time_scale, block_tokens=args.block_tokens,
                max_tokens=args.max_tokens)
+    if args.burst:
+        row["burst"] = list(args.burst)
+        row.update(pool_response(polls, args.burst[0]))
     if args.plot:
         plot(outcomes, polls, args.slo_ttft_ms, args.slo_itl_ms, args.plot)
     return row
@@ -303,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=2048, help="prompt ids are drawn below this (any model's vocabulary)")
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY", "").split(",")[0] or None)
     p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--burst", type=lambda v: tuple(float(x) for x in v.split(":")), default=None,
+                   metavar="START:LENGTH:FACTOR", help="a step in the arrival rate: from START s of the replay, "
+                   "LENGTH s of arrivals FACTOR times as fast (the JSON adds how the prefill pool answered)")
     p.add_argument("--plot", default=None, help="write the figure over time here (PNG)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     a = p.parse_args(argv)

@@ -1,14 +1,16 @@
 """`build_app`: the Serve application for a ServeConfig.
 
     serve run deploy/serve.yaml          (import_path: kvmesh.cluster.app:build_app, args: the config)
-    serve.run(build_app(config))         (tests, `kvmesh serve`)
+    deploy(config)                       (tests, `kvmesh serve`: serve.run, or with the planner Serve's
+                                          config path, which adds the app's autoscaling policy)
 
-disaggregated:  Ingress ─▶ Prefill (own autoscaling)  ─▶ Decode (own autoscaling)
+disaggregated:  Ingress ─▶ Prefill (own autoscaling, or the planner's)  ─▶ Decode (the same)
 colocated:      Ingress ─▶ Colocated
 Every pool routes with `kvmesh.cluster.serve.routing.KVAwareRouter`.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import SecretStr
@@ -16,7 +18,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvmesh.cluster.openai.auth import keys_from_env
-from kvmesh.cluster.config import HEAD_IP, PoolConfig, ServeConfig, check_parallel_sizes
+from kvmesh.cluster.config import HEAD_IP, ConfigFileError, PoolConfig, ServeConfig, check_parallel_sizes
 from kvmesh.cluster.openai.ingress import INGRESS, Ingress
 from kvmesh.cluster.serve.pools import Colocated, Decode, Prefill
 from kvmesh.cluster.serve.routing import KVAwareRouter
@@ -28,6 +30,9 @@ HEALTH_CHECK_PERIOD_S = 2.0
 def _router(name: str) -> RequestRouterConfig:
     return RequestRouterConfig(request_router_class=KVAwareRouter, request_router_kwargs={"deployment": name},
                                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+
+
+PLANNED_ENV = "KVMESH_PLANNER_APP"       # set by deploy_planned in the app's runtime environment
 
 
 def _pool(cls: type, pool: PoolConfig, name: str, planned: bool = False):
@@ -59,6 +64,11 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     if HEAD_IP in config.engine.index:
         config = config.with_head_ip(ray_head_ip())
     planned = config.planner.policy != "ray"
+    if planned and not os.environ.get(PLANNED_ENV):
+        raise ConfigFileError(
+            f"planner.policy {config.planner.policy!r} needs the app's autoscaling policy, which `serve run` "
+            "does not add: start it with `kvmesh serve --config FILE` (it deploys the app with the policy), or "
+            "set planner.policy: ray")
     if config.mode == "colocated":
         pools = {"colocated": _pool(Colocated, config.colocated, "Colocated", planned).bind(config)}
     else:
@@ -99,8 +109,8 @@ def deploy_planned(apps: dict[str, tuple[ServeConfig, str]], timeout_s: float = 
             args["ingress"] = {k: v for k, v in args.get("ingress", {}).items() if k != "api_keys"}
         spec = {"name": name, "route_prefix": route_prefix, "import_path": "kvmesh.cluster.app:build_app",
                 "args": args, "autoscaling_policy": policy_spec(config, name)}
-        if keys:
-            spec["runtime_env"] = {"env_vars": {"KVMESH_API_KEY": ",".join(keys)}}
+        env = {PLANNED_ENV: name, **({"KVMESH_API_KEY": ",".join(keys)} if keys else {})}
+        spec["runtime_env"] = {"env_vars": env}
         specs.append(spec)
     _get_global_client().deploy_apps(ServeDeploySchema(applications=specs))
     deadline = time.monotonic() + timeout_s

@@ -86,7 +86,7 @@ class PoolPlanner:
         elapsed, self.last = now - self.last, now
         try:
             obs = self._observe(pools, elapsed)
-            decision = self.planner.decide(obs)
+            decision = self.planner.decide(obs, elapsed)
         except Exception:       # a bad report never takes the app's scaling down: keep what is set
             log.exception("kvmesh planner: no decision this interval")
             return {dep: ctx.target_num_replicas for dep, ctx in pools.values()}, {}

@@ -199,9 +199,9 @@ class Planner:
                 self._xty += np.array([y, yb, yk])
 
     # ---- what the load needs -------------------------------------------------------------------
-    def _update_rates(self, obs: dict[str, PoolObservation]) -> None:
+    def _update_rates(self, obs: dict[str, PoolObservation], elapsed_s: float) -> None:
         for pool, o in obs.items():
-            now = o.arrived_tokens / self.config.interval_s
+            now = o.arrived_tokens / elapsed_s
             prev = self._rate.get(pool, now)
             # smoothed, but a jump (a burst) is taken at once
             self._rate[pool] = now if now > 1.5 * prev else 0.5 * prev + 0.5 * now
@@ -282,12 +282,13 @@ class Planner:
         return {"prefill": self._prefill_need("prefill", p, strict), "decode": self._decode_need(d, strict)}
 
     # ---- one decision ----------------------------------------------------------------------------
-    def decide(self, obs: dict[str, PoolObservation]) -> Decision:
+    def decide(self, obs: dict[str, PoolObservation], elapsed_s: float | None = None) -> Decision:
+        """One decision on what the pools reported over the last `elapsed_s` (default interval_s)."""
         missing = [p for p in self.pools if p not in obs]
         if missing:
             raise ValueError(f"planner: no observation for pool(s) {missing}")
         self._learn(obs)
-        self._update_rates(obs)
+        self._update_rates(obs, elapsed_s or self.config.interval_s)
         up = self.needs(obs)
         down = self.needs(obs, self.config.down_strict)
         targets, reasons, needs = {}, {}, {}

@@ -288,3 +288,25 @@ def test_a_planner_config_needs_autoscaling_bounds_and_known_profile_keys():
                                      "colocated": {"autoscaling": {"min_replicas": 1, "max_replicas": 3}}})
     spec = policy_spec(ok, "kvmesh")
     assert spec["policy_kwargs"]["dry_run"] and spec["policy_kwargs"]["max_replicas"] == {"colocated": 3}
+
+
+def test_the_engine_counts_what_the_planner_reads():
+    from kvmesh.workers.checkpoint.default_model import ensure_default_model
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.engine_config import EngineConfig
+    from kvmesh.workers.sampling.params import SamplingParams
+    e = Engine(EngineConfig(model=str(ensure_default_model()), max_batched_tokens=256, max_num_seqs=4,
+                            kv_cache_bytes=32 << 20, store=None, speculative_tokens=0))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for i, n in enumerate((300, 40, 90)):
+        e.add_request(f"r{i}", [3 + (i * 31 + j) % 900 for j in range(n)], params)
+    assert e.stats().queued_prompt_tokens == 430 and e.stats().planner.arrived_requests == 3
+    steps = 0
+    while e.has_unfinished():
+        e.step()
+        steps += 1
+    c = e.stats().planner
+    assert c.prefill_tokens == 430 and e.stats().queued_prompt_tokens == 0
+    assert 0 < c.fit_n < steps and c.prefill_step_s > 0 and c.fit_y > 0
+    # every decode-only step had one to three sequences, each holding its prompt and what it generated
+    assert c.fit_n <= c.fit_b <= 3 * c.fit_n and c.fit_k > 40 * c.fit_n
