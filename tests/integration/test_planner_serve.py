@@ -1,6 +1,6 @@
 """The P/D planner sizing a running deployment (issue 46 items 2 and 4), over HTTP, on the session's
-Ray + Serve: two disaggregated apps deployed through Serve's config path with the application-level
-policy (cluster/serve/autoscale.py), decisions every second, each pool 1..2 replicas.
+Ray + Serve: a disaggregated and a colocated app deployed through Serve's config path with the
+application-level policy (cluster/serve/autoscale.py), decisions every second, each pool 1..2 replicas.
 
 * `planner`: a burst of long prompts makes it add a prefill replica (reason in /metrics); every
   request of the burst succeeds; once the burst is over it scales the prefill pool back down by
@@ -27,9 +27,9 @@ BURST = 48
 
 @pytest.fixture(scope="module")
 def urls(local_serve):
-    apps = {name: (small_config("disaggregated", planner={**PLANNER, "policy": policy}, prefill=BOUNDS,
-                                decode=BOUNDS), f"/{name}")
-            for name, policy in (("planned", "planner"), ("dry", "dry-run"))}
+    apps = {"planned": (small_config("disaggregated", planner={**PLANNER, "policy": "planner"}, prefill=BOUNDS,
+                                     decode=BOUNDS), "/planned"),
+            "dry": (small_config("colocated", planner={**PLANNER, "policy": "dry-run"}, colocated=BOUNDS), "/dry")}
     return local_serve.deploy_many(apps)
 
 
@@ -90,12 +90,12 @@ def test_a_burst_adds_a_prefill_replica_and_the_drain_after_it_fails_nothing(url
 
 def test_dry_run_decides_and_moves_nothing(urls):
     url = urls["dry"]
-    assert burst(url) == [200] * BURST
-    m = wait_for(lambda: (lambda m: m if decisions(m, "prefill").get("budget_pool") or any(
-        r.startswith("up_") for r in decisions(m, "prefill")) else None)(scrape(url)), 10, "a dry-run scale-up decision")
+    assert burst(url, BURST // 2) == [200] * (BURST // 2)
+    m = wait_for(lambda: (lambda m: m if decisions(m, "colocated").get("budget_pool") or any(
+        r.startswith("up_") for r in decisions(m, "colocated")) else None)(scrape(url)), 10,
+        "a dry-run scale-up decision")
     assert m[("kvmesh_planner_dry_run", ())] == 1
-    assert m[("kvmesh_planner_target_replicas", (("pool", "prefill"),))] == 2
-    time.sleep(3)
+    assert m[("kvmesh_planner_target_replicas", (("pool", "colocated"),))] == 2
+    time.sleep(2)
     m = scrape(url)
-    assert replicas(m, "prefill") == 1 and not replicas(m, "prefill", "STARTING")
-    assert replicas(m, "decode") == 1
+    assert replicas(m, "colocated") == 1 and not replicas(m, "colocated", "STARTING")
