@@ -510,8 +510,7 @@ def overlaid(trace, block_tokens: int, max_tokens: int, copies: int, duration_s:
     """`copies` tenants replaying the trace (TraceRequests, kvstore/policy/trace.py, lengths already scaled
     to block_tokens) at once for `duration_s`: a steady load `copies` times the trace's rate whose
     prefix structure is the trace's own. Copy j starts j / copies of the way into the trace (wrapping at
-    its end, and starting it again when `duration_s` is longer) and has its own block ids, so tenants
-    (and a tenant's repeats) share no prefix. `extra` = (start s, length s, n): n
+    its end) and has its own block ids, so tenants share no prefix. `extra` = (start s, length s, n): n
     more tenants arrive only between start and start + length (a step in the arrival rate)."""
     if not trace:
         return []
@@ -521,12 +520,11 @@ def overlaid(trace, block_tokens: int, max_tokens: int, copies: int, duration_s:
 
     def tenant(j: int, of: int, lo: float, hi: float) -> None:
         offset = (j * span / of) % span
-        for k in range(math.ceil(hi / span)):       # past the trace's end a tenant starts it again
-            for r in trace:
-                t = (r.t - t0 - offset) % span + k * span
-                if lo <= t < hi:
-                    out.append(SimRequest(t, r.tokens, tuple((j, k, b) for b in r.blocks),
-                                          max(1, min(r.output_tokens, max_tokens)), block_tokens))
+        for r in trace:
+            t = (r.t - t0 - offset) % span
+            if lo <= t < hi:
+                out.append(SimRequest(t, r.tokens, tuple((j, b) for b in r.blocks),
+                                      max(1, min(r.output_tokens, max_tokens)), block_tokens))
 
     for j in range(copies):
         tenant(j, copies, 0.0, duration_s)
