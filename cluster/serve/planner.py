@@ -131,8 +131,10 @@ class PlannerConfig:
     attainment: float = 0.9             # the share of requests sized to meet the TTFT target
     max_utilization: float = 0.95       # the busiest a replica is ever sized for
     down_strict: float = 0.25           # fewer replicas must miss only this share of that to scale down
-    down_band: float = 0.8              # ... and a decode batch stay under this share of its largest
+    down_band: float = 0.85             # ... and a decode batch stay under this share of its largest
     itl_margin: float = 0.8             # a decode batch's fitted step stays within this share of the ITL target
+    up_intervals: int = 2               # decisions in a row that must want one replica more for demand (not for
+                                        # the queue, nor two or more at once: those are at once)
     down_intervals: int = 6             # decisions in a row that must agree before a scale-down
     down_intervals_fast: int = 2        # ... before a scale-down to half or fewer
     decode_growth: float = 2.0          # a decode pool grows to at most this many times its size (+1) a decision
@@ -168,6 +170,7 @@ class Planner:
         self._rate: dict[str, float] = {}       # smoothed arrival rate (tokens/s) per pool
         self._waited = 0                        # decisions in a row whose handoffs waited past the TTFT target
         self._down: dict[str, deque[int]] = {p: deque(maxlen=config.down_intervals) for p in self.pools}
+        self._up: dict[str, int] = {}            # decisions in a row that wanted one replica more
 
     # ---- what the planner has measured -----------------------------------------------------------
     def prefill_token_s(self) -> float:
@@ -299,12 +302,20 @@ class Planner:
             need_up, reason = up[pool]
             want = math.ceil(need_up - 1e-9)
             needs[pool] = need_up
-            if want > current:
+            small = want == current + 1 and reason != "up_queue"
+            if want > current and small and self._up.get(pool, 0) + 1 < self.config.up_intervals:
+                # one replica more for demand alone: only once `up_intervals` decisions in a row want it
+                self._up[pool] = self._up.get(pool, 0) + 1
+                self._down[pool].clear()
+                target, reason = current, "hold_cooldown"
+            elif want > current:
+                self._up[pool] = 0
                 self._down[pool].clear()
                 target = want
                 if pool == "decode":    # its waiting handoffs overstate a flood that new replicas arrive after
                     target = min(target, int(current * self.config.decode_growth) + 1)
             else:
+                self._up[pool] = 0
                 # the count fewer replicas would need at the lower utilization (never below the queue's)
                 want_down = max(math.ceil(down[pool][0] - 1e-9), want, lo)
                 self._down[pool].append(want_down)
