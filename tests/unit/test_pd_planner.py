@@ -310,3 +310,18 @@ def test_the_engine_counts_what_the_planner_reads():
     assert 0 < c.fit_n < steps and c.prefill_step_s > 0 and c.fit_y > 0
     # every decode-only step had one to three sequences, each holding its prompt and what it generated
     assert c.fit_n <= c.fit_b <= 3 * c.fit_n and c.fit_k > 40 * c.fit_n
+
+
+def test_one_replica_more_for_demand_waits_for_a_second_decision_and_a_jump_does_not():
+    tps = 1 / PROF.prefill_token_s
+    p = Planner(PlannerConfig(2.0, 0.2), PROF)
+    more = obs(running=2, arrived_tokens=int(tps * 10 * 2.2), arrived_requests=400)     # needs 3 replicas
+    decode = obs(decode_seqs=1.0, decoding=1, decode_kv_tokens=300)
+    first, second = steady(p, more, decode, 2)
+    assert (first.targets["prefill"], first.reasons["prefill"]) == (2, "hold_cooldown")
+    assert second.targets["prefill"] == 3 and second.reasons["prefill"] == "up_demand"
+    # a jump of several replicas (a burst) is taken at once
+    p = Planner(PlannerConfig(2.0, 0.2), PROF)
+    jump = obs(running=1, arrived_tokens=int(tps * 10 * 3), arrived_requests=400)
+    d = p.decide({"prefill": jump, "decode": decode})
+    assert d.targets["prefill"] >= 3 and d.reasons["prefill"] == "up_demand"
