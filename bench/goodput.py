@@ -149,8 +149,10 @@ def replicas_by_pool(text: str) -> dict[str, int]:
 
 
 async def replay(url: str, plan: list[tuple[float, list[int], int]], time_scale: float, headers: dict,
-                 poll_s: float, model: str) -> tuple[list[Outcome], list[tuple[float, dict[str, int]]], float]:
-    """Every request sent at its time; the /metrics polls meanwhile (time, replicas by pool)."""
+                 poll_s: float, model: str, targets: list | None = None
+                 ) -> tuple[list[Outcome], list[tuple[float, dict[str, int]]], float]:
+    """Every request sent at its time; the /metrics polls meanwhile (time, replicas by pool), and into
+    `targets` (time, the planner's target replicas by pool) where the deployment has a planner."""
     limits = httpx.Limits(max_connections=len(plan) + 4, max_keepalive_connections=len(plan) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
         polls: list[tuple[float, dict[str, int]]] = []
@@ -161,7 +163,11 @@ async def replay(url: str, plan: list[tuple[float, list[int], int]], time_scale:
             while not stop.is_set():
                 t = time.monotonic() - start
                 try:
-                    polls.append((t, replicas_by_pool((await client.get(f"{url}/metrics", headers=headers)).text)))
+                    text = (await client.get(f"{url}/metrics", headers=headers)).text
+                    polls.append((t, replicas_by_pool(text)))
+                    if targets is not None:
+                        targets.append((t, {lb["pool"]: int(v) for lb, v in
+                                            samples(text, "kvmesh_planner_target_replicas")}))
                 except httpx.HTTPError:
                     pass
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -302,7 +308,8 @@ def run(args, url: str) -> dict:
     if args.burst:
         plan = bursty(plan, args.time_scale, *args.burst)
     routes_before = prefill_routes(url, headers)
-    outcomes, polls, _ = asyncio.run(replay(url, plan, args.time_scale, headers, args.poll_s, card["id"]))
+    targets: list = []
+    outcomes, polls, _ = asyncio.run(replay(url, plan, args.time_scale, headers, args.poll_s, card["id"], targets))
     row = summary(outcomes, polls, args.slo_ttft_ms, args.slo_itl_ms)
     after = prefill_routes(url, headers)
     row["prefill_routes"] = {r: after[r] - routes_before.get(r, 0) for r in after}
@@ -311,6 +318,9 @@ def run(args, url: str) -> dict:
     if args.burst:
         row["burst"] = list(args.burst)
         row.update(pool_response(polls, args.burst[0]))
+        planned = [(t, n) for t, n in targets if n]
+        if planned:         # when the planner's decision (not the replica it asked for) came
+            row["prefill_target_rose_after_s"] = pool_response(planned, args.burst[0])["prefill_rose_after_s"]
     if args.plot:
         plot(outcomes, polls, args.slo_ttft_ms, args.slo_itl_ms, args.plot)
     return row

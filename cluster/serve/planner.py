@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 POOLS_BY_MODE = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
+BURST = 2.5         # an interval's arrivals this many times the smoothed rate: a burst, scaled for at once
 
 # Reason codes: every decision gives one per pool.
 REASONS = ("up_queue", "up_demand", "up_itl", "up_kv", "up_slots", "up_handoff_wait", "down_idle", "hold", "hold_cooldown", "min_replicas",
@@ -134,7 +135,7 @@ class PlannerConfig:
     down_band: float = 0.85             # ... and a decode batch stay under this share of its largest
     itl_margin: float = 0.8             # a decode batch's fitted step stays within this share of the ITL target
     up_intervals: int = 2               # decisions in a row that must want one replica more for demand (not for
-                                        # the queue, nor two or more at once: those are at once)
+                                        # the queue, a jump in arrivals, or two or more at once: those act at once)
     down_intervals: int = 6             # decisions in a row that must agree before a scale-down
     down_intervals_fast: int = 2        # ... before a scale-down to half or fewer
     decode_growth: float = 2.0          # a decode pool grows to at most this many times its size (+1) a decision
@@ -168,6 +169,7 @@ class Planner:
         self._theta0 = np.array([profile.decode_step_s, profile.decode_seq_s, profile.decode_kv_token_s])
         self._xtx, self._xty = np.zeros((3, 3)), np.zeros(3)
         self._rate: dict[str, float] = {}       # smoothed arrival rate (tokens/s) per pool
+        self._jumped: dict[str, bool] = {}      # the last interval's arrivals were a burst
         self._waited = 0                        # decisions in a row whose handoffs waited past the TTFT target
         self._down: dict[str, deque[int]] = {p: deque(maxlen=config.down_intervals) for p in self.pools}
         self._up: dict[str, int] = {}            # decisions in a row that wanted one replica more
@@ -206,7 +208,8 @@ class Planner:
         for pool, o in obs.items():
             now = o.arrived_tokens / elapsed_s
             prev = self._rate.get(pool, now)
-            # smoothed, but a jump (a burst) is taken at once
+            # smoothed, but a jump is taken at once; a burst (BURST times the smoothed rate) is acted on at once
+            self._jumped[pool] = now > BURST * prev
             self._rate[pool] = now if now > 1.5 * prev else 0.5 * prev + 0.5 * now
 
     def replicas_for(self, load: float, service_s: float, miss: float) -> int:
@@ -302,9 +305,11 @@ class Planner:
             need_up, reason = up[pool]
             want = math.ceil(need_up - 1e-9)
             needs[pool] = need_up
-            small = want == current + 1 and reason != "up_queue"
+            first = self.pools[0]           # the pool the arrivals reach
+            small = want == current + 1 and reason != "up_queue" and not self._jumped.get(first, False)
             if want > current and small and self._up.get(pool, 0) + 1 < self.config.up_intervals:
-                # one replica more for demand alone: only once `up_intervals` decisions in a row want it
+                # one replica more for demand alone, with no jump in the arrivals: only once `up_intervals`
+                # decisions in a row want it
                 self._up[pool] = self._up.get(pool, 0) + 1
                 self._down[pool].clear()
                 target, reason = current, "hold_cooldown"
