@@ -134,7 +134,7 @@ class PoolPlanner:
                 prefill_tokens=int(delta["prefill_tokens"]), prefill_busy_s=delta["prefill_step_s"],
                 decode_fit=tuple(delta["fit_" + f] for f in FIT_FIELDS), decoding=int(gauges["running"]),
                 decode_seqs=delta["decode_seq_s"] / elapsed, decode_kv_mean=delta["decode_kv_s"] / elapsed,
-                decode_kv_tokens=int(delta["decode_kv_s"] / elapsed), waiting=int(gauges["waiting"]),
+                waiting=int(gauges["waiting"]),
                 handoff_wait_s=delta["queue_time_sum"] / waits if waits else 0.0)
         return out
 

@@ -122,8 +122,7 @@ class Simulation:
             self._at(r.arrival, self._arrive, r)
         start = self.requests[0].arrival if self.requests else 0.0
         self._at(start, self._tick)
-        remaining = len(self.requests)
-        self._remaining = remaining
+        self._remaining = len(self.requests)
         while self._events and self._remaining:
             t, _, fn, args = heapq.heappop(self._events)
             self.now = t

@@ -66,10 +66,6 @@ class Profile:
     def decode_s(self, seqs: int, kv_tokens: int) -> float:
         return self.decode_step_s + seqs * self.decode_seq_s + kv_tokens * self.decode_kv_token_s if seqs else 0.0
 
-    def prefill_tokens_per_s(self) -> float:
-        """Full chunks back to back."""
-        return self.max_batched_tokens / self.prefill_s(self.max_batched_tokens)
-
     def scaled(self, factor: float) -> "Profile":
         """Every step `factor` times as long (0.5: a profile 2x too optimistic about the real one)."""
         return replace(self, prefill_step_s=self.prefill_step_s * factor, prefill_token_s=self.prefill_token_s * factor,
@@ -298,6 +294,7 @@ class Planner:
         up = self.needs(obs)
         down = self.needs(obs, self.config.down_strict)
         targets, reasons, needs = {}, {}, {}
+        burst = self._jumped.get(self.pools[0], False)     # in the arrivals at the first pool
         for pool in self.pools:
             o = obs[pool]
             current = o.running + o.starting
@@ -305,8 +302,7 @@ class Planner:
             need_up, reason = up[pool]
             want = math.ceil(need_up - 1e-9)
             needs[pool] = need_up
-            first = self.pools[0]           # the pool the arrivals reach
-            small = want == current + 1 and reason != "up_queue" and not self._jumped.get(first, False)
+            small = want == current + 1 and reason != "up_queue" and not burst
             if want > current and small and self._up.get(pool, 0) + 1 < self.config.up_intervals:
                 # one replica more for demand alone, with no jump in the arrivals: only once `up_intervals`
                 # decisions in a row want it
