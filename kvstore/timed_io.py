@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -48,16 +49,25 @@ class TimedRunner:
         self._worker: _Worker | None = None
         self.abandoned = 0          # workers left behind in a hung call
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def run(self, fn: Callable[[], T], meanwhile: Callable[[float], None] | None = None) -> T:
+        """`fn()` on the worker; `meanwhile(deadline)` (a time.monotonic() instant), if given, runs
+        on the calling thread while `fn` does (it must return by the deadline), then this waits
+        for `fn` until the deadline."""
         if self.timeout_s is None:
-            return fn()
+            out = fn()
+            if meanwhile is not None:
+                meanwhile(float("inf"))
+            return out
         with self._lock:
             if self._worker is None:
                 self._worker = _Worker(self.name)
             fut: concurrent.futures.Future = concurrent.futures.Future()
+            deadline = time.monotonic() + self.timeout_s
             self._worker.jobs.put((fn, fut))
             try:
-                return fut.result(timeout=self.timeout_s)
+                if meanwhile is not None:
+                    meanwhile(deadline)
+                return fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
                 self._worker.jobs.put((None, None))     # it exits once the hung call returns
                 self._worker = None

@@ -363,38 +363,49 @@ class ObjectStore(CacheTier):
         errors: list[BaseException | None] = [None] * len(paths)
         progress = [0]
         abandoned = threading.Event()
+        read = [threading.Event() for _ in paths]
 
         def read_all() -> None:
-            for i, path in enumerate(paths):
-                if abandoned.is_set():
-                    return
-                progress[0] = i
+            try:
+                for i, path in enumerate(paths):
+                    if abandoned.is_set():
+                        return
+                    progress[0] = i
+                    try:
+                        with open_regular(path) as f:
+                            done[i] = read_into(f, view[i * size:(i + 1) * size])
+                    except OSError as e:
+                        errors[i] = e
+                    read[i].set()
+            finally:                # an unexpected error: nothing waits for the rest
+                for event in read:
+                    event.set()
+
+        objs: list[CacheObject | None] = [None] * len(paths)
+
+        def verify_arrived(deadline: float) -> None:
+            """Verify each object once its read is done, while the next ones are read (a
+            read releases the GIL)."""
+            for i, h in enumerate(hashes):
+                if not read[i].wait(max(0.0, deadline - time.monotonic())) or abandoned.is_set():
+                    return          # hung: run() raises IoTimeoutError
                 try:
-                    with open_regular(path) as f:
-                        done[i] = read_into(f, view[i * size:(i + 1) * size])
-                except OSError as e:
-                    errors[i] = e
+                    if errors[i] is not None:
+                        raise errors[i]
+                    objs[i] = decode_object(view[i * size:i * size + done[i]], self._fingerprint, h, kind,
+                                            lazy=True, key=self._key)
+                except FileNotFoundError:
+                    self._track(kind, h, None, misses=1)
+                except (OSError, CorruptObjectError) as e:
+                    self.reject(kind, h, e)
+                else:
+                    self._track(kind, h, size, reads=1, bytes_read=size)
         try:
-            self._reader.run(read_all)
+            self._reader.run(read_all, meanwhile=verify_arrived)
         except IoTimeoutError as e:
             abandoned.set()
             self.reject(kind, hashes[progress[0]], e)
             raise
-        objs: list[CacheObject | None] = []
-        for i, h in enumerate(hashes):
-            obj = None
-            try:
-                if errors[i] is not None:
-                    raise errors[i]
-                obj = decode_object(view[i * size:i * size + done[i]], self._fingerprint, h, kind, lazy=True,
-                                    key=self._key)
-            except FileNotFoundError:
-                self._track(kind, h, None, misses=1)
-            except (OSError, CorruptObjectError) as e:
-                self.reject(kind, h, e)
-            else:
-                self._track(kind, h, size, reads=1, bytes_read=size)
-            objs.append(obj)
         return rows, objs
 
     def get_many(self, kind: str, hashes: Sequence[int], expect: Shapes | None = None, own: bool = False

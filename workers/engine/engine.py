@@ -164,14 +164,15 @@ class Engine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and (set(map(type, prompt)) <= {int}      # C speed: 0.2 ms at 8K ids, not 4
+                                           or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             ids = list(prompt)
         else:
             raise InvalidRequestError("must be a string or a list of integer token ids", "prompt")
         if not ids:
             raise InvalidRequestError("must not be empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
+        if min(ids) < 0 or max(ids) >= self.args.vocab_size:
+            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})",
                                       "prompt")
         return ids
