@@ -26,6 +26,7 @@ from pydantic import model_validator
 from pydantic.dataclasses import dataclass
 
 from kvmesh.kvstore.store.mac import MIN_KEY_BYTES
+from kvmesh.kvstore.store.nixl_reader import READERS as STORE_READERS
 from kvmesh.kvstore.policy.planner import PolicyError, SwaPolicy
 from kvmesh.kvstore.redact import redact_url
 from kvmesh.kvstore.timed_io import DEFAULT_READ_TIMEOUT_S
@@ -212,6 +213,10 @@ class EngineConfig:
                                          "without prefix reuse)")
     store_read_timeout_s: Seconds | None = setting(DEFAULT_READ_TIMEOUT_S, "a store read slower than this (s) "
                                                                            "is a miss")
+    store_reader: Annotated[str, one_of(STORE_READERS)] = setting(
+        "auto", "how a restore reads block objects from a local-folder store: nixl (NIXL's POSIX backend "
+                "into registered memory), file (this process's reads), auto (nixl where it loads); a store "
+                "elsewhere is read through pyarrow.fs", choices=STORE_READERS)
     store_scrub_interval_s: Annotated[float, Strict(), Field(ge=0)] = setting(
         600.0, "seconds between background scrub passes over this deployment's store namespace "
                "(kvstore/store/scrub.py; 0 = off)")

@@ -4,6 +4,7 @@
     objects.py        the self-verifying object format (one file per block or checkpoint)
     store_fs.py       filesystem primitives over pyarrow.fs: atomic writes, mapped reads, listings
     object_store.py   ObjectStore: put / get / list, corrupt objects as misses
+    nixl_reader.py    restore reads through NIXL's POSIX backend into registered memory
     quarantine.py     objects no read may touch (unremovable corrupt ones), kept across restarts
     scrub.py          checks every object of a namespace, never-read ones too (`kvmesh store scrub`, background)
     persist.py        write-behind: store puts on a background thread, off the request path

@@ -62,6 +62,7 @@ from kvmesh.kvstore.index.embedded import PrefixIndex
 from kvmesh.kvstore.index.kv_events import KvEventPublisher
 from kvmesh.kvstore.log_once import LogOnce
 from kvmesh.kvstore.store.mac import StoreKey
+from kvmesh.kvstore.store.nixl_reader import READERS
 from kvmesh.kvstore.store.objects import KINDS, CacheObject, CorruptObjectError, decode_object, encode_object_parts
 from kvmesh.kvstore.store.quarantine import QUARANTINE_FILE, Quarantine
 from kvmesh.kvstore.store.store_fs import (is_local, list_files, list_namespace_dirs, open_regular, read_into, read_text,
@@ -172,10 +173,15 @@ class ObjectStore(CacheTier):
         read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S,
         staging_bytes: int = 0,
         namespace: str | None = None,
+        reader: str = "file",
     ) -> None:
         """``namespace``: open this namespace directory (a name `list_namespaces` gave) instead
         of the one that ``fingerprint`` and ``key`` name, for tools that list and trim a
-        namespace without holding its key (`kvmesh store`)."""
+        namespace without holding its key (`kvmesh store`). ``reader``: how a restore reads
+        block objects: "file" (this process's reads: os reads on a local folder, pyarrow.fs
+        elsewhere), "nixl" (NIXL's POSIX backend, kvstore.store.nixl_reader; a local folder
+        only, and StoreUnavailableError if NIXL cannot load) or "auto" (NIXL where it loads
+        and the store is a local folder, else "file")."""
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
         self._fingerprint = check_fingerprint(fingerprint)
@@ -200,6 +206,7 @@ class ObjectStore(CacheTier):
         # get_many reads blocks into this reused buffer; touched once now so a restore never
         # page-faults its way through fresh memory.
         self._staging = torch.zeros(staging_bytes, dtype=torch.uint8)
+        self._nixl = self._open_reader(reader, uri)
         try:
             for kind in KINDS:  # hierarchical filesystems need them; object stores shrug
                 self._fs.create_dir(f"{self._dir}/{kind}", recursive=True)
@@ -212,6 +219,30 @@ class ObjectStore(CacheTier):
         if index is not None:
             self.attach_index(index)
         self._scan()
+
+    def _open_reader(self, reader: str, uri: str):
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
+        if reader == "file" or (reader == "auto" and not is_local(self._fs)):
+            return None
+        if not is_local(self._fs):
+            raise StoreUnavailableError(f"store {uri}: the nixl reader reads local files; this store is not a "
+                                        "local folder (use reader auto or file)")
+        from kvmesh.kvstore.store.nixl_reader import shared_reader
+        from kvmesh.kvstore.transfer.nixl_transfer import NixlUnavailable
+        try:
+            return shared_reader()
+        except NixlUnavailable as e:
+            if reader == "nixl":
+                raise StoreUnavailableError(f"store {uri}: the nixl reader is unavailable: {e}") from e
+            self._warn("nixl-reader", "store reads: NIXL's POSIX backend is unavailable (%s); reading with "
+                       "this process's own reads", e)
+            return None
+
+    @property
+    def reader(self) -> str:
+        """How block objects are read: "nixl" or "file"."""
+        return "file" if self._nixl is None else "nixl"
 
     @property
     def fingerprint(self) -> str:
@@ -365,17 +396,50 @@ class ObjectStore(CacheTier):
         abandoned = threading.Event()
         read = [threading.Event() for _ in paths]
 
-        def read_all() -> None:
+        def read_one(i: int) -> None:
+            try:
+                with open_regular(paths[i]) as f:
+                    done[i] = read_into(f, view[i * size:(i + 1) * size])
+            except OSError as e:
+                errors[i] = e
+
+        def read_nixl() -> None:
+            """Open each file (a regular one, as read_one does) and let NIXL READ those of the
+            expected size; the rest, and a chunk whose transfer failed, are read plainly."""
+            opened, fds = [], [None] * len(paths)
             try:
                 for i, path in enumerate(paths):
+                    try:
+                        f = open_regular(path)
+                    except OSError as e:
+                        errors[i] = e
+                        continue
+                    opened.append(f)
+                    if os.fstat(f.fileno()).st_size == size:
+                        fds[i] = f.fileno()
+
+                def on_chunk(start: int, stop: int, ok: bool) -> None:
+                    for i in range(start, stop):
+                        if fds[i] is not None and ok:
+                            done[i] = size
+                        elif errors[i] is None:
+                            read_one(i)
+                        read[i].set()
+                    progress[0] = min(stop, len(paths) - 1)
+                self._nixl.read(fds, rows, on_chunk, abandoned)
+            finally:
+                for f in opened:
+                    f.close()
+
+        def read_all() -> None:
+            try:
+                if self._nixl is not None:
+                    return read_nixl()
+                for i in range(len(paths)):
                     if abandoned.is_set():
                         return
                     progress[0] = i
-                    try:
-                        with open_regular(path) as f:
-                            done[i] = read_into(f, view[i * size:(i + 1) * size])
-                    except OSError as e:
-                        errors[i] = e
+                    read_one(i)
                     read[i].set()
             finally:                # an unexpected error: nothing waits for the rest
                 for event in read:

@@ -76,14 +76,18 @@ FAULTS = {
     "directory": lambda p: (p.unlink(), p.mkdir()),
     "fifo": lambda p: (p.unlink(), os.mkfifo(p)),
     "short_read": lambda p: p.write_bytes(p.read_bytes()[:-100]),
+    "flipped_byte": corrupt,
 }
 
 
+@pytest.mark.parametrize("store_reader", ["nixl", "file"])
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_bad_file_at_an_object_path_is_a_miss_and_the_output_is_the_cold_runs(model_dir, cold, tmp_path, fault):
+def test_a_bad_file_at_an_object_path_is_a_miss_and_the_output_is_the_cold_runs(model_dir, cold, tmp_path, fault,
+                                                                                  store_reader):
     writer = seed_store(model_dir, tmp_path)
     path = object_path(writer, "block", 3)
-    reader = engine(model_dir, tmp_path)      # its index lists the good object; then it goes bad
+    reader = engine(model_dir, tmp_path, store_reader=store_reader)   # its index lists the good object; then it goes bad
+    assert reader.prefix.store.reader == store_reader
     FAULTS[fault](path)
     out = reader.generate([PROMPT], GREEDY)[0]
     assert out.token_ids == cold and out.finish_reason == "length"

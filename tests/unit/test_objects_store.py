@@ -430,3 +430,47 @@ def test_an_object_macd_with_one_key_is_rejected_under_another_and_without_a_mac
     assert "k" * 16 not in repr(a) and len(pytest.importorskip("kvmesh.kvstore.store.mac").StoreKey("z" * 16).mac([b""])) == 32
     with pytest.raises(ValueError):
         StoreKey("short")
+
+
+def test_nixl_reads_give_the_same_objects_as_the_plain_reads_and_a_bad_one_is_still_a_miss(tmp_path: Path) -> None:
+    """Issue 45 item 4: block objects READ by NIXL's POSIX backend (in chunks, into registered
+    memory) decode to the same tensors as this process's reads; one object with a flipped byte
+    is the same counted miss either way, and an object of another size is read plainly."""
+    from kvmesh.kvstore.store import nixl_reader
+    writer = ObjectStore(str(tmp_path), FP)
+    hashes = list(range(1, 2 * nixl_reader.CHUNK_OBJECTS + 4))       # three chunks, the last a short one
+    g = torch.Generator().manual_seed(3)
+    for h in hashes:
+        writer.put("block", h, None, 4, {"k": torch.randn(4, 64, generator=g), "v": torch.randn(4, 32, generator=g)})
+    path = Path(writer._path("block", hashes[5]))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(data)
+    got = {}
+    for reader in ("nixl", "file"):
+        store = ObjectStore(str(tmp_path), FP, reader=reader, staging_bytes=1 << 20)
+        assert store.reader == reader
+        store._staging.fill_(0xAB)          # stale bytes a read that did not happen would leave
+        out = store.get_many("block", hashes)
+        got[reader] = [None if o is None else {k: o[k].clone() for k in o} for o in out]
+        assert out[5] is None and store.stats().corrupt == 1 and not path.exists()
+        writer.put("block", hashes[5], None, 4, {"k": torch.zeros(4, 64), "v": torch.zeros(4, 32)})
+        path.write_bytes(data)          # corrupt again for the next reader
+    assert all((a is None) == (b is None) and (a is None or all(torch.equal(a[k], b[k]) for k in a))
+               for a, b in zip(got["nixl"], got["file"]))
+    assert sum(o is not None for o in got["nixl"]) == len(hashes) - 1
+
+
+def test_the_nixl_reader_unavailable_fails_at_start_when_asked_for_and_auto_reads_plainly(tmp_path, monkeypatch):
+    from kvmesh.kvstore.store import nixl_reader
+    from kvmesh.kvstore.store.object_store import StoreUnavailableError
+    from kvmesh.kvstore.transfer.nixl_transfer import NixlUnavailable
+
+    def missing():
+        raise NixlUnavailable("nixl cannot be imported: no module")
+    monkeypatch.setattr(nixl_reader, "shared_reader", missing)
+    with pytest.raises(StoreUnavailableError, match="nixl reader is unavailable: nixl cannot be imported"):
+        ObjectStore(str(tmp_path), FP, reader="nixl")
+    assert ObjectStore(str(tmp_path), FP, reader="auto").reader == "file"
+    with pytest.raises(ValueError, match="reader must be one of"):
+        ObjectStore(str(tmp_path), FP, reader="fast")

@@ -181,7 +181,8 @@ def kv_events(config: EngineConfig, index: PrefixIndex | None, worker: str) -> K
 def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None
                ) -> tuple[ObjectStore | None, PrefixIndex | None]:
     store = (ObjectStore(config.store, fingerprint, config.store_capacity_bytes, key=key,
-                         read_timeout_s=config.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES)
+                         read_timeout_s=config.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES,
+                         reader=config.store_reader)
              if config.store else None)
     index = None
     if store is not None or config.index != "local":
