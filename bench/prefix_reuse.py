@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -51,11 +54,11 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 QUESTION_TOKENS = 16
 
 
-def engine(policy: str, store: str, args, kv: str = "auto") -> Engine:
+def engine(policy: str, store: str, args, kv: str = "auto", reader: str = "auto") -> Engine:
     """A fresh engine, warmed up on an unrelated short prompt (first-call costs excluded)."""
     e = Engine(EngineConfig(model=args.model, block_tokens=args.block_tokens, swa_policy=policy, store=store,
                             kv_cache_bytes=args.kv_cache_bytes, max_batched_tokens=args.chunk,
-                            kv_cache_dtype=kv, speculative_tokens=0))
+                            kv_cache_dtype=kv, speculative_tokens=0, store_reader=reader))
     e.generate([[2] * 40], FIRST_TOKEN)
     return e
 
@@ -66,8 +69,23 @@ def timed_first_token(e: Engine, prompt: list[int]) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def read_bandwidth(root: Path) -> float:
-    """Sequential read bandwidth of the store's files (bytes/s), as a restore reads them."""
+def drop_page_cache(root: Path) -> None:
+    """Evict the store's files from the page cache (POSIX_FADV_DONTNEED, after an fsync), so the
+    next read goes to the device: what a restore on another node, or after a while, reads."""
+    for p in root.rglob("*.kv"):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_bandwidth(root: Path, cold: bool = False) -> float:
+    """Sequential read bandwidth of the store's files (bytes/s), as a restore reads them
+    (`cold`: from the device, the page cache dropped first)."""
+    if cold:
+        drop_page_cache(root)
     files = [p for p in root.rglob("*.kv")]
     total, t0 = 0, time.perf_counter()
     for p in files:
@@ -76,7 +94,8 @@ def read_bandwidth(root: Path) -> float:
     return total / max(time.perf_counter() - t0, 1e-9)
 
 
-def run_one(policy: str, size: int, args, doc: list[int], question: list[int], kv: str = "auto") -> list[dict]:
+def run_one(policy: str, size: int, args, doc: list[int], question: list[int], kv: str = "auto",
+            readers: tuple[str, ...] = ("auto",)) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     try:
         writer = engine(policy, str(root), args, kv)
@@ -84,21 +103,35 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int], k
         writer.flush()
         stored = writer.prefix.store.stats().total_bytes
         writer.close()
-        bw = read_bandwidth(root)
+        bw = read_bandwidth(root, cold=getattr(args, "drop_page_cache", False))
         rows = []
         cut = size - 5 * args.block_tokens - 7
-        for scenario, prompt in (("doc-end", doc + question), ("mid-doc", doc[:cut] + question)):
-            reader = engine(policy, str(root), args, kv)
-            before = dataclasses.replace(reader.counters)
-            warm_s, warm_out = timed_first_token(reader, prompt)
-            forward_s = reader.counters.forward_s - before.forward_s
-            last = reader.prefix.stats.last
-            loaded = reader.prefix.stats.bytes_loaded
+        scenarios = (("doc-end", doc + question), ("mid-doc", doc[:cut] + question))
+        runs: dict[tuple[str, str], list] = {(sc, r): [] for sc, _ in scenarios for r in readers}
+        for i in range(getattr(args, "repeat", 1)):     # the readers take turns; a fresh engine each run
+            for (scenario, prompt), how in [(sp, r) for sp in scenarios for r in readers]:
+                copy = root.parent / f"{root.name}-{scenario}-{how}-{i}"    # a warm run writes what it computed:
+                shutil.copytree(root, copy)                                # the next one starts from the writer's store
+                if getattr(args, "drop_page_cache", False):
+                    drop_page_cache(copy)
+                gc.collect()
+                reader = engine(policy, str(copy), args, kv, how)
+                before = dataclasses.replace(reader.counters)
+                warm_s, warm_out = timed_first_token(reader, prompt)
+                runs[scenario, how].append((warm_s, reader.counters.forward_s - before.forward_s,
+                                            reader.prefix.store.reader, warm_out, dict(reader.prefix.stats.last),
+                                            reader.prefix.stats.bytes_loaded, len(prompt)))
+                reader.close()
+                shutil.rmtree(copy, ignore_errors=True)
+        for (scenario, _), how in [(sp, r) for sp in scenarios for r in readers]:
+            got = runs[scenario, how]
+            warm_s, forward_s = statistics.median(r[0] for r in got), statistics.median(r[1] for r in got)
+            _, _, used, warm_out, last, loaded, prompt_tokens = got[-1]
             floor = loaded / bw + forward_s
-            reader.close()
-            rows.append({"policy": policy, "kv": kv, "tokens": size, "scenario": scenario, "cold_ttft_s": cold_s,
+            rows.append({"policy": policy, "kv": kv, "reader": used, "tokens": size, "scenario": scenario,
+                         "cold_ttft_s": cold_s, "runs": len(got),
                          "warm_ttft_s": warm_s, "speedup": cold_s / warm_s,
-                         "stored_bytes_per_1k": stored * 1000 / size, "prompt_tokens": len(prompt),
+                         "stored_bytes_per_1k": stored * 1000 / size, "prompt_tokens": prompt_tokens,
                          "cached_tokens": warm_out.cached_tokens, "recomputed": last.get("recompute", 0),
                          "bytes_loaded": loaded, "load_s": last.get("load_s", 0.0), "compute_s": forward_s,
                          "read_bw": bw, "floor_s": floor, "warm_over_floor": warm_s / floor})
@@ -108,11 +141,11 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int], k
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| policy | kv | tokens | hit | cold TTFT s | warm TTFT s | speedup | stored KB/1K tok | cached "
+    head = ("| policy | kv | reader | tokens | hit | cold TTFT s | warm TTFT s | speedup | stored KB/1K tok | cached "
             "| recomputed | loaded MB | load s | compute s | floor s | warm/floor |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r.get('kv', 'auto')} | {r['tokens']} | {r['scenario']} | {r['cold_ttft_s']:.3f} | "
+        lines.append(f"| {r['policy']} | {r.get('kv', 'auto')} | {r.get('reader', 'file')} | {r['tokens']} | {r['scenario']} | {r['cold_ttft_s']:.3f} | "
                      f"{r['warm_ttft_s']:.3f} | "
                      f"{r['speedup']:.1f}x | {r['stored_bytes_per_1k'] / 1024:.0f} | {r['cached_tokens']} | "
                      f"{r['recomputed']} | {r['bytes_loaded'] / 2**20:.1f} | {r['load_s']:.3f} | "
@@ -154,6 +187,13 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=2048, help="max batched tokens per step")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default="768MiB")
     p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto, bfloat16, fp8")
+    p.add_argument("--store-readers", default="auto",
+                   help="comma-separated engine.store_reader values the warm engines read with: auto, nixl, file")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="warm runs per row (fresh engine each); the row shows the median")
+    p.add_argument("--drop-page-cache", action="store_true",
+                   help="evict the store's files from the page cache before each warm run (and the bandwidth "
+                        "measurement): reads from the device, not from memory")
     p.add_argument("--out", default="bench/out/prefix_reuse")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -165,10 +205,11 @@ def main() -> int:
         doc = torch.randint(3, 500, (size,), generator=g).tolist()
         question = torch.randint(3, 500, (QUESTION_TOKENS,), generator=g).tolist()
         for policy, kv in [(p_, k) for p_ in args.policies.split(",") for k in args.kv_cache_dtypes.split(",")]:
-            rows += run_one(policy, size, args, doc, question, kv)
+            rows += run_one(policy, size, args, doc, question, kv, tuple(args.store_readers.split(",")))
             print(f"  {policy:>14} {kv:>8} {size:>6}: cold {rows[-1]['cold_ttft_s']:.3f}s warm "
                   f"{rows[-2]['warm_ttft_s']:.3f}s / {rows[-1]['warm_ttft_s']:.3f}s", file=sys.stderr)
     print(table(rows))
+    print(f"\nload average {', '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     Path(f"{out}.json").write_text(json.dumps(rows, indent=1))
     sizes = sorted({r["tokens"] for r in rows})
     plot(rows, 8192 if 8192 in sizes else sizes[-1], Path(f"{out}.png"))
