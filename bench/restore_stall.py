@@ -8,7 +8,7 @@ off: `restore_prefetch_bytes` 0) and off it (prefetch on, the default).
 A writer engine (the built-in model) prefills a --tokens document and persists it to a fresh
 local store. Then, for each mode, a fresh reader engine on that store (nothing in memory)
 starts --running requests decoding (short unrelated prompts, EOS ignored) and steps them; after
-ten steps a warm request (the document + 16 new tokens) arrives. Printed per mode: the running
+forty steps a warm request (the document + 16 new tokens) arrives. Printed per mode: the running
 requests' median step before it arrived, the longest step from its arrival until its first
 token, their ratio, and the warm request's TTFT (arrival to first token); the load average
 beside. A third row is the floor: the same with the document already in the reader's device
@@ -30,44 +30,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kvmesh.kvstore.store.tiers import nbytes  # noqa: E402
 from kvmesh.workers.engine import Engine  # noqa: E402
 from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
 from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
+BEFORE = 40        # steps before the warm request comes (the first two are not counted)
 DECODE = SamplingParams(max_tokens=4_000, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def engine(store: str, policy: str, prefetch: bool) -> Engine:
+def engine(store: str, policy: str, prefetch: bool, max_num_seqs: int | None = None) -> Engine:
     extra = {} if prefetch else {"restore_prefetch_bytes": 0}
+    if max_num_seqs is not None:
+        extra["max_num_seqs"] = max_num_seqs
     return Engine(EngineConfig(store=store, swa_policy=policy, kv_cache_bytes=768 << 20, speculative_tokens=0,
                                **extra))
 
 
-def slow_reads(e: Engine, latency_s: float) -> None:
-    """Every store read call of `e` takes `latency_s` longer (on the thread that makes it)."""
-    if not latency_s:
+def slow_reads(e: Engine, latency_s: float, object_latency_s: float = 0.0, bandwidth: float = 0.0) -> None:
+    """Every store read call of `e` takes `latency_s` longer, plus `object_latency_s` per object
+    it reads and its bytes at `bandwidth` bytes/s (0: no cap): a network mount or an object store
+    answering one object after another. Slept on the thread that makes the call."""
+    if not (latency_s or object_latency_s or bandwidth):
         return
     store, real = e.prefix.store, e.prefix.store.get_many
 
-    def slow(*args, **kw):
+    def slow(kind, hashes, expect=None, own=False):
+        """Objects arrive over time, not all at once after a pause: a call that gets buffers of
+        its own (a prefetch) reads 8 objects at a time, each group when the store would have
+        sent it; one reading into the reused staging buffer (views valid until the next call)
+        reads all, then waits what they would have taken."""
+        t0, out = time.perf_counter(), []
         time.sleep(latency_s)
-        return real(*args, **kw)
+        step = 8 if own else max(1, len(hashes))
+        for i in range(0, len(hashes), step):
+            got = real(kind, hashes[i:i + step], expect, own)
+            out += got
+            owed = latency_s + object_latency_s * len(out) + (
+                sum(nbytes(o) for o in out if o is not None) / bandwidth if bandwidth else 0.0)
+            time.sleep(max(0.0, t0 + owed - time.perf_counter()))
+        return out
     store.get_many = slow
 
 
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
 def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, resident: bool = False) -> dict:
-    e = engine(store, args.policy, prefetch)
-    slow_reads(e, args.read_latency_ms / 1e3)
+    e = engine(store, args.policy, prefetch, args.running if args.queued else None)
+    slow_reads(e, args.read_latency_ms / 1e3, args.object_latency_ms / 1e3, args.bandwidth_mb_s * 1e6)
     e.generate([[2] * 40], FIRST)                    # first-call costs out of the way
     if resident:                                     # the floor: the prefix already in device memory
         e.generate([doc], FIRST)
-    for i in range(args.running):
-        e.add_request(f"run{i}", [3 + i] * 24, DECODE)
+    for i in range(args.running):       # --queued: the first one ends --queued steps after the warm request came
+        params = SamplingParams(max_tokens=BEFORE + args.queued, temperature=0.0, ignore_eos=True) \
+            if args.queued and i == 0 else DECODE
+        e.add_request(f"run{i}", [3 + i] * 24, params)
     steps, arrived, first = [], None, None
     warm = doc + question
     while first is None:
-        if len(steps) == 10:
+        if len(steps) == BEFORE:
             e.add_request("warm", warm, FIRST)
             arrived = time.perf_counter()
         t = time.perf_counter()
@@ -75,12 +100,18 @@ def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, r
         steps.append((t, time.perf_counter() - t))
         if any(o.request_id == "warm" and o.finished for o in outs):
             first = time.perf_counter()
-    before = [d for t, d in steps[2:10]]
-    during = [d for t, d in steps[10:]]
+    before = [d for t, d in steps[2:BEFORE]]
+    during = [d for t, d in steps[BEFORE:]]
+    reading = during[:-1] or [0.0]       # the last step admitted it (prefill + its first token)
     cached = e.prefix.stats.tier_hit_tokens["store"]
     e.close()
-    return {"mode": "resident" if resident else "prefetch" if prefetch else "in_step", "median_step_ms": statistics.median(before) * 1e3,
-            "longest_step_during_ms": max(during) * 1e3, "ratio": max(during) / statistics.median(before),
+    median = statistics.median(before)
+    return {"mode": "resident" if resident else "prefetch" if prefetch else "in_step", "median_step_ms": median * 1e3,
+            "longest_step_during_ms": max(during) * 1e3, "ratio": max(during) / median,
+            "longest_step_before_admission_ms": max(reading) * 1e3, "ratio_before_admission": max(reading) / median,
+            "p95_step_before_admission_ms": percentile(reading, 95) * 1e3,
+            "longest_step_before_arrival_ms": max(before) * 1e3, "p95_step_before_arrival_ms": percentile(before, 95) * 1e3,
+            "admitting_step_ms": during[-1] * 1e3,
             "warm_ttft_ms": (first - arrived) * 1e3, "steps_during": len(during), "store_hit_tokens": cached}
 
 
@@ -89,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--running", type=int, default=4)
     p.add_argument("--policy", default="full")
-    p.add_argument("--read-latency-ms", type=float, default=0.0)
+    p.add_argument("--read-latency-ms", type=float, default=0.0, help="added to every store read call")
+    p.add_argument("--object-latency-ms", type=float, default=0.0, help="added per object read")
+    p.add_argument("--bandwidth-mb-s", type=float, default=0.0, help="store read bandwidth cap (MB/s; 0: none)")
+    p.add_argument("--queued", type=int, default=0,
+                   help="the engine holds --running sequences at most, so the warm request queues until one "
+                        "of them ends, this many steps after it came (0: it is admitted at once)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     g = torch.Generator().manual_seed(a.tokens)
@@ -104,16 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(run(store, doc, question, a, True, resident=True))
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{a.tokens}-token document, {a.policy}, {a.running} requests decoding, store read latency "
-          f"{a.read_latency_ms:g} ms per call; load average {load}")
-    print("| restore reads | running: median step ms | longest step during the restore ms | ratio | warm TTFT ms | "
-          "store hit tokens |")
-    print("|---|---:|---:|---:|---:|---:|")
+          f"{a.read_latency_ms:g} ms per call + {a.object_latency_ms:g} ms per object, bandwidth "
+          f"{a.bandwidth_mb_s or 'uncapped'} MB/s, queued {a.queued} steps; load average {load}")
+    print("| restore reads | running: median step ms | before it came: p95 / longest ms | while it waits: steps, "
+          "p95 / longest ms | ratio (longest) | admitting step ms | ratio | warm TTFT ms | store hit tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         label = {"in_step": "in the step", "prefetch": "prefetch (off the step)",
                  "resident": "none (the prefix already in device memory: the floor)"}[r["mode"]]
-        print(f"| {label} | {r['median_step_ms']:.1f} | "
-              f"{r['longest_step_during_ms']:.1f} | {r['ratio']:.2f} | {r['warm_ttft_ms']:.1f} | "
-              f"{r['store_hit_tokens']} |")
+        print(f"| {label} | {r['median_step_ms']:.1f} | {r['p95_step_before_arrival_ms']:.1f} / "
+              f"{r['longest_step_before_arrival_ms']:.1f} | {r['steps_during'] - 1}, "
+              f"{r['p95_step_before_admission_ms']:.1f} / {r['longest_step_before_admission_ms']:.1f} | "
+              f"{r['ratio_before_admission']:.2f} | {r['admitting_step_ms']:.1f} | {r['ratio']:.2f} | "
+              f"{r['warm_ttft_ms']:.1f} | {r['store_hit_tokens']} |")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0

@@ -228,7 +228,9 @@ def _decode(view: memoryview, expect_fingerprint: str, expect_hash: int, expect_
     if kind not in KINDS or (expect_kind is not None and kind != expect_kind):
         raise CorruptObjectError(f"object kind {kind!r}, expected {expect_kind or KINDS}")
     data_start = _align_up(PREFIX_SIZE + PREFIX_STRUCT.unpack_from(view)[2])
-    table = _checked_table(int(header["data_length"]), json.dumps(entries, separators=(",", ":")))
+    header_len = PREFIX_STRUCT.unpack_from(view)[2]
+    table = _checked_table(int(header["data_length"]), _table_text(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]),
+                                                                   entries))
     if lazy:
         data = view[data_start:data_start + int(header["data_length"])]
         return CacheObject(expect_fingerprint, kind, h, parent, token_count, {}, data, table, data_start)
@@ -270,6 +272,31 @@ def _verified_header(view: memoryview, key: StoreKey | None) -> dict:
     if header.get("byteorder") != sys.byteorder:
         raise CorruptObjectError(f"byte order {header.get('byteorder')!r}, this host is {sys.byteorder}")
     return header
+
+
+_TABLE_TEXTS: dict[bytes, str] = {}      # a header's tensor-table text -> itself, checked to parse as its table
+_TABLE_TEXTS_MAX = 256
+
+
+def _table_text(header: bytes, entries) -> str:
+    """The JSON text of a header's tensor table, the key `_checked_table` caches by. Objects of
+    one layout carry the same text, so it is taken from the header's bytes (`"tensors":[` occurs
+    once unescaped; the list runs to the header's last `]`) rather than re-encoded (a third of a
+    decode); a text not seen before counts only once it parses to the header's own table."""
+    start, end = header.rfind(b'"tensors":['), header.rfind(b"]") + 1
+    if start >= 0 and end > start:
+        text = header[start + len(b'"tensors":'):end]
+        known = _TABLE_TEXTS.get(text)
+        if known is not None:
+            return known
+        try:
+            if json.loads(text) == entries:
+                if len(_TABLE_TEXTS) < _TABLE_TEXTS_MAX:
+                    _TABLE_TEXTS[text] = text.decode()
+                return text.decode()
+        except ValueError:
+            pass
+    return json.dumps(entries, separators=(",", ":"))
 
 
 @functools.lru_cache(maxsize=64)
