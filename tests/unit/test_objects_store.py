@@ -474,3 +474,13 @@ def test_the_nixl_reader_unavailable_fails_at_start_when_asked_for_and_auto_read
     assert ObjectStore(str(tmp_path), FP, reader="auto").reader == "file"
     with pytest.raises(ValueError, match="reader must be one of"):
         ObjectStore(str(tmp_path), FP, reader="fast")
+
+
+def test_a_tensor_name_that_looks_like_the_table_key_still_decodes_to_its_own_table() -> None:
+    """The table cache is keyed by the header's table text (objects.py `_table_text`): a name
+    holding `"tensors":[` and `]` is escaped in the header and cannot move where it is read."""
+    tensors = {'a"tensors":[1]': torch.arange(6, dtype=torch.int32).view(2, 3), "b]": torch.ones(4)}
+    for _ in range(2):      # the second decode takes the cached text
+        obj = decode_object(bytearray(encode_object(FP, "block", 9, None, 1, tensors)), FP, 9, "block")
+        assert set(obj.tensors) == set(tensors)
+        assert all(torch.equal(obj.tensors[k], v) for k, v in tensors.items())
