@@ -39,18 +39,22 @@ class _Worker:
 
 
 class TimedRunner:
-    """Runs one blocking call at a time with a deadline (None: inline, no deadline)."""
+    """Runs blocking calls with a deadline (None: inline, no deadline), at most `parallel` at once
+    (each on a worker of its own; the others wait for one to free)."""
 
-    def __init__(self, timeout_s: float | None, name: str = "kvmesh-io"):
+    def __init__(self, timeout_s: float | None, name: str = "kvmesh-io", parallel: int = 1):
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive or None, got {timeout_s}")
-        self.timeout_s, self.name = timeout_s, name
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        self.timeout_s, self.name, self.parallel = timeout_s, name, parallel
+        self._slots = threading.BoundedSemaphore(parallel)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()     # idle workers
         self._lock = threading.Lock()
-        self._worker: _Worker | None = None
         self.abandoned = 0          # workers left behind in a hung call
 
     def run(self, fn: Callable[[], T], meanwhile: Callable[[float], None] | None = None) -> T:
-        """`fn()` on the worker; `meanwhile(deadline)` (a time.monotonic() instant), if given, runs
+        """`fn()` on a worker; `meanwhile(deadline)` (a time.monotonic() instant), if given, runs
         on the calling thread while `fn` does (it must return by the deadline), then this waits
         for `fn` until the deadline."""
         if self.timeout_s is None:
@@ -58,18 +62,28 @@ class TimedRunner:
             if meanwhile is not None:
                 meanwhile(float("inf"))
             return out
-        with self._lock:
-            if self._worker is None:
-                self._worker = _Worker(self.name)
+        with self._slots:
+            try:
+                worker = self._free.get_nowait()
+            except queue.Empty:
+                worker = _Worker(self.name)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             deadline = time.monotonic() + self.timeout_s
-            self._worker.jobs.put((fn, fut))
+            worker.jobs.put((fn, fut))
             try:
                 if meanwhile is not None:
                     meanwhile(deadline)
-                return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                out = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
-                self._worker.jobs.put((None, None))     # it exits once the hung call returns
-                self._worker = None
-                self.abandoned += 1
+                worker.jobs.put((None, None))     # it exits once the hung call returns
+                with self._lock:
+                    self.abandoned += 1
                 raise IoTimeoutError(f"no answer within {self.timeout_s:g} s") from None
+            except BaseException:
+                if fut.done():
+                    self._free.put(worker)
+                else:                               # meanwhile raised with fn still running: let it go
+                    worker.jobs.put((None, None))
+                raise
+            self._free.put(worker)
+            return out

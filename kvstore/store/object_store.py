@@ -174,6 +174,7 @@ class ObjectStore(CacheTier):
         staging_bytes: int = 0,
         namespace: str | None = None,
         reader: str = "file",
+        reads_in_flight: int = 1,
     ) -> None:
         """``namespace``: open this namespace directory (a name `list_namespaces` gave) instead
         of the one that ``fingerprint`` and ``key`` name, for tools that list and trim a
@@ -181,7 +182,8 @@ class ObjectStore(CacheTier):
         block objects: "file" (this process's reads: os reads on a local folder, pyarrow.fs
         elsewhere), "nixl" (NIXL's POSIX backend, kvstore.store.nixl_reader; a local folder
         only, and StoreUnavailableError if NIXL cannot load) or "auto" (NIXL where it loads
-        and the store is a local folder, else "file")."""
+        and the store is a local folder, else "file"). ``reads_in_flight``: `get_many` calls that
+        may read at once (each from its own thread; the rest wait)."""
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
         self._fingerprint = check_fingerprint(fingerprint)
@@ -201,7 +203,7 @@ class ObjectStore(CacheTier):
              "scrub_passes", "scrub_last_pass_s"), 0
         )
         self._key = key
-        self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read")
+        self._reader = TimedRunner(read_timeout_s, "kvmesh-store-read", parallel=reads_in_flight)
         self._warn = LogOnce(log)        # each cause once: a store full of bad objects cannot flood the log
         # get_many reads blocks into this reused buffer; touched once now so a restore never
         # page-faults its way through fresh memory.

@@ -229,6 +229,34 @@ def test_a_store_hit_is_read_off_the_step_while_its_request_is_parked(model_dir,
     assert reader.prefix.stats.tier_hit_tokens["store"] >= shared
 
 
+def test_a_prefetch_reads_its_blocks_in_parts_side_by_side(model_dir, cold, tmp_path, monkeypatch):
+    """store_reads_in_flight: one request's store reads run as parts at once (what a store that
+    answers each read after a while needs); the hit and the tokens are the cold run's."""
+    from kvmesh.workers.reuse import prefix_cache
+    monkeypatch.setattr(prefix_cache, "PART_MIN_OBJECTS", 2)
+    writer = engine(model_dir, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    reader = engine(model_dir, store=str(tmp_path), store_reads_in_flight=3)
+    store, real, calls = reader.prefix.store, reader.prefix.store.get_many, []
+
+    def slow(kind, hashes, *args, **kw):        # each read answers after 0.3 s
+        start = time.monotonic()
+        time.sleep(0.3)
+        out = real(kind, hashes, *args, **kw)
+        calls.append((threading.current_thread().name, kind, len(hashes), start, time.monotonic()))
+        return out
+    store.get_many = slow
+    prompt, shared = CASES["whole_prompt"]
+    out = reader.generate([prompt], GREEDY)[0]
+    assert_same_run(out, cold["whole_prompt"])
+    blocks = [c for c in calls if c[1] == "block"]
+    assert len(blocks) == 3 and len({c[0] for c in blocks}) == 3, calls         # three parts, three threads
+    assert max(c[3] for c in blocks) < min(c[4] for c in blocks), calls         # all three in flight at once
+    assert sum(c[2] for c in blocks) == (len(prompt) - 1) // BT
+    assert reader.prefix.stats.tier_hit_tokens["store"] >= (len(prompt) - 1) // BT * BT
+
+
 def test_a_read_past_its_deadline_is_recomputed_with_the_same_tokens(model_dir, cold, tmp_path):
     writer = engine(model_dir, store=str(tmp_path))
     writer.generate([BASE], GREEDY)

@@ -164,7 +164,7 @@ def prefix_cache(config: EngineConfig, args: ModelArgs, layout: CacheLayout, cac
         store.attach_events(events)     # the blocks this rank puts in / removes from the store
     return PrefixCache(cache, blocks, hasher, config.policy, span, store, index, HostCache(config.host_cache_bytes),
                        worker, enabled=config.prefix_reuse, auto=tuner, scrub=scrub, events=events,
-                       prefetch_bytes=config.restore_prefetch_bytes)
+                       prefetch_bytes=config.restore_prefetch_bytes, reads_in_flight=config.store_reads_in_flight)
 
 
 def kv_events(config: EngineConfig, index: PrefixIndex | None, worker: str) -> KvEventPublisher | None:
@@ -182,7 +182,7 @@ def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None
                ) -> tuple[ObjectStore | None, PrefixIndex | None]:
     store = (ObjectStore(config.store, fingerprint, config.store_capacity_bytes, key=key,
                          read_timeout_s=config.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES,
-                         reader=config.store_reader)
+                         reader=config.store_reader, reads_in_flight=config.store_reads_in_flight)
              if config.store else None)
     index = None
     if store is not None or config.index != "local":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,6 +44,7 @@ from .auto_policy import AutoPeriod
 
 log = logging.getLogger(__name__)
 MEMORY_LEASE_S = 60.0
+PART_MIN_OBJECTS = 8        # a prefetch reads its blocks in parts of at least this many objects
 
 
 @dataclass
@@ -94,7 +96,7 @@ class PrefixCache:
                  span: int, store: ObjectStore | None, index: PrefixIndex | None, host: HostCache,
                  worker_id: str, enabled: bool = True, auto: AutoPeriod | None = None,
                  scrub: ScrubSchedule | None = None, events: KvEventPublisher | None = None,
-                 prefetch_bytes: int = 0):
+                 prefetch_bytes: int = 0, reads_in_flight: int = 1):
         self.cache, self.pool, self.hasher, self.policy, self.span = cache, pool, hasher, policy, span
         self.store, self.index, self.host, self.worker_id = store, index, host, worker_id
         self.enabled = enabled              # False: no restore, no persistence (baselines)
@@ -114,6 +116,10 @@ class PrefixCache:
                        if store is not None and prefetch_bytes else None)
         staged = [("store", self.staged)] if self.staged is not None else []
         self.tiers: list[tuple[str, CacheTier]] = [("host", host)] + staged + ([("store", store)] if store else [])
+        # a prefetch's block reads, split in parts read side by side (the store allows as many at once)
+        self._parts = (ThreadPoolExecutor(reads_in_flight - 1, thread_name_prefix="kvmesh-prefetch-part")
+                       if self.staged is not None and reads_in_flight > 1 else None)
+        self.reads_in_flight = reads_in_flight
         self._warn = LogOnce(log)
 
     def _failed(self, what: str, error: BaseException) -> None:
@@ -214,13 +220,32 @@ class PrefixCache:
                 if not keys:
                     continue
                 shapes = self._block_shapes if kind == "block" else self._slot_shapes
-                for h, obj in zip(keys, self.store.get_many(kind, keys, shapes, own=True)):
+                for h, obj in zip(keys, self._read_parts(kind, keys, shapes)):
                     if obj is None:         # missing or corrupt: the hit ends there
                         break
                     self.staged.put(kind, h, None, 0, obj)
         except Exception as e:
             self._failed("prefetch", e)
         return job
+
+    def _read_parts(self, kind: str, keys: list[int], shapes) -> list:
+        """store.get_many(kind, keys) in own buffers, as up to `reads_in_flight` contiguous parts
+        read side by side (this thread reads the first; parts of at least PART_MIN_OBJECTS). In
+        keys' order; a part that failed is all None (the hit ends at its first object)."""
+        n = min(self.reads_in_flight, len(keys) // PART_MIN_OBJECTS) if self._parts is not None else 1
+        if n <= 1:
+            return self.store.get_many(kind, keys, shapes, own=True)
+        size = -(-len(keys) // n)
+        parts = [keys[i:i + size] for i in range(0, len(keys), size)]
+        later = [self._parts.submit(self.store.get_many, kind, part, shapes, True) for part in parts[1:]]
+        out = list(self.store.get_many(kind, parts[0], shapes, own=True))
+        for part, future in zip(parts[1:], later):
+            try:
+                out += future.result()
+            except Exception as e:          # a hung or failed part: the hit ends at its first object
+                self._failed("prefetch", e)
+                out += [None] * len(part)
+        return out
 
     def find(self, seq: Sequence) -> Restore | None:
         """The longest usable prefix of seq's prompt across the tiers, read and verified
@@ -471,6 +496,8 @@ class PrefixCache:
             self.writer.flush()
 
     def close(self) -> None:
+        if self._parts is not None:
+            self._parts.shutdown(wait=False)
         if self.events is not None:
             self.events.close()
         if self.writer is not None:
