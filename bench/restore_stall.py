@@ -40,8 +40,8 @@ DECODE = SamplingParams(max_tokens=4_000, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def engine(store: str, policy: str, prefetch: bool, max_num_seqs: int | None = None) -> Engine:
-    extra = {} if prefetch else {"restore_prefetch_bytes": 0}
+def engine(store: str, policy: str, prefetch: bool, max_num_seqs: int | None = None, reads: int = 4) -> Engine:
+    extra = {"store_reads_in_flight": reads} if prefetch else {"restore_prefetch_bytes": 0}
     if max_num_seqs is not None:
         extra["max_num_seqs"] = max_num_seqs
     return Engine(EngineConfig(store=store, swa_policy=policy, kv_cache_bytes=768 << 20, speculative_tokens=0,
@@ -80,7 +80,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, resident: bool = False) -> dict:
-    e = engine(store, args.policy, prefetch, args.running if args.queued else None)
+    e = engine(store, args.policy, prefetch, args.running if args.queued else None, args.reads_in_flight)
     slow_reads(e, args.read_latency_ms / 1e3, args.object_latency_ms / 1e3, args.bandwidth_mb_s * 1e6)
     e.generate([[2] * 40], FIRST)                    # first-call costs out of the way
     if resident:                                     # the floor: the prefix already in device memory
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-latency-ms", type=float, default=0.0, help="added to every store read call")
     p.add_argument("--object-latency-ms", type=float, default=0.0, help="added per object read")
     p.add_argument("--bandwidth-mb-s", type=float, default=0.0, help="store read bandwidth cap (MB/s; 0: none)")
+    p.add_argument("--reads-in-flight", type=int, default=4, help="engine.store_reads_in_flight of the reader")
     p.add_argument("--queued", type=int, default=0,
                    help="the engine holds --running sequences at most, so the warm request queues until one "
                         "of them ends, this many steps after it came (0: it is admitted at once)")
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{a.tokens}-token document, {a.policy}, {a.running} requests decoding, store read latency "
           f"{a.read_latency_ms:g} ms per call + {a.object_latency_ms:g} ms per object, bandwidth "
-          f"{a.bandwidth_mb_s or 'uncapped'} MB/s, queued {a.queued} steps; load average {load}")
+          f"{a.bandwidth_mb_s or 'uncapped'} MB/s, queued {a.queued} steps, {a.reads_in_flight} reads in flight; "
+          f"load average {load}")
     print("| restore reads | running: median step ms | before it came: p95 / longest ms | while it waits: steps, "
           "p95 / longest ms | ratio (longest) | admitting step ms | ratio | warm TTFT ms | store hit tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
