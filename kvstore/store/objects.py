@@ -227,8 +227,8 @@ def _decode(view: memoryview, expect_fingerprint: str, expect_hash: int, expect_
         raise CorruptObjectError(f"object holds hash {hash_hex(h)}, expected {hash_hex(expect_hash)}")
     if kind not in KINDS or (expect_kind is not None and kind != expect_kind):
         raise CorruptObjectError(f"object kind {kind!r}, expected {expect_kind or KINDS}")
-    data_start = _align_up(PREFIX_SIZE + PREFIX_STRUCT.unpack_from(view)[2])
     header_len = PREFIX_STRUCT.unpack_from(view)[2]
+    data_start = _align_up(PREFIX_SIZE + header_len)
     table = _checked_table(int(header["data_length"]), _table_text(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]),
                                                                    entries))
     if lazy:
