@@ -54,3 +54,23 @@ def test_meanwhile_runs_beside_the_call_and_a_hang_still_times_out(tmp_path):
         assert waited == [False]        # it got the deadline, and the runner's wait after it is not longer
     finally:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_parallel_calls_run_side_by_side_and_no_more():
+    from concurrent.futures import ThreadPoolExecutor
+    runner = TimedRunner(5.0, parallel=2)
+    a, b = threading.Event(), threading.Event()
+    both = [lambda: (a.set(), b.wait(3))[1], lambda: (b.set(), a.wait(3))[1]]     # each waits for the other
+    with ThreadPoolExecutor(3) as ex:
+        assert list(ex.map(runner.run, both)) == [True, True]
+        running, gate, peak, lock = [0], threading.Event(), [], threading.Lock()
+
+        def counted():
+            with lock:
+                running[0] += 1
+                peak.append(running[0])
+            gate.wait(0.2)
+            with lock:
+                running[0] -= 1
+        list(ex.map(runner.run, [counted] * 3))
+    assert max(peak) == 2       # the third waited for a worker
