@@ -7,7 +7,7 @@ order, fastest first (LMCache's ``contains`` / ``batched_get`` / ``put``).
 
 Objects come back as mappings name -> tensor. The store's blocks are `RowTensors`:
 views of one object read into a row of a shared uint8 tensor, so a batch of them can
-be copied into the cache in one strided copy per tensor (`packed_batch`).
+be copied into the cache in one strided copy per tensor (`packed_runs`).
 """
 from __future__ import annotations
 
@@ -88,14 +88,28 @@ class PackedRows(NamedTuple):
     table: tuple
 
 
-def packed_batch(objects: Sequence[Tensors]) -> PackedRows | None:
-    """The rows `objects` occupy when they are consecutive rows of one tensor with one
-    layout (one get_many of the store), else None (copy them one mapping at a time)."""
-    if not objects or not all(isinstance(o, RowTensors) for o in objects):
-        return None
-    first = objects[0]
-    for k, o in enumerate(objects):
-        if (o.rows is not first.rows or o.row != first.row + k or o.data_start != first.data_start
-                or o.table != first.table):
-            return None
-    return PackedRows(first.rows[first.row:first.row + len(objects)], first.data_start, first.table)
+def packed_runs(objects: Sequence[Tensors]) -> list[tuple[int, int, PackedRows | None]]:
+    """`objects` cut into runs `(start, stop, rows)`: each run consecutive rows of one tensor with
+    one layout (one get_many of the store, or one part of a prefetch) packed as `rows`, copied in
+    one strided copy per cache tensor; `rows` None: a run of other objects, copied one mapping at
+    a time."""
+    runs: list[tuple[int, int, PackedRows | None]] = []
+    start = 0
+    while start < len(objects):
+        first = objects[start]
+        stop = start + 1
+        if isinstance(first, RowTensors):
+            while stop < len(objects):
+                o = objects[stop]
+                if not (isinstance(o, RowTensors) and o.rows is first.rows and o.row == first.row + stop - start
+                        and o.data_start == first.data_start and o.table == first.table):
+                    break
+                stop += 1
+            runs.append((start, stop, PackedRows(first.rows[first.row:first.row + stop - start], first.data_start,
+                                                 first.table)))
+        else:
+            while stop < len(objects) and not isinstance(objects[stop], RowTensors):
+                stop += 1
+            runs.append((start, stop, None))
+        start = stop
+    return runs

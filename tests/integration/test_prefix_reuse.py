@@ -230,8 +230,9 @@ def test_a_store_hit_is_read_off_the_step_while_its_request_is_parked(model_dir,
 
 
 def test_a_prefetch_reads_its_blocks_in_parts_side_by_side(model_dir, cold, tmp_path, monkeypatch):
-    """store_reads_in_flight: one request's store reads run as parts at once (what a store that
-    answers each read after a while needs); the hit and the tokens are the cold run's."""
+    """store_reads_in_flight: once its first reads were slow, one request's store reads run as
+    parts at once (what a store that answers each read after a while needs); the hit and the
+    tokens are the cold run's."""
     from kvmesh.workers.reuse import prefix_cache
     monkeypatch.setattr(prefix_cache, "PART_MIN_OBJECTS", 2)
     writer = engine(model_dir, store=str(tmp_path))
@@ -251,10 +252,16 @@ def test_a_prefetch_reads_its_blocks_in_parts_side_by_side(model_dir, cold, tmp_
     out = reader.generate([prompt], GREEDY)[0]
     assert_same_run(out, cold["whole_prompt"])
     blocks = [c for c in calls if c[1] == "block"]
-    assert len(blocks) == 3 and len({c[0] for c in blocks}) == 3, calls         # three parts, three threads
-    assert max(c[3] for c in blocks) < min(c[4] for c in blocks), calls         # all three in flight at once
+    first, parts = blocks[0], blocks[1:]           # the first 2 alone (slow: 0.15 s an object), then the rest
+    assert first[2] == 2 and len(parts) == 3 and len({c[0] for c in parts}) == 3, calls    # three parts, three threads
+    assert max(c[3] for c in parts) < min(c[4] for c in parts), calls           # all three in flight at once
     assert sum(c[2] for c in blocks) == (len(prompt) - 1) // BT
     assert reader.prefix.stats.tier_hit_tokens["store"] >= (len(prompt) - 1) // BT * BT
+    monkeypatch.setattr(prefix_cache, "SLOW_READ_S", 0.1)    # local files, far under it even under load: no parts
+    fast = engine(model_dir, store=str(tmp_path), store_reads_in_flight=3)
+    threads = spy_reads(fast)
+    assert_same_run(fast.generate([prompt], GREEDY)[0], cold["whole_prompt"])
+    assert len(threads) == 2 and len(set(threads)) == 1, threads               # the first 2, then the rest
 
 
 def test_a_read_past_its_deadline_is_recomputed_with_the_same_tokens(model_dir, cold, tmp_path):
