@@ -218,8 +218,8 @@ class EngineConfig:
                 "into registered memory), file (this process's reads), auto (nixl where it loads); a store "
                 "elsewhere is read through pyarrow.fs", choices=STORE_READERS)
     store_reads_in_flight: Count = setting(
-        4, "store reads a restore may have in flight at once: a prefetch splits its objects into this many "
-           "parts read side by side (a network mount or an object store answers each read after a while)")
+        4, "store reads a restore may have in flight at once: once a prefetch's first objects read slowly (a "
+           "network mount, an object store), it reads the rest in this many parts side by side")
     store_scrub_interval_s: Annotated[float, Strict(), Field(ge=0)] = setting(
         600.0, "seconds between background scrub passes over this deployment's store namespace "
                "(kvstore/store/scrub.py; 0 = off)")
