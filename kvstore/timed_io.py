@@ -47,7 +47,7 @@ class TimedRunner:
             raise ValueError(f"timeout_s must be positive or None, got {timeout_s}")
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
-        self.timeout_s, self.name, self.parallel = timeout_s, name, parallel
+        self.timeout_s, self.name = timeout_s, name
         self._slots = threading.BoundedSemaphore(parallel)
         self._free: queue.SimpleQueue = queue.SimpleQueue()     # idle workers
         self._lock = threading.Lock()

@@ -210,7 +210,7 @@ def decode_object(
 
 def _decode(view: memoryview, expect_fingerprint: str, expect_hash: int, expect_kind: str | None, lazy: bool,
             key: StoreKey | None) -> CacheObject:
-    header = _verified_header(view, key)
+    header, raw = _verified_header(view, key)
     if header.get("fingerprint") != expect_fingerprint:
         raise CorruptObjectError(
             f"foreign fingerprint {str(header.get('fingerprint'))[:16]}, "
@@ -227,10 +227,8 @@ def _decode(view: memoryview, expect_fingerprint: str, expect_hash: int, expect_
         raise CorruptObjectError(f"object holds hash {hash_hex(h)}, expected {hash_hex(expect_hash)}")
     if kind not in KINDS or (expect_kind is not None and kind != expect_kind):
         raise CorruptObjectError(f"object kind {kind!r}, expected {expect_kind or KINDS}")
-    header_len = PREFIX_STRUCT.unpack_from(view)[2]
-    data_start = _align_up(PREFIX_SIZE + header_len)
-    table = _checked_table(int(header["data_length"]), _table_text(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]),
-                                                                   entries))
+    data_start = _align_up(PREFIX_SIZE + len(raw))
+    table = _checked_table(int(header["data_length"]), _table_text(raw, entries))
     if lazy:
         data = view[data_start:data_start + int(header["data_length"])]
         return CacheObject(expect_fingerprint, kind, h, parent, token_count, {}, data, table, data_start)
@@ -238,8 +236,8 @@ def _decode(view: memoryview, expect_fingerprint: str, expect_hash: int, expect_
     return CacheObject(expect_fingerprint, kind, h, parent, token_count, tensors)
 
 
-def _verified_header(view: memoryview, key: StoreKey | None) -> dict:
-    """Check magic, version, lengths, checksum and MAC; return the parsed JSON header."""
+def _verified_header(view: memoryview, key: StoreKey | None) -> tuple[dict, bytes]:
+    """Check magic, version, lengths, checksum and MAC; return the parsed JSON header and its bytes."""
     if len(view) < PREFIX_SIZE:
         raise CorruptObjectError(f"truncated: {len(view)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
     magic, version, header_len, checksum = PREFIX_STRUCT.unpack_from(view)
@@ -250,7 +248,8 @@ def _verified_header(view: memoryview, key: StoreKey | None) -> dict:
     if PREFIX_SIZE + header_len > len(view):
         raise CorruptObjectError(f"truncated: header of {header_len} bytes runs past the end ({len(view)} bytes)")
     try:
-        header = json.loads(bytes(view[PREFIX_SIZE : PREFIX_SIZE + header_len]))
+        raw = bytes(view[PREFIX_SIZE : PREFIX_SIZE + header_len])
+        header = json.loads(raw)
         end = _align_up(PREFIX_SIZE + header_len) + int(header["data_length"])
         mac = header.get("mac")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -271,7 +270,7 @@ def _verified_header(view: memoryview, key: StoreKey | None) -> dict:
             raise UnauthenticatedObjectError("MAC mismatch: not written with this deployment's store key")
     if header.get("byteorder") != sys.byteorder:
         raise CorruptObjectError(f"byte order {header.get('byteorder')!r}, this host is {sys.byteorder}")
-    return header
+    return header, raw
 
 
 _TABLE_TEXTS: dict[bytes, str] = {}      # a header's tensor-table text -> itself, checked to parse as its table
