@@ -129,7 +129,7 @@ def _draft_rule(value: str) -> str:
 @dataclass(frozen=True, config=_CONFIG)
 class EplbConfig:
     """vLLM's `--eplb-config` (JSON): `num_redundant_experts` R (physical experts beyond the
-    logical ones, a multiple of data_parallel_size), `window_size` (steps of load kept),
+    logical ones, a multiple of the ranks: data_parallel_size x tensor_parallel_size), `window_size` (steps of load kept),
     `step_interval` (steps between rebalances). Defaults are vLLM's."""
     num_redundant_experts: Annotated[int, Strict(), Field(ge=0)] = 0
     window_size: Annotated[int, Strict(), Field(ge=1)] = 1000
@@ -236,12 +236,14 @@ class EngineConfig:
                                                           "one grammar at a time, within the budgets above); one "
                                                           "is kept for small schemas while large ones compile "
                                                           "(default: the CPUs, at most 4)")
-    tensor_parallel_size: Count = setting(1, "ranks one replica spans (vLLM's name): heads, output groups, "
-                                             "vocabulary and experts split across them; every rank holds the "
-                                             "whole cache", serve=False)   # serve: per pool (it sizes the placement group)
+    tensor_parallel_size: Count = setting(1, "ranks one replica (or, with data_parallel_size, one DP "
+                                             "rank) spans (vLLM's name): heads, output groups, vocabulary and "
+                                             "experts split across them; every rank holds the whole cache", serve=False)   # serve: per pool (it sizes the placement group)
     data_parallel_size: Count = setting(1, "data-parallel attention (vLLM's name): N whole attention engines "
                                            "(own scheduler, KV cache, prefix cache) in lockstep, routed experts "
-                                           "split across them (needs enable_expert_parallel)", serve=False)
+                                           "split across them (needs enable_expert_parallel); with "
+                                           "tensor_parallel_size T each DP rank is a group of T ranks, the "
+                                           "experts split over all N x T", serve=False)
     data_parallel_size_local: Count | None = setting(
         None, "data-parallel ranks per node (vLLM's name; default: data_parallel_size, one node): a replica "
               "of data_parallel_size ranks spans data_parallel_size / data_parallel_size_local nodes (Serve "
@@ -255,7 +257,8 @@ class EngineConfig:
                                        "(DeepSeek's EPLB); outputs unchanged", serve=False)   # serve: per pool
     eplb_config: Annotated[EplbConfig | dict | str | None, PlainValidator(_eplb_settings)] = setting(
         None, "EPLB as JSON (vLLM's keys): {\"num_redundant_experts\": R, \"window_size\": W, "
-              "\"step_interval\": S}; R a multiple of data_parallel_size (default: 0, 1000, 3000)", serve=False)
+              "\"step_interval\": S}; R a multiple of data_parallel_size (x tensor_parallel_size) "
+              "(default: 0, 1000, 3000)", serve=False)
     rank_timeout_s: Seconds = setting(60.0, "tensor parallelism: a collective slower than this (s) means a rank "
                                             "died or stalled (RankFailed)")
     cuda_graphs: bool = setting(False, "on CUDA, decode steps replay graphs captured per batch-size bucket; off by "
@@ -275,12 +278,15 @@ class EngineConfig:
         """What data-parallel attention is built for (the model-dependent sizes are checked at
         start-up, workers/engine/data_parallel.py)."""
         dp, eplb = self.data_parallel_size, self.eplb_config
+        ranks = dp * self.tensor_parallel_size           # the ranks the routed experts are split over
         if self.enable_eplb and dp == 1:
             raise ConfigError("EngineConfig.enable_eplb: needs data_parallel_size > 1 with enable_expert_parallel "
                               "(the experts it balances are split across data-parallel ranks)")
-        if self.enable_eplb and eplb.num_redundant_experts % dp:
+        if self.enable_eplb and eplb.num_redundant_experts % ranks:
+            across = (f"data_parallel_size={dp}" if ranks == dp else
+                      f"data_parallel_size x tensor_parallel_size = {dp} x {self.tensor_parallel_size} = {ranks}")
             raise ConfigError(f"EngineConfig.eplb_config.num_redundant_experts={eplb.num_redundant_experts} is not a "
-                              f"multiple of data_parallel_size={dp} (each rank holds the same number of experts)")
+                              f"multiple of {across} (each rank holds the same number of experts)")
         local = self.data_parallel_size_local
         if local is not None and dp % local:
             raise ConfigError(f"EngineConfig.data_parallel_size_local={local!r} must be an integer >= 1 that "
@@ -292,10 +298,6 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.data_parallel_size={dp} needs enable_expert_parallel=true "
                               f"(--enable-expert-parallel): the routed experts are split across the {dp} ranks; "
                               f"for {dp} independent copies of the model run {dp} replicas instead")
-        if self.tensor_parallel_size > 1:
-            raise ConfigError(f"EngineConfig: tensor_parallel_size={self.tensor_parallel_size} with "
-                              f"data_parallel_size={dp} (attention TP inside a DP rank) is not built yet; "
-                              f"use one of them")
         return self
 
     def draft_rule(self, has_mtp: bool) -> DraftRule | None:

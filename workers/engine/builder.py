@@ -10,6 +10,7 @@ KV-cache manager is the only allocator over all of them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -43,7 +44,8 @@ from kvmesh.workers.model.transformer import Transformer
 from kvmesh.workers.parallel.collectives import Collectives
 from kvmesh.workers.parallel.eplb import static_placement
 from kvmesh.workers.parallel.expert_balance import ExpertBalancer
-from kvmesh.workers.parallel.replica import Leader, LocalProcessLauncher, RankLauncher
+from kvmesh.workers.parallel.replica import (ExpertGroup, Leader, LocalProcessLauncher, RankLauncher, group_device,
+                                             grouped_shard, run_rank)
 from kvmesh.workers.reuse.auto_policy import AutoPeriod
 from kvmesh.workers.reuse.prefix_cache import PrefixCache
 
@@ -77,40 +79,52 @@ class EngineParts:
     max_model_len: int
 
 
-def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | None) -> Leader | None:
+def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | None,
+                dp: Collectives | None = None) -> Leader | None:
     """With tensor_parallel_size N > 1, start ranks 1..N-1 (default: local processes) and
-    return rank 0's side of the replica; None at N = 1. Bad sizes fail here, before any load."""
+    return rank 0's side of the replica; None at N = 1. Bad sizes fail here, before any load.
+    `dp`: this engine is a data-parallel rank, its N ranks a TP group inside it: always local
+    processes (a group never spans nodes), joining the replica's expert group."""
     if config.tensor_parallel_size == 1:
         return None
     check_sizes(ModelArgs.from_file(model_dir / "config.json"), config.tensor_parallel_size,
                 config.enable_expert_parallel)
-    return Leader(config, launcher or LocalProcessLauncher())
+    if dp is None:
+        return Leader(config, launcher or LocalProcessLauncher())
+    experts = ExpertGroup(dp.init_method, dp.rank, config.tensor_parallel_size, dp.size * config.tensor_parallel_size)
+    group = LocalProcessLauncher(main=functools.partial(run_rank, experts=experts), device_of=group_device)
+    return Leader(config, group, experts, dp.store)
 
 
 def start_placement(config: EngineConfig, model_dir: Path) -> torch.Tensor | None:
     """EPLB: the physical experts' logical ones at start-up (each rank's own block, its redundant
-    slots copies of it); None without EPLB."""
+    slots copies of it, over all data_parallel_size x tensor_parallel_size ranks); None without EPLB."""
     if not config.enable_eplb:
         return None
     experts = ModelArgs.from_file(model_dir / "config.json").n_routed_experts
-    return static_placement(experts, config.data_parallel_size, config.eplb_config.num_redundant_experts)
+    return static_placement(experts, config.data_parallel_size * config.tensor_parallel_size,
+                            config.eplb_config.num_redundant_experts)
 
 
-def balancer(config: EngineConfig, model: Transformer, dp: Collectives | None) -> ExpertBalancer | None:
-    """This data-parallel rank's EPLB (None without it); hierarchical (expert groups to nodes,
-    then replicas to ranks) when the replica spans nodes (data_parallel_size_local)."""
-    if dp is None or not config.enable_eplb:
+def balancer(config: EngineConfig, model: Transformer, experts: Collectives | None) -> ExpertBalancer | None:
+    """This rank's EPLB over the group the experts are split across (`experts`: the DP replica's,
+    or its expert group under TP inside DP ranks; None without it); hierarchical (expert groups
+    to nodes, then replicas to ranks) when the replica spans nodes (data_parallel_size_local)."""
+    if experts is None or not config.enable_eplb:
         return None
     local = config.data_parallel_size_local or config.data_parallel_size
-    return ExpertBalancer(model, dp, config.eplb_config, num_nodes=config.data_parallel_size // local)
+    return ExpertBalancer(model, experts, config.eplb_config, num_nodes=config.data_parallel_size // local)
 
 
 def build(config: EngineConfig, model_dir: Path, ranks: Leader | None, dp: Collectives | None = None
           ) -> EngineParts:
-    """`dp`: this engine is rank dp.rank of a data-parallel replica (experts split, the rest whole)."""
+    """`dp`: this engine is rank dp.rank of a data-parallel replica (experts split, the rest whole;
+    with `ranks`, the rest split over its TP group as under tensor parallelism)."""
     shard = SINGLE if ranks is None else Shard(0, config.tensor_parallel_size, config.enable_expert_parallel,
                                                comm=ranks.comm)
-    if dp is not None:
+    if dp is not None and ranks is not None:
+        shard = grouped_shard(config, model_dir, ranks.comm, ranks.experts)
+    elif dp is not None:
         shard = Shard(expert_parallel=True, dp_rank=dp.rank, dp_size=dp.size, exchange=dp,
                       placement=start_placement(config, model_dir))
     args, model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)

@@ -37,9 +37,14 @@ Speculative decoding: each rank drafts for its own requests with the MTP layer, 
 through the same expert exchange (workers/spec/mtp.py: every rank makes k MTP passes whenever
 any rank stepped).
 
-Built: TP=1 inside each DP rank, on the CPU (gloo) or one CUDA device per rank (NCCL, untested
-here). Refused at start-up: DP without expert parallelism, TP x DP (attention TP inside a DP
-rank).
+Tensor parallelism inside DP ranks (tensor_parallel_size T > 1): each DP rank's Engine is the
+rank 0 of a TP group of T local processes (workers/parallel/replica.py), which split its attention
+heads, output groups and vocabulary and hold identical copies of its cache; the routed experts
+are split over all D x T ranks, each MoE layer splitting a group's tokens over its ranks before
+the exchange (model/moe.py `MoE.grouped`). Everything above is per DP rank, so per group.
+
+Built on the CPU (gloo) or one CUDA device per rank (NCCL, untested here; DP rank d's group on
+the node's devices d*T .. d*T + T-1). Refused at start-up: DP without expert parallelism.
 A rank that dies or stalls raises RankFailed within rank_timeout_s; the engine stays failed.
 """
 from __future__ import annotations
@@ -52,6 +57,7 @@ from pathlib import Path
 from kvmesh.kvstore.transfer.kv_transport import HandoffError, KVTransport, Offer, PortableLoad
 from kvmesh.kvstore.transfer.nixl_transfer import NixlTransport
 from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.checkpoint.sharding import check_sizes
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.model.args import ConfigError, ModelArgs
 from kvmesh.workers.parallel.collectives import Collectives, RankFailed, init_method
@@ -77,12 +83,18 @@ def open_engine(config: EngineConfig = EngineConfig(), launcher: RankLauncher | 
     return Engine(config, launcher)
 
 
-def check_dp_sizes(args: ModelArgs, size: int) -> None:
-    """ConfigError naming the numbers unless `size` ranks can split this model's experts."""
-    if args.n_routed_experts % size:
-        raise ConfigError(f"data_parallel_size={size} does not divide n_routed_experts={args.n_routed_experts} "
-                          f"(each rank owns whole routed experts); use a size that divides "
+def check_dp_sizes(args: ModelArgs, size: int, tp: int = 1) -> None:
+    """ConfigError naming the numbers unless `size` DP ranks of `tp` ranks each can split this
+    model: its routed experts over all size x tp ranks, its heads, output groups and vocabulary
+    over each DP rank's tp (workers/checkpoint/sharding.py check_sizes)."""
+    if args.n_routed_experts % (size * tp):
+        ranks = f"data_parallel_size={size}" if tp == 1 else \
+            f"data_parallel_size x tensor_parallel_size = {size} x {tp} = {size * tp}"
+        raise ConfigError(f"{ranks} does not divide n_routed_experts={args.n_routed_experts} "
+                          f"(each rank owns whole routed experts); use sizes whose product divides "
                           f"{args.n_routed_experts}")
+    if tp > 1:
+        check_sizes(args, tp, True)
 
 
 class DataParallelEngine:
@@ -94,7 +106,7 @@ class DataParallelEngine:
         default; serving: Ray actors in the replica's placement group)."""
         self.config, self.size = config, config.data_parallel_size
         model_dir = Path(config.model) if config.model else ensure_default_model()
-        check_dp_sizes(ModelArgs.from_file(model_dir / "config.json"), self.size)
+        check_dp_sizes(ModelArgs.from_file(model_dir / "config.json"), self.size, config.tensor_parallel_size)
         self.launcher = launcher or LocalProcessLauncher()
         if not hasattr(self.launcher, "main"):
             raise ConfigError(f"data_parallel_size={self.size}: {type(self.launcher).__name__} cannot start "

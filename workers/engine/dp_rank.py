@@ -147,8 +147,14 @@ class Residency:
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Rank `rank`'s engine config: its device, its own name in the index's memory tier."""
+    """Rank `rank`'s engine config: its device, its own name in the index's memory tier. With a
+    TP group of T ranks inside each DP rank, DP rank d of a node takes its devices d*T .. d*T+T-1
+    (its rank 0 the first of them: replica.group_device)."""
     worker = f"{config.worker_id}/dp{rank}" if config.worker_id else None
+    tp = config.tensor_parallel_size
+    if tp > 1 and config.device == "cuda":
+        local = config.data_parallel_size_local or config.data_parallel_size
+        return dataclasses.replace(config, device=f"cuda:{rank % local * tp}", worker_id=worker)
     return dataclasses.replace(config, device=rank_device(config.device, rank), worker_id=worker)
 
 

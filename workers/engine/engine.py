@@ -74,7 +74,7 @@ class Engine:
                               f"kvmesh.workers.engine.open_engine(config) (a DataParallelEngine), not Engine(config)")
         self.config, self.dp = config, dp
         self.model_dir = model_dir = Path(config.model) if config.model else ensure_default_model()
-        self.ranks = start_ranks(config, model_dir, launcher)
+        self.ranks = start_ranks(config, model_dir, launcher, dp)
         try:
             parts = build(config, model_dir, self.ranks, dp)
         except BaseException:
@@ -86,7 +86,8 @@ class Engine:
         self.blocks, self.slots, self.kv = parts.blocks, parts.slots, parts.kv
         self.fingerprint, self.prefix, self.runner = parts.fingerprint, parts.prefix, parts.runner
         self.max_model_len = parts.max_model_len
-        self.balancer = balancer(config, self.model, dp)          # EPLB: None unless enabled
+        experts = self.ranks.experts if self.ranks is not None and dp is not None else dp
+        self.balancer = balancer(config, self.model, experts)     # EPLB: None unless enabled
         a = self.args
         self.table = RequestTable()
         self.seqs, self.groups, self.held = self.table.seqs, self.table.groups, self.table.held
@@ -117,7 +118,8 @@ class Engine:
                 raise ConfigError(f"speculative_tokens={config.speculative_tokens} drafts with the checkpoint's MTP "
                                   f"layer, and {model_dir} has none (no mtp.* weights)")
             share = self.ranks.draft if self.ranks is not None else None     # TP: every rank runs the passes
-            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots, share))
+            idle = self.ranks.idle_passes if self.ranks is not None and dp is not None else None
+            self.set_drafter(MTPDrafter(self.model, self.slots.num_slots, share, idle))
 
     def enable_decode_graphs(self, capture: bool = True) -> None:
         """Decode steps take the fixed-shape path, padded to batch-size buckets and replayed from
@@ -416,7 +418,11 @@ class Engine:
             return outputs
         self.ranks.check()
         try:
-            return self._step()
+            outputs = self._step()
+            if self.balancer is not None:        # TP inside a DP rank: the group's ranks count with this one
+                self.ranks.balance()
+                self.balancer.end_step()
+            return outputs
         except RankFailed as e:
             self.ranks.failed(e)
             raise

@@ -94,7 +94,10 @@ class ModelRunner:
 
 
     def idle(self) -> None:
-        """Data-parallel attention: no batch here while another rank runs one (see Transformer.idle)."""
+        """Data-parallel attention: no batch here while another rank runs one (see Transformer.idle);
+        a TP group inside the DP rank runs it on every rank."""
+        if self.leader is not None:
+            self.leader.idle()
         self.model.idle()
 
 

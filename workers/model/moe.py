@@ -18,6 +18,11 @@ from .shard import SINGLE, Shard
 EXCHANGE_COLLECTIVES = 3     # per MoE layer under data-parallel attention: counts, rows, partial sums
 
 
+def split_rows(n: int, parts: int) -> list[int]:
+    """`n` rows in `parts` contiguous shares, the first n % parts one row longer."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
 class Experts(nn.Module):
     """Routed experts stacked: w1/w3 [E, I, C] (gate/up), w2 [E, C, I] (down). Under tensor
     parallelism E is this rank's experts [first, first + E) (expert parallelism) or I its
@@ -127,11 +132,28 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(args.hidden_size, shared, args.swiglu_limit)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.shard.grouped:
+            return self.grouped(x, tokens)
         w, idx = self.gate(x, tokens)
         y = self.exchanged(x, idx, w) if self.shard.dp_size > 1 else self.experts(x, idx, w)
         if self.shard.split_shared or self.shard.rank == 0:      # a replicated shared expert counts once
             y = y + self.shared_experts(x)
         return self.shard.comm.all_reduce(y)
+
+    def grouped(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism inside a data-parallel rank: every rank of the group holds the
+        group's tokens x [T, C]; rank t routes and exchanges its contiguous share of them (T split
+        as evenly as it goes: a rank gets none when T < the group's size, and still joins the
+        exchange), adds the replicated shared expert on those rows, and the group all-gathers
+        the shares back in rank order. No reduction crosses a token: each row's output is what
+        one rank computed for it."""
+        comm = self.shard.comm
+        counts = split_rows(x.shape[0], comm.size)
+        start = sum(counts[:comm.rank])
+        mine, ids = x[start:start + counts[comm.rank]], tokens[start:start + counts[comm.rank]]
+        w, idx = self.gate(mine, ids)
+        y = self.exchanged(mine, idx, w) + self.shared_experts(mine)
+        return comm.all_gather_rows(y, counts)
 
     def exchanged(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention: the routed experts' output for this rank's tokens x [T, C].

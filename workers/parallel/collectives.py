@@ -38,24 +38,29 @@ class Collectives(SingleRank):
     """Rank `rank` of a `size`-rank replica (see the module docstring)."""
 
     def __init__(self, rank: int, size: int, init_method: str, device: str, timeout_s: float,
-                 store: dist.TCPStore | None = None):
+                 store: dist.TCPStore | None = None, name: str = "", control: bool = True):
+        """`name`: a prefix for the groups' keys, so that several groups share one store (a
+        data-parallel replica's expert group over every rank of its TP groups: "experts/");
+        `control`: form the `ctrl` group (a group that only reduces needs none)."""
         super().__init__()
         self.rank, self.size, self.device, self.sync_timing = rank, size, torch.device(device), False
         host, port = parse_init_method(init_method)
+        self.init_method = init_method
         self.timeout = timeout = datetime.timedelta(seconds=timeout_s)
         self.start_timeout = start = datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
         try:
             self.store = store or dist.TCPStore(host, port, size, is_master=False, timeout=start)
             self.host, self.address = host, local_address(host)
-            self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", self.store), rank, size,
-                                              gloo_options(self.address, start))
+            if control:
+                self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore(name + "ctrl", self.store), rank, size,
+                                                  gloo_options(self.address, start))
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
-                self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
+                self.dev = dist.ProcessGroupNCCL(dist.PrefixStore(name + "dev", self.store), rank, size, opts)
             else:
-                self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev", self.store), rank, size,
+                self.dev = dist.ProcessGroupGloo(dist.PrefixStore(name + "dev", self.store), rank, size,
                                                  gloo_options(self.address, start))
         except RuntimeError as e:
             raise RankFailed(f"rank {rank}/{size}: the process group at {init_method} did not form "

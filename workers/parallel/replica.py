@@ -22,6 +22,15 @@ With speculative decoding the step keeps its last streams (`Step.keep_streams`) 
 the MTP layer's passes for the next step's drafts (`Draft`, workers/spec/mtp.py), which every rank
 runs on its shard of the layer and its own copy of the layer's ring.
 
+Inside a data-parallel replica (tensor_parallel_size T with data_parallel_size D) each DP rank's
+engine is the rank 0 of such a group, its followers local processes (a group never spans
+nodes). Every rank of every group also joins the replica's expert group (`ExpertGroup`: D x T
+ranks, keys "experts/" on the DP replica's store), over which the routed experts are split and
+each MoE layer exchanges tokens (model/moe.py `MoE.grouped`). A DP rank with no batch while
+another has one runs the exchanges empty: rank 0 sends `Step(idle=True)` (and `Draft(None, k)`
+for k idle MTP passes) so that its followers join them too; with EPLB every rank counts and
+rebalances after each engine step (`Balance`).
+
 A rank that dies or stalls turns the next collective (or `RankLauncher.check`) into
 `RankFailed` within `rank_timeout_s`.
 """
@@ -32,6 +41,7 @@ import logging
 import multiprocessing
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -50,7 +60,7 @@ from kvmesh.workers.spec.mtp import DraftPlan, MTPPasses
 from .collectives import Collectives, RankFailed, init_method
 
 __all__ = ["RankFailed", "RankLauncher", "LocalProcessLauncher", "run_rank",
-           "Leader", "Liveness", "Draft"]
+           "Leader", "Liveness", "Draft", "ExpertGroup"]
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +88,16 @@ class LocalProcessLauncher:
     engine's builder passes another (data-parallel attention: a whole engine per rank)."""
     host = "127.0.0.1"
 
-    def __init__(self, threads: int | None = None, main: Callable[[int, int, str, EngineConfig], None] | None = None):
+    def __init__(self, threads: int | None = None, main: Callable[[int, int, str, EngineConfig], None] | None = None,
+                 device_of: Callable[[str, int], str] | None = None):
+        """`device_of(device, rank)`: rank r's device (default `rank_device`; a TP group inside
+        a DP rank: `group_device`)."""
         self.threads, self.procs, self.main = threads, [], main or run_rank
+        self.device_of = device_of or rank_device
 
     def start(self, world_size: int, init_method: str, config: EngineConfig) -> None:
         for rank in range(1, world_size):
-            cfg = dataclasses.replace(config, device=rank_device(config.device, rank))
+            cfg = dataclasses.replace(config, device=self.device_of(config.device, rank))
             self.procs.append(start_child(_process_main, (rank, world_size, init_method, cfg, self.threads, self.main),
                                           f"kvmesh-rank{rank}"))
 
@@ -104,6 +118,31 @@ class LocalProcessLauncher:
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device on one node: cuda:r for "cuda"; an explicit index or the CPU as given."""
     return f"cuda:{rank}" if device == "cuda" else device
+
+
+def group_device(device: str, rank: int) -> str:
+    """Rank r of a TP group whose rank 0 runs on `device`: the r-th device after it on CUDA
+    (cuda:B -> cuda:B+r), the CPU as given."""
+    if device.startswith("cuda"):
+        base = int(device.partition(":")[2] or 0)
+        return f"cuda:{base + rank}"
+    return device
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """A data-parallel replica's expert group (tensor parallelism inside its DP ranks): every rank
+    of every TP group, D x T of them, the TP group of DP rank d being ranks d*T .. d*T + T-1.
+    It forms on the DP replica's store (`init_method`), under its own keys."""
+    init_method: str
+    dp_rank: int
+    tp_size: int
+    size: int
+
+    def join(self, tp_rank: int, device: str, timeout_s: float, store=None) -> Collectives:
+        """This rank's member of the group (only reductions: no control channel)."""
+        return Collectives(self.dp_rank * self.tp_size + tp_rank, self.size, self.init_method, device, timeout_s,
+                           store, name="experts/", control=False)
 
 
 def _process_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
@@ -129,16 +168,25 @@ class CacheSpec:
 @dataclass(frozen=True)
 class Step:
     """One forward: first the cache calls rank 0 made since the last step, in order.
-    `keep_streams`: keep the step and its last streams for the Draft that follows."""
+    `keep_streams`: keep the step and its last streams for the Draft that follows; `idle`
+    (inside a DP replica): no batch here, run the MoE exchanges empty (Transformer.idle)."""
     ops: list[tuple[str, tuple]]
     step: StepInput | None
     keep_streams: bool = False
+    idle: bool = False
 
 
 @dataclass(frozen=True)
 class Draft:
-    """The MTP layer's passes after the last step (speculative decoding), run on every rank."""
-    plan: DraftPlan
+    """The MTP layer's passes after the last step (speculative decoding), run on every rank;
+    `plan` None (inside a DP replica): `idle` passes with nothing to draft (MTPPasses.idle)."""
+    plan: DraftPlan | None
+    idle: int = 0
+
+
+@dataclass(frozen=True)
+class Balance:
+    """EPLB inside a DP replica: the engine step is over, count its load (and rebalance when due)."""
 
 
 @dataclass(frozen=True)
@@ -170,14 +218,20 @@ class Liveness:
 class Leader(Liveness):
     """Rank 0's side of a replica: starts the other ranks, sends them each step."""
 
-    def __init__(self, config: EngineConfig, launcher: RankLauncher):
+    def __init__(self, config: EngineConfig, launcher: RankLauncher, experts: ExpertGroup | None = None,
+                 experts_store=None):
+        """`experts`: this group is one DP rank of a replica; every rank joins the replica's
+        expert group (`self.experts`; `experts_store`: this process's client of its store)."""
         super().__init__(launcher)
         self.size = config.tensor_parallel_size
         store = Collectives.host_store(launcher.host, self.size, config.rank_timeout_s)
         method = init_method(launcher.host, store)
         launcher.start(self.size, method, config)
+        self.experts: Collectives | None = None
         try:
             self.comm = Collectives(0, self.size, method, config.device, config.rank_timeout_s, store)
+            if experts is not None:
+                self.experts = experts.join(0, config.device, config.rank_timeout_s, experts_store)
         except BaseException:
             launcher.stop()
             raise
@@ -203,7 +257,20 @@ class Leader(Liveness):
         """Before rank 0 runs the MTP passes of `plan`: the other ranks get it."""
         self._send(Draft(plan))
 
-    def _send(self, message: Step | Draft) -> None:
+    def idle(self) -> None:
+        """Inside a DP replica, before rank 0 runs an empty batch through the exchanges."""
+        self._send(Step(self.mirror.take(), None, idle=True))
+
+    def idle_passes(self, passes: int) -> None:
+        """Inside a DP replica, before rank 0 runs `passes` MTP passes with nothing to draft."""
+        if passes > 0:
+            self._send(Draft(None, passes))
+
+    def balance(self) -> None:
+        """EPLB inside a DP replica: before rank 0 ends its step's count."""
+        self._send(Balance())
+
+    def _send(self, message: Step | Draft | Balance) -> None:
         self.check()
         try:
             self.comm.send(message)
@@ -219,19 +286,30 @@ class Leader(Liveness):
                 pass
         self.launcher.stop()
         self.comm.close()
+        if self.experts is not None:
+            self.experts.close()
 
 
 # ---- ranks 1..N-1 ------------------------------------------------------------------------------
-def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig) -> None:
+def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
+             experts: ExpertGroup | None = None) -> None:
     """Rank `rank` of a replica: joins the process group, loads its shard and its own cache
-    replica, then follows rank 0's steps until rank 0 stops it (or dies: then it raises)."""
+    replica, then follows rank 0's steps until rank 0 stops it (or dies: then it raises).
+    `experts`: the replica is one DP rank's TP group; this rank also joins the expert group."""
     comm = Collectives(rank, world_size, init_method, config.device, config.rank_timeout_s)
+    group = None
     try:
-        model, error = None, None
+        model, error, balancer = None, None, None
         try:
             shard = Shard(rank, world_size, config.enable_expert_parallel, comm=comm)
-            _, model = load_model(config.model or ensure_default_model(), config.dtype, config.device,
-                                  config.kernel_backend, shard)
+            model_dir = Path(config.model) if config.model else ensure_default_model()
+            if experts is not None:
+                group = experts.join(rank, config.device, config.rank_timeout_s)
+                shard = grouped_shard(config, model_dir, comm, group)
+            _, model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)
+            if group is not None and config.enable_eplb:
+                from kvmesh.workers.engine.builder import balancer as make_balancer   # engine imports this module
+                balancer = make_balancer(config, model, group)
         except Exception as e:     # reported to rank 0, which raises it
             error = f"{type(e).__name__}: {e}"
             log.error("rank %d: loading failed\n%s", rank, traceback.format_exc())
@@ -244,12 +322,22 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig)
                                  config.device, spec.swa_blocks)
         if any(comm.gather_objects(error)):
             return
-        follow(comm, model, cache, config.device)
+        follow(comm, model, cache, config.device, balancer)
     finally:
         comm.close()
+        if group is not None:
+            group.close()
 
 
-def follow(comm: Collectives, model, cache: CacheTensors, device: str) -> None:
+def grouped_shard(config: EngineConfig, model_dir, comm, experts: Collectives) -> Shard:
+    """Rank comm.rank of a DP rank's TP group: attention split over the group, whole routed
+    experts of the `experts` group's D x T ranks (EPLB: as the start-up placement lays them)."""
+    from kvmesh.workers.engine.builder import start_placement    # engine imports this module
+    return Shard(comm.rank, comm.size, True, comm=comm, dp_rank=experts.rank, dp_size=experts.size,
+                 exchange=experts, placement=start_placement(config, model_dir))
+
+
+def follow(comm: Collectives, model, cache: CacheTensors, device: str, balancer=None) -> None:
     """Run rank 0's steps and MTP passes (its own MTP ring, like rank 0's drafter's) until Stop."""
     passes = MTPPasses(model, cache.num_slots) if len(model.mtp) else None
     last = None                                      # (step, streams) a Draft runs on
@@ -257,12 +345,20 @@ def follow(comm: Collectives, model, cache: CacheTensors, device: str) -> None:
         msg = comm.recv()
         if isinstance(msg, Stop):
             return
+        if isinstance(msg, Balance):
+            balancer.end_step()
+            continue
         if isinstance(msg, Draft):
-            passes.run(msg.plan, *last)
+            if msg.plan is None:
+                passes.idle(msg.idle)
+            else:
+                passes.run(msg.plan, *last)
             continue
         for name, args in msg.ops:
             getattr(cache, name)(*args)
-        if msg.step is not None:
+        if msg.idle:
+            model.idle()
+        elif msg.step is not None:
             step = msg.step.to(device)
             if msg.keep_streams:
                 last = (step, model(step, cache, keep_streams=True)[1])

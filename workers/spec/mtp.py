@@ -143,11 +143,14 @@ def own_step(next_tokens: list[int], starts: list[int], lengths: list[int], slot
 
 class MTPDrafter(Drafter):
     """Plans each step's passes from the sequences and keeps their drafts for the next step.
-    `share(plan)`: tensor parallelism, sends the plan to the other ranks before this one runs it."""
+    `share(plan)`: tensor parallelism, sends the plan to the other ranks before this one runs it;
+    `share_idle(k)`: a TP group inside a DP rank, sends k passes with nothing to draft (its ranks
+    join the expert exchanges with this one)."""
     wants_streams = True
 
-    def __init__(self, model: Transformer, num_slots: int, share: Callable[[DraftPlan], None] | None = None):
-        self.passes, self.share = MTPPasses(model, num_slots), share
+    def __init__(self, model: Transformer, num_slots: int, share: Callable[[DraftPlan], None] | None = None,
+                 share_idle: Callable[[int], None] | None = None):
+        self.passes, self.share, self.share_idle = MTPPasses(model, num_slots), share, share_idle
         self.drafts: dict[int, list[int]] = {}   # id(seq) -> its drafts for the next step
         self.first: dict[int, int] = {}          # id(seq) -> first position the layer ran on
         self.adopted: list[tuple[int, torch.Tensor]] = []   # handed-off (slot, ring)s for the next plan
@@ -175,7 +178,7 @@ class MTPDrafter(Drafter):
             return
         plan, drafting = self.plan(batch, starts, step, k)
         if plan is None:
-            self.passes.idle(k)
+            self.idle(k)
             return
         plan = dataclasses.replace(plan, adopt=adopted)
         if self.share is not None:
@@ -188,6 +191,8 @@ class MTPDrafter(Drafter):
 
     def idle(self, k: int) -> None:
         """This rank stepped nothing while another did (data-parallel attention)."""
+        if self.share_idle is not None:
+            self.share_idle(k)
         self.passes.idle(k)
 
     def plan(self, batch: list[tuple[Sequence, int]], starts: list[int], step: StepInput, k: int
