@@ -2,12 +2,16 @@
 
     OMP_NUM_THREADS=1 python bench/engine.py --data-parallel-size 2 --concurrency 8,32 --max-tokens 16
     OMP_NUM_THREADS=1 python bench/engine.py --data-parallel-size 2 --speculative 1 --concurrency 2,16   # k = 0 vs auto
+    OMP_NUM_THREADS=1 python bench/engine.py --data-parallel-size 4 --tensor-parallel-size 2 --concurrency 8
+                                                                   # + DP=2 x TP=2: TP inside the DP ranks
 
 * one process (TP=1);
 * TP=N with expert parallelism: every rank holds the same cache, so the replica's KV capacity
   is one rank's budget;
 * DP=N with expert parallelism: N whole attention engines, each with its own cache of the
-  same budget, so the replica holds N times the KV tokens; requests spread over the ranks.
+  same budget, so the replica holds N times the KV tokens; requests spread over the ranks;
+* with --tensor-parallel-size T, also DP=N/T x TP=T: N/T attention engines of T ranks each (the
+  group's ranks hold copies of one cache, so N/T times one rank's KV tokens), the experts over all N.
 
 Per size and concurrency: TTFT, decode and end-to-end tok/s (medians of --repeats), the
 replica's KV capacity in tokens (all ranks' distinct blocks x block_tokens) and the peak in use
@@ -89,18 +93,41 @@ def time_exchange(size: int, hidden: int, topk: int, tokens: list[int]) -> dict[
     return comm0
 
 
+def replicas(size: int, tp: int = 1) -> dict[str, dict]:
+    """The setups compared: one process, TP=size+EP, DP=size+EP and (tp > 1) DP=size/tp x TP=tp+EP."""
+    out = {"TP=1": dict(), f"TP={size}+EP": dict(tensor_parallel_size=size, enable_expert_parallel=True),
+           f"DP={size}+EP": dict(data_parallel_size=size, enable_expert_parallel=True)}
+    if tp > 1:
+        if size % tp or size == tp:
+            raise SystemExit(f"--tensor-parallel-size {tp} must divide --data-parallel-size {size} and be smaller")
+        out[f"DP={size // tp} x TP={tp}+EP"] = dict(data_parallel_size=size // tp, tensor_parallel_size=tp,
+                                                  enable_expert_parallel=True)
+    return out
+
+
+def rank0_stats(engine) -> dict:
+    """Rank 0's collective and message counters: a DP x TP replica's exchange runs on its expert
+    group (the DP group carries the ticks and the step flags)."""
+    ranks = getattr(getattr(engine, "local", None), "ranks", None)
+    if ranks is None or ranks.experts is None:
+        comm = engine.comm if hasattr(engine, "comm") else engine.model.shard.comm
+        return dict(comm.stats)
+    stats = dict(ranks.experts.stats)
+    stats.update({k: v for k, v in engine.comm.stats.items() if k.startswith("message")})
+    stats["collectives"] += engine.comm.stats["collectives"]       # the step flags, as a DP replica counts them
+    return stats
+
+
 def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median_run,
-            kv_cache_bytes: int, warmup_seed: int) -> int:
+            kv_cache_bytes: int, warmup_seed: int, tp: int = 1) -> int:
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    setups = {"TP=1": dict(), f"TP={size}+EP": dict(tensor_parallel_size=size, enable_expert_parallel=True),
-              f"DP={size}+EP": dict(data_parallel_size=size, enable_expert_parallel=True)}
+    setups = replicas(size, tp)
     rows, raw, tokens = [], [], {}
     for name, kw in setups.items():
         engine = open_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max(levels),
                                           max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=kv_cache_bytes,
                                           prefix_reuse=False, **kw),
                              launcher=LocalProcessLauncher(args.threads))
-        comm = engine.comm if hasattr(engine, "comm") else engine.model.shard.comm
         layers = engine.args.num_hidden_layers
         try:
             run_kvmesh(engine, make_prompts(max(levels), args.prompt_len, engine.args.vocab_size, warmup_seed),
@@ -108,12 +135,13 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
             for i, c in enumerate(levels):
                 runs = []
                 for rep in range(args.repeats):
-                    before = dict(comm.stats)
+                    before = rank0_stats(engine)
                     peak = [0]
                     k, k_tokens = run_kvmesh(engine, make_prompts(c, args.prompt_len, engine.args.vocab_size,
                                                                   seed=1000 * i + rep), args.max_tokens,
                                              on_step=lambda: peak.__setitem__(0, max(peak[0], kv_tokens(engine)[0])))
-                    delta = {key: comm.stats[key] - before[key] for key in before}
+                    after = rank0_stats(engine)
+                    delta = {key: after[key] - before[key] for key in before}
                     runs.append((k, delta, peak[0]))
                     tokens.setdefault((c, rep), {})[name] = k_tokens
                     print(f"{name} c={c} #{rep}: {k.wall_s:.2f}s", file=sys.stderr)
@@ -128,7 +156,7 @@ def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median
     print(f"model: {model_dir}, fp32; prompt {args.prompt_len}, max_tokens {args.max_tokens}; torch threads "
           f"{args.threads} per rank; KV budget {kv_cache_bytes / 2**30:g} GiB per rank; load average "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min); greedy tokens equal across the "
-          f"three in {same}/{len(tokens)} runs\n")
+          f"{len(setups)} in {same}/{len(tokens)} runs\n")
     print("| replica | c | TTFT ms | decode tok/s | e2e tok/s | KV capacity (tokens) | peak KV in use (tokens) | "
           "MoE exchange ms / layer | of which rows + sums ms | exchange share of wall | tick messages ms / tick |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

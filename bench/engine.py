@@ -550,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-parallel-size", type=int, metavar="N",
                         help="compare one process, TP=N+EP and DP=N+EP (data-parallel attention) in one run: "
                              "throughput, KV capacity, the MoE exchange's cost (bench/data_parallel.py); with "
-                             "--speculative: each with and without the MTP draft")
+                             "--tensor-parallel-size T also DP=N/T x TP=T; with --speculative: each with and "
+                             "without the MTP draft")
     parser.add_argument("--quantized", action="store_true",
                         help="FP8/FP4 released-format checkpoint as shipped vs the same weights in bf16")
     args = parser.parse_args(argv)
@@ -564,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel_size:
         from bench.data_parallel import dp_main
         return dp_main(args, levels, args.data_parallel_size, run_kvmesh, make_prompts, median_run, KV_CACHE_BYTES,
-                       WARMUP_SEED)
+                       WARMUP_SEED, int(args.tensor_parallel_size or 1))
     if args.tensor_parallel_size:
         return tp_main(args, levels, [int(n) for n in args.tensor_parallel_size.split(",")])
     model_dir = Path(args.model) if args.model else ensure_default_model()

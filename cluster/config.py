@@ -197,7 +197,9 @@ class PoolConfig(_Strict):
     data_parallel_size: int = Field(1, ge=1, description=(
         "data-parallel attention ranks per replica: N whole attention engines (the replica plus N-1 rank "
         "actors, one bundle each, packed on one node), routed experts split across them; needs "
-        "enable_expert_parallel; any pool (prefill and decode hand off rank to rank)"))
+        "enable_expert_parallel; any pool (prefill and decode hand off rank to rank). With "
+        "tensor_parallel_size T each DP rank is a TP group of T processes on one node (the actor and its "
+        "T-1 local processes; its bundle holds T ranks' resources), the experts split over all N x T"))
     data_parallel_size_local: int | None = Field(None, ge=1, description=(
         "data-parallel ranks per node (vLLM's name): divides data_parallel_size; a replica spans "
         "data_parallel_size / data_parallel_size_local nodes (default: all on one node): one placement "
@@ -207,7 +209,8 @@ class PoolConfig(_Strict):
         "expert-parallel load balancing over the pool's data-parallel ranks: the hottest experts replicated "
         "and re-placed by counted load (DeepSeek's EPLB); needs data_parallel_size > 1"))
     eplb_config: dict[str, int] | None = Field(None, description=(
-        "EPLB settings (vLLM's keys): num_redundant_experts (a multiple of data_parallel_size), window_size, "
+        "EPLB settings (vLLM's keys): num_redundant_experts (a multiple of data_parallel_size x "
+        "tensor_parallel_size), window_size, "
         "step_interval; default 0, 1000, 3000"))
 
     @model_validator(mode="before")
@@ -243,13 +246,26 @@ class PoolConfig(_Strict):
 
     @property
     def ranks(self) -> int:
-        """Processes per replica: tensor_parallel_size x data_parallel_size (one of them is 1)."""
+        """Processes per replica: tensor_parallel_size x data_parallel_size."""
         return self.tensor_parallel_size * self.data_parallel_size
 
+    @property
+    def actors(self) -> int:
+        """Ray actors per replica (the replica and its rank actors): a rank each, but one per DP
+        rank when a TP group runs inside each (its TP ranks are that actor's local processes)."""
+        return self.data_parallel_size if self.data_parallel_size > 1 else self.tensor_parallel_size
+
+    @property
+    def group(self) -> int:
+        """Ranks each actor holds the resources of: the TP group inside a DP rank, else 1."""
+        return self.ranks // self.actors
+
     def rank_bundle(self) -> dict[str, float]:
-        """What one rank (the replica itself for rank 0) reserves in the replica's placement group."""
+        """What one actor (the replica itself for rank 0) reserves in the replica's placement group:
+        one rank's resources, times the TP group's size when the actor leads one inside a DP rank
+        (its processes share the actor's GPUs)."""
         bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
-        return {k: v for k, v in bundle.items() if v > 0}
+        return {k: v * self.group for k, v in bundle.items() if v > 0}
 
     @property
     def ranks_per_bundle(self) -> int:
@@ -262,7 +278,7 @@ class PoolConfig(_Strict):
         """The replica's placement group (bundles, strategy): a bundle per rank packed on one
         node, or a bundle per node (its ranks' resources summed) on distinct nodes."""
         if self.nodes == 1:
-            return [self.rank_bundle() for _ in range(self.ranks)], "STRICT_PACK"
+            return [self.rank_bundle() for _ in range(self.actors)], "STRICT_PACK"
         per = self.ranks_per_bundle
         return [{k: v * per for k, v in self.rank_bundle().items()} for _ in range(self.nodes)], "STRICT_SPREAD"
 
@@ -275,8 +291,8 @@ class PoolConfig(_Strict):
         opts: dict[str, Any] = dict(
             name=name, max_ongoing_requests=self.serve_max_ongoing_requests,
             max_queued_requests=self.max_queued_requests,
-            ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
-                               "resources": dict(self.resources)})
+            ray_actor_options={"num_cpus": self.num_cpus * self.group, "num_gpus": self.num_gpus * self.group,
+                               "resources": {k: v * self.group for k, v in self.resources.items()}})
         if self.ranks > 1:     # bundle 0 holds the replica (rank 0); the rank actors: see placement()
             opts["placement_group_bundles"], opts["placement_group_strategy"] = self.placement()
         if self.autoscaling:
@@ -410,7 +426,7 @@ def check_parallel_sizes(config: ServeConfig) -> None:
     for name, pool in sized:
         try:
             if pool.data_parallel_size > 1:
-                check_dp_sizes(args, pool.data_parallel_size)
+                check_dp_sizes(args, pool.data_parallel_size, pool.tensor_parallel_size)
             else:
                 check_sizes(args, pool.tensor_parallel_size, pool.enable_expert_parallel)
         except ConfigError as e:

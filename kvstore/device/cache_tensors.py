@@ -11,6 +11,8 @@ goes by name: `blocks` and `tails` map each tensor's spec name to the tensor.
 """
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -333,6 +335,13 @@ class CacheTensors:
 
     def all_tensors(self) -> list[torch.Tensor]:
         return [t for _, _, t in self.named_tensors()]
+
+    def digest(self) -> str:
+        """SHA-256 of every cache tensor's bytes (the ranks of a tensor-parallel group hold the same)."""
+        h = hashlib.sha256()
+        for t in self.all_tensors():
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def block_regions(self, block_ids: list[int], slot: int) -> list[tuple[int, int, int]]:
         """(tensor index in all_tensors(), byte offset, nbytes) of the given blocks and slot."""

@@ -1,14 +1,16 @@
-"""A data-parallel + expert-parallel replica over two hosts (issue 29 items 1-3), on namespace
-hosts (tests/integration/onprem_hosts.py) running real Ray:
+"""Data-parallel + expert-parallel replicas over two hosts (issue 29 items 1-3; issue 47: TP inside
+the DP ranks), on namespace hosts (tests/integration/onprem_hosts.py) running real Ray:
 
     head      Ray GCS, Serve controller, HTTP proxy, both apps' ingresses, the disaggregated
               app's prefill replica
-    W1-W3     one DP=4 + EP replica of each app on two of them: 2 ranks on each host
-              (data_parallel_size_local 2: a placement group of one bundle per host,
-              STRICT_SPREAD; gloo and NIXL between the hosts); room for both on any two
+    W1-W3     on two of them, one replica of each app: the decode pool's DP=4 + EP, 2 ranks on
+              each host (data_parallel_size_local 2), and the colocated pool's DP=2 x TP=2 + EP,
+              one DP rank's TP group of 2 on each host (data_parallel_size_local 1; the group's
+              second rank a local process of the DP rank's actor); a placement group of one
+              bundle per host, STRICT_SPREAD; gloo and NIXL between the hosts; room for both on any two
 
 Two apps share the hosts: `/` disaggregated (prefill on the head, the wide replica as its decode pool)
-and `/colo` colocated (the wide replica runs whole requests). Every answer is checked against
+and `/colo` colocated (the DP x TP replica runs whole requests). Every answer is checked against
 the cold greedy tokens of the offline single-process engine. The kill scenario first removes the
 colocated app (its equality is checked already; one gang to replace, not two, keeps the suite
 short), then SIGKILLs every process of a host of the decode replica under load: each open request
@@ -46,6 +48,9 @@ HEAD_ENV = "RAY_health_check_period_ms=1000"      # a node is dead after 5 faile
 ENDED_WITHIN_S = TOKEN_TIMEOUT_S + 10
 WIDE = dict(data_parallel_size=4, data_parallel_size_local=2, enable_expert_parallel=True, num_replicas=1,
             num_cpus=0.25, resources={"kvmesh_wide": 0.25})    # a host's bundle: 2 ranks, kvmesh_wide 0.5
+# a host's bundle: one DP rank whose TP group holds 2 ranks' resources, kvmesh_wide 0.5
+GROUPED = dict(WIDE, data_parallel_size=2, data_parallel_size_local=1, tensor_parallel_size=2)
+DP_RANKS = {"decode": 4, "colocated": 2}
 
 # run on the head: every live actor of a wide replica (the replica = rank 0, its rank actors) -> host
 RANKS = """
@@ -67,7 +72,7 @@ print("RANKS " + json.dumps(out))
 
 def apps_config(redis_url: str) -> dict:
     """The on-prem app (chaos_cluster.serve_config) with its decode pool wide, plus a colocated
-    app on /colo whose pool is wide too."""
+    app on /colo whose pool is DP x TP over the two hosts."""
     config = serve_config(redis_url, release_timeout_s=10.0)
     disagg = config["applications"][0]
     args = disagg["args"]
@@ -76,7 +81,7 @@ def apps_config(redis_url: str) -> dict:
     args["ingress"].update(num_cpus=0.05, token_timeout_s=TOKEN_TIMEOUT_S)
     colo = json.loads(json.dumps(disagg))
     colo.update(name="kvmesh-colo", route_prefix="/colo")
-    colo["args"].update(mode="colocated", colocated={**WIDE, "engine": {"max_batched_tokens": 128}})
+    colo["args"].update(mode="colocated", colocated={**GROUPED, "engine": {"max_batched_tokens": 128}})
     colo["args"].pop("prefill"), colo["args"].pop("decode")
     config["applications"].append(colo)
     return config
@@ -106,8 +111,8 @@ class Wide:
 
     def wait_ready(self, pools=("decode", "colocated"), within_s: float = READY_WITHIN_S,
                    old: set[str] = frozenset()) -> dict[str, str]:
-        """Until each of `pools` has a live replica not in `old` with all 4 ranks up and an answer
-        comes back from its app; the ranks' hosts then."""
+        """Until each of `pools` has a live replica not in `old` with all its DP ranks up and an
+        answer comes back from its app; the ranks' hosts then."""
         deadline, last = time.monotonic() + within_s, "no answer"
         while time.monotonic() < deadline:
             try:
@@ -118,7 +123,8 @@ class Wide:
                                        timeout=60)
                         r.raise_for_status()
                     where = self.ranks()
-                    if all(sum(k.startswith(w + ":") for k in where) == 4 for ws in live.values() for w in ws):
+                    if all(sum(k.startswith(w + ":") for k in where) == DP_RANKS[p] for p, ws in live.items()
+                           for w in ws):
                         return where
                 last = str(live)
             except Exception as e:        # the proxy, the ingress or a replica is not up yet
@@ -163,14 +169,14 @@ def send_all(url: str, prompts: list, want: list) -> list:
         return list(ex.map(one, range(len(prompts))))
 
 
-def test_a_dp4_ep_replica_over_two_hosts_equals_one_process_colocated_and_as_decode(wide):
+def test_dp4_and_dp2_x_tp2_replicas_over_two_hosts_equal_one_process_as_decode_and_colocated(wide):
     placed = wide.placed
     for pool, url in wide.urls.items():
         (replica,) = wide.serving(pool)
-        hosts = {r: placed[f"{replica}:{r}"] for r in range(4)}
-        # ranks 0-1 on one host, 2-3 on the other, both of them wide hosts
-        assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
-        assert {hosts[0], hosts[2]} <= set(wide.wide), hosts
+        hosts = {r: placed[f"{replica}:{r}"] for r in range(DP_RANKS[pool])}
+        # decode: ranks 0-1 on one host, 2-3 on the other; colocated: a DP rank (its TP group) on each
+        assert (hosts[0] == hosts[1] != hosts[2] == hosts[3]) if pool == "decode" else hosts[0] != hosts[1], hosts
+        assert set(hosts.values()) <= set(wide.wide) and len(set(hosts.values())) == 2, hosts
         before = scrape(url)
         outcomes = send_all(url, wide.prompts, wide.want) + send_all(url, wide.prompts, wide.want)
         assert [o.kind for o in outcomes] == ["correct"] * len(outcomes), bad(outcomes)

@@ -273,8 +273,9 @@ def test_a_serve_flag_that_disagrees_with_the_config_file_exits_2_naming_both(tm
     (["--data-parallel-size", "0"], "data_parallel_size"),
     (["--mode", "colocated", "--data-parallel-size", "2"],
      "colocated: EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"),
-    (["--mode", "colocated", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel"],
-     "tensor_parallel_size=2 with data_parallel_size=2 (attention TP inside a DP rank) is not built yet"),
+    (["--mode", "colocated", "--data-parallel-size", "2", "--tensor-parallel-size", "4", "--enable-expert-parallel"],
+     "colocated.data_parallel_size: data_parallel_size x tensor_parallel_size = 2 x 4 = 8 does not divide "
+     "n_routed_experts=4"),
     (["--mode", "colocated", "--data-parallel-size", "3", "--enable-expert-parallel"],   # the built-in model: 4 experts
      "colocated.data_parallel_size: data_parallel_size=3 does not divide n_routed_experts=4"),
     (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],

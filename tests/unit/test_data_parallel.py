@@ -158,7 +158,6 @@ def _run(engine) -> list:
 @pytest.mark.parametrize("kw, numbers", [
     (dict(data_parallel_size=3, enable_expert_parallel=True), ["data_parallel_size=3", "n_routed_experts=4"]),
     (dict(data_parallel_size=2), ["data_parallel_size=2", "enable_expert_parallel"]),
-    (dict(tensor_parallel_size=2, **DP), ["tensor_parallel_size=2", "data_parallel_size=2", "not built"]),
     (dict(data_parallel_size=0), ["data_parallel_size", "> 0"]),
 ])
 def test_a_size_or_combination_not_built_fails_at_start_up_naming_the_numbers(tmp_path, kw, numbers):

@@ -147,8 +147,10 @@ BETWEEN = [  # the rules between fields: after-model validators, each naming its
     ({"block_tokens": 64, "swa_policy": "periodic:96"}, "EngineConfig.swa_policy: "),
     ({"enable_eplb": True}, "EngineConfig.enable_eplb: needs data_parallel_size > 1"),
     ({"data_parallel_size": 2}, "EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"),
-    ({"data_parallel_size": 2, "enable_expert_parallel": True, "tensor_parallel_size": 2},
-     "EngineConfig: tensor_parallel_size=2 with data_parallel_size=2"),
+    ({"data_parallel_size": 2, "enable_expert_parallel": True, "tensor_parallel_size": 2, "enable_eplb": True,
+      "eplb_config": {"num_redundant_experts": 2}},
+     "EngineConfig.eplb_config.num_redundant_experts=2 is not a multiple of data_parallel_size x "
+     "tensor_parallel_size = 2 x 2 = 4"),
     ({"data_parallel_size": 4, "enable_expert_parallel": True, "data_parallel_size_local": 3},
      "EngineConfig.data_parallel_size_local=3 must be an integer >= 1 that divides data_parallel_size=4"),
     ({"data_parallel_size": 2, "enable_expert_parallel": True, "enable_eplb": True,

@@ -82,8 +82,6 @@ def test_prefill_and_decode_pools_may_each_be_data_parallel_with_their_own_sizes
 @pytest.mark.parametrize("overrides, words", [
     ({"mode": "colocated", "colocated.data_parallel_size": 2},
      ["colocated: EngineConfig.data_parallel_size=2 needs enable_expert_parallel=true"]),
-    ({"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.tensor_parallel_size": 2,
-      "colocated.enable_expert_parallel": True}, ["tensor_parallel_size=2 with data_parallel_size=2", "not built"]),
     ({"decode.data_parallel_size": 4}, ["decode: EngineConfig.data_parallel_size=4 needs enable_expert_parallel=true"]),
     ({"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.enable_expert_parallel": True,
       "colocated.num_cpus": 0}, ["data_parallel_size 2 places one rank per bundle"]),
@@ -93,6 +91,28 @@ def test_a_dp_size_or_combination_not_built_is_refused_naming_the_keys(overrides
     with pytest.raises(ConfigFileError) as e:
         load_config(None, overrides)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_tp_inside_dp_ranks_places_one_actor_per_dp_rank_holding_its_groups_resources():
+    """DP 2 x TP 2: two actors (the replica and one rank actor), each leading a TP group of two
+    processes, so each bundle (and the replica itself) reserves two ranks' resources; over two
+    nodes (data_parallel_size_local 1) a bundle per node holds one DP rank's group."""
+    keys = {"mode": "colocated", "colocated.data_parallel_size": 2, "colocated.tensor_parallel_size": 2,
+            "colocated.enable_expert_parallel": True, "colocated.num_cpus": 0.5,
+            "colocated.resources": {"kvmesh_wide": 0.25}}
+    pool = load_config(None, keys).colocated
+    assert (pool.ranks, pool.actors, pool.group) == (4, 2, 2)
+    assert pool.placement() == ([{"CPU": 1.0, "kvmesh_wide": 0.5}] * 2, "STRICT_PACK")
+    opts = pool.deployment_options("Colocated")["ray_actor_options"]
+    assert (opts["num_cpus"], opts["resources"]) == (1.0, {"kvmesh_wide": 0.5})
+    engine = load_config(None, keys).pool_engine(pool)
+    assert (engine.data_parallel_size, engine.tensor_parallel_size) == (2, 2)
+    spread = load_config(None, {**keys, "colocated.data_parallel_size_local": 1}).colocated
+    assert spread.placement() == ([{"CPU": 1.0, "kvmesh_wide": 0.5}] * 2, "STRICT_SPREAD")
+    wrong = load_config(None, {**keys, "colocated.tensor_parallel_size": 4})
+    with pytest.raises(ConfigFileError, match=r"colocated\.data_parallel_size: data_parallel_size x "
+                                              r"tensor_parallel_size = 2 x 4 = 8 does not divide n_routed_experts=4"):
+        check_parallel_sizes(wrong)
 
 
 def test_a_dp_size_that_does_not_divide_the_experts_fails_before_deploying():

@@ -37,14 +37,16 @@ def test_tiny_weight_split_by_hand():
     """float32; vocab 300, hidden 64, 4 heads x 32, q_lora 32, 2 output groups x o_lora 16,
     4 routed experts x intermediate 32 (and one shared), 3 layers."""
     split = split_from_config(ModelArgs.from_dict(TINY))
-    per_layer = 32 * 4 * 32 + 4 + (4 * 32 // 2) * (2 * 16) + (2 * 16) * 64 + 3 * 64 * 32   # wq_b sink wo_a wo_b shared
+    per_layer = 32 * 4 * 32 + 4 + (4 * 32 // 2) * (2 * 16) + (2 * 16) * 64                # wq_b sink wo_a wo_b
     assert split.tensor == 4 * (3 * per_layer + 2 * 300 * 64)                                # + embed, head
+    assert split.shared == 4 * 3 * (3 * 64 * 32)                                          # w1 w2 w3, one shared
     assert split.experts == 4 * 3 * (3 * 4 * 32 * 64)                                     # w1 w2 w3 x 4 experts
-    assert split.per_rank(2) == split.replicated + split.tensor // 2 + split.experts // 2
+    assert split.per_rank(2) == split.replicated + split.tensor // 2 + split.shared // 2 + split.experts // 2
     assert split.per_rank(1) == split.total
     # data-parallel attention: attention, embedding and head whole on every rank, experts split over all
-    assert split.per_rank(1, 4) == split.replicated + split.tensor + split.experts // 4
-    assert split.per_rank(2, 2) == split.replicated + split.tensor // 2 + split.experts // 4
+    assert split.per_rank(1, 4) == split.replicated + split.tensor + split.shared + split.experts // 4
+    # TP inside DP ranks: attention split by TP, the shared expert whole on every rank, experts over all
+    assert split.per_rank(2, 2) == split.replicated + split.tensor // 2 + split.shared + split.experts // 4
 
 
 def test_weights_from_config_equal_the_checkpoints_headers(dense_dir):
@@ -52,8 +54,8 @@ def test_weights_from_config_equal_the_checkpoints_headers(dense_dir):
     (transformers declares an MTP layer in config.json but saves none)."""
     from_config = split_from_config(ModelArgs.from_file(dense_dir / "config.json"), mtp_layers=0)
     from_files = split_from_checkpoint(dense_dir)
-    assert (from_config.replicated, from_config.tensor, from_config.experts, from_config.params) == \
-           (from_files.replicated, from_files.tensor, from_files.experts, from_files.params)
+    assert (from_config.replicated, from_config.tensor, from_config.shared, from_config.experts, from_config.params) == \
+           (from_files.replicated, from_files.tensor, from_files.shared, from_files.experts, from_files.params)
 
 
 @pytest.mark.parametrize("fmt", [dict(block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4"),
@@ -66,8 +68,8 @@ def test_quantized_sizes_from_config_equal_the_released_format(dense_dir, tmp_pa
     from_config = split_from_config(ModelArgs.from_file(quant / "config.json"))
     from_files = split_from_checkpoint(quant)
     assert from_files.mtp_params > 0 and from_config.mtp_params == from_files.mtp_params
-    assert (from_config.replicated, from_config.tensor, from_config.experts, from_config.params) == \
-           (from_files.replicated, from_files.tensor, from_files.experts, from_files.params)
+    assert (from_config.replicated, from_config.tensor, from_config.shared, from_config.experts, from_config.params) == \
+           (from_files.replicated, from_files.tensor, from_files.shared, from_files.experts, from_files.params)
     dense = split_from_config(ModelArgs.from_file(dense_dir / "config.json"), mtp_layers=1)
     assert from_config.experts < dense.experts * (0.3 if fmt["expert_dtype"] == "fp4" else 0.5)
 
@@ -184,8 +186,7 @@ def test_tiny_replicas_over_several_nodes_by_hand():
         blocks = (free - p.layout.slot_bytes) // p.block_bytes
         assert f.expert_parallel and f.fits and f.weights_per_rank == split.per_rank(f.tp, f.dp)
         assert (f.free_per_rank, f.tokens, f.tokens_per_node) == (free, f.dp * blocks * 16, f.dp * blocks * 16 // 2)
-        assert f.replicas_per_node == 0.5 and f.not_served == ("tensor parallelism inside a DP rank" if f.tp > 1
-                                                               else None)
+        assert f.replicas_per_node == 0.5 and f.not_served is None         # TP inside DP ranks is served
     assert one.nodes == 1 and p.nodes == 3 and not p.auto_nodes
     # auto: something fits on one node, so one node's rows only
     assert plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", nodes=None).fits == \
@@ -230,7 +231,7 @@ def test_plan_cli_json_has_multi_node_rows_that_fit_for_v4_pro_on_8_x_80_gib(cap
     got = json.loads(capsys.readouterr().out)
     assert got["nodes"] == 2 and got["gpus_per_node"] == 8
     fits = [s for s in got["sizes"] if s["fits"]]
-    assert fits and all(s["nodes"] == 2 and s["served"] == (s["tp"] == 1) and s["expert_parallel"] for s in fits)
+    assert fits and all(s["nodes"] == 2 and s["served"] and s["expert_parallel"] for s in fits)
     assert all(s["tokens_per_node"] * 2 == s["tokens"] > 0 and s["replicas_per_node"] == 0.5 for s in fits)
     assert all(s["data_parallel_size_local"] * s["tp"] == 8 for s in fits)
     assert not any(s["fits"] for s in got["sizes"] if s["nodes"] == 1)

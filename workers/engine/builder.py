@@ -42,8 +42,7 @@ from kvmesh.workers.model.args import ModelArgs
 from kvmesh.workers.model.shard import SINGLE, Shard
 from kvmesh.workers.model.transformer import Transformer
 from kvmesh.workers.parallel.collectives import Collectives
-from kvmesh.workers.parallel.eplb import static_placement
-from kvmesh.workers.parallel.expert_balance import ExpertBalancer
+from kvmesh.workers.parallel.expert_balance import balancer, start_placement
 from kvmesh.workers.parallel.replica import (ExpertGroup, Leader, LocalProcessLauncher, RankLauncher, group_device,
                                              grouped_shard, run_rank)
 from kvmesh.workers.reuse.auto_policy import AutoPeriod
@@ -94,26 +93,6 @@ def start_ranks(config: EngineConfig, model_dir: Path, launcher: RankLauncher | 
     experts = ExpertGroup(dp.init_method, dp.rank, config.tensor_parallel_size, dp.size * config.tensor_parallel_size)
     group = LocalProcessLauncher(main=functools.partial(run_rank, experts=experts), device_of=group_device)
     return Leader(config, group, experts, dp.store)
-
-
-def start_placement(config: EngineConfig, model_dir: Path) -> torch.Tensor | None:
-    """EPLB: the physical experts' logical ones at start-up (each rank's own block, its redundant
-    slots copies of it, over all data_parallel_size x tensor_parallel_size ranks); None without EPLB."""
-    if not config.enable_eplb:
-        return None
-    experts = ModelArgs.from_file(model_dir / "config.json").n_routed_experts
-    return static_placement(experts, config.data_parallel_size * config.tensor_parallel_size,
-                            config.eplb_config.num_redundant_experts)
-
-
-def balancer(config: EngineConfig, model: Transformer, experts: Collectives | None) -> ExpertBalancer | None:
-    """This rank's EPLB over the group the experts are split across (`experts`: the DP replica's,
-    or its expert group under TP inside DP ranks; None without it); hierarchical (expert groups
-    to nodes, then replicas to ranks) when the replica spans nodes (data_parallel_size_local)."""
-    if experts is None or not config.enable_eplb:
-        return None
-    local = config.data_parallel_size_local or config.data_parallel_size
-    return ExpertBalancer(model, experts, config.eplb_config, num_nodes=config.data_parallel_size // local)
 
 
 def build(config: EngineConfig, model_dir: Path, ranks: Leader | None, dp: Collectives | None = None

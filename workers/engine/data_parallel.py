@@ -65,7 +65,7 @@ from kvmesh.workers.parallel.replica import Liveness, LocalProcessLauncher, Rank
 from kvmesh.workers.request import HeldKV, RequestOutput, Resume
 from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
-from .dp_rank import (Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
+from .dp_rank import (CacheDigests, Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
                       ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
 from .engine import GRAMMAR_POLL_S, Engine
 from .protocol import run_to_completion
@@ -374,6 +374,10 @@ class DataParallelEngine:
         for rid in read:
             self.held_on.pop(rid, None)
         return read
+
+    def cache_digests(self) -> list[list[str]]:
+        """Per DP rank, its TP group's cache digests (Engine.cache_digests)."""
+        return [c.value for c in self._call(None, CacheDigests())]
 
     def stats(self) -> EngineStats:
         """The replica's stats: every rank's as of the last step, summed (`rank_stats`: each

@@ -117,10 +117,15 @@ class PollReleased:
 
 
 @dataclass(frozen=True)
+class CacheDigests:
+    """Every rank: its TP group's cache digests (Engine.cache_digests)."""
+
+
+@dataclass(frozen=True)
 class Call:
     """One handoff call for rank `rank` (None: every rank)."""
     rank: int | None
-    op: OpenNixl | HeldHandle | OfferHeld | ReleaseHeld | PollReleased
+    op: OpenNixl | HeldHandle | OfferHeld | ReleaseHeld | PollReleased | CacheDigests
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,8 @@ class RankHandoff:
         if isinstance(op, OpenNixl):
             self.nixl = e.open_nixl(f"{op.name}-dp{self.rank}", self.address or op.node_ip, op.backend, op.timeout_s)
             return self.nixl is not None
+        if isinstance(op, CacheDigests):
+            return e.cache_digests()
         if isinstance(op, PollReleased):
             return e.release_read(self.nixl) if self.nixl is not None else []
         if isinstance(op, HeldHandle):

@@ -403,6 +403,13 @@ class Engine:
         seqs = list(self.scheduler.waiting) + list(self.scheduler.running)
         return sum(s.remaining_prefill() + s.length for s in seqs)
 
+    def cache_digests(self) -> list[str]:
+        """Each rank's cache digest (CacheTensors.digest), in rank order: under tensor parallelism
+        the ranks hold identical copies, so every entry is the same."""
+        if self.ranks is None:
+            return [self.cache.digest()]
+        return self.ranks.cache_digests()
+
     @property
     def rank_stats(self) -> list[EngineStats]:
         """This engine's stats as the only rank's (EngineProtocol: a DataParallelEngine has one per rank)."""

@@ -19,14 +19,16 @@ the new placement. Weights are bytes moved unchanged: every replica stays exact.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from kvmesh.workers.engine_config import EplbConfig
+from kvmesh.workers.engine_config import EngineConfig, EplbConfig
+from kvmesh.workers.model.args import ModelArgs
 from kvmesh.workers.model.expert_map import ExpertMap
 
-from .eplb import imbalance, rebalance_experts
+from .eplb import imbalance, rebalance_experts, static_placement
 
 
 class ExpertBalancer:
@@ -89,6 +91,26 @@ class ExpertBalancer:
         return dict(steps=self.steps, rebalances=self.rebalances, moved_experts=self.moved,
                     rebalance_s=self.rebalance_s, imbalance=imbalance(self.sums[1]),
                     imbalance_static=imbalance(self.sums[2]))
+
+
+def start_placement(config: EngineConfig, model_dir: Path) -> torch.Tensor | None:
+    """EPLB: the physical experts' logical ones at start-up (each rank's own block, its redundant
+    slots copies of it, over all data_parallel_size x tensor_parallel_size ranks); None without EPLB."""
+    if not config.enable_eplb:
+        return None
+    experts = ModelArgs.from_file(model_dir / "config.json").n_routed_experts
+    return static_placement(experts, config.data_parallel_size * config.tensor_parallel_size,
+                            config.eplb_config.num_redundant_experts)
+
+
+def balancer(config: EngineConfig, model: nn.Module, experts) -> ExpertBalancer | None:
+    """This rank's EPLB over the group the experts are split across (`experts`: the DP replica's,
+    or its expert group under TP inside DP ranks; None without it); hierarchical (expert groups
+    to nodes, then replicas to ranks) when the replica spans nodes (data_parallel_size_local)."""
+    if experts is None or not config.enable_eplb:
+        return None
+    local = config.data_parallel_size_local or config.data_parallel_size
+    return ExpertBalancer(model, experts, config.eplb_config, num_nodes=config.data_parallel_size // local)
 
 
 def plan_moves(old: list[int], new: list[int], ranks: int) -> list[tuple[int, int, int, int]]:

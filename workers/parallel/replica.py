@@ -54,6 +54,7 @@ from kvmesh.workers.checkpoint.loader import load_model
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.model.shard import Shard
 from kvmesh.workers.model.step import StepInput
+from kvmesh.workers.parallel.expert_balance import balancer as make_balancer, start_placement
 from kvmesh.workers.processes import start_child
 from kvmesh.workers.spec.mtp import DraftPlan, MTPPasses
 
@@ -185,6 +186,12 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class Digest:
+    """Every rank answers its cache's digest (CacheTensors.digest), after the pending cache calls."""
+    ops: list[tuple[str, tuple]]
+
+
+@dataclass(frozen=True)
 class Balance:
     """EPLB inside a DP replica: the engine step is over, count its load (and rebalance when due)."""
 
@@ -266,11 +273,16 @@ class Leader(Liveness):
         if passes > 0:
             self._send(Draft(None, passes))
 
+    def cache_digests(self) -> list[str]:
+        """Every rank's cache digest, in rank order: the same on all of them (module docstring)."""
+        self._send(Digest(self.mirror.take()))
+        return self.comm.gather_objects(self.mirror.real.digest(), starting=False)
+
     def balance(self) -> None:
         """EPLB inside a DP replica: before rank 0 ends its step's count."""
         self._send(Balance())
 
-    def _send(self, message: Step | Draft | Balance) -> None:
+    def _send(self, message: Step | Draft | Balance | Digest) -> None:
         self.check()
         try:
             self.comm.send(message)
@@ -307,9 +319,8 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
                 group = experts.join(rank, config.device, config.rank_timeout_s)
                 shard = grouped_shard(config, model_dir, comm, group)
             _, model = load_model(model_dir, config.dtype, config.device, config.kernel_backend, shard)
-            if group is not None and config.enable_eplb:
-                from kvmesh.workers.engine.builder import balancer as make_balancer   # engine imports this module
-                balancer = make_balancer(config, model, group)
+            if group is not None:
+                balancer = make_balancer(config, model, group)          # None without EPLB
         except Exception as e:     # reported to rank 0, which raises it
             error = f"{type(e).__name__}: {e}"
             log.error("rank %d: loading failed\n%s", rank, traceback.format_exc())
@@ -332,7 +343,6 @@ def run_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
 def grouped_shard(config: EngineConfig, model_dir, comm, experts: Collectives) -> Shard:
     """Rank comm.rank of a DP rank's TP group: attention split over the group, whole routed
     experts of the `experts` group's D x T ranks (EPLB: as the start-up placement lays them)."""
-    from kvmesh.workers.engine.builder import start_placement    # engine imports this module
     return Shard(comm.rank, comm.size, True, comm=comm, dp_rank=experts.rank, dp_size=experts.size,
                  exchange=experts, placement=start_placement(config, model_dir))
 
@@ -347,6 +357,11 @@ def follow(comm: Collectives, model, cache: CacheTensors, device: str, balancer=
             return
         if isinstance(msg, Balance):
             balancer.end_step()
+            continue
+        if isinstance(msg, Digest):
+            for name, args in msg.ops:
+                getattr(cache, name)(*args)
+            comm.gather_objects(cache.digest(), starting=False)
             continue
         if isinstance(msg, Draft):
             if msg.plan is None:
