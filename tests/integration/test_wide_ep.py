@@ -2,15 +2,15 @@
 the DP ranks), on namespace hosts (tests/integration/onprem_hosts.py) running real Ray:
 
     head      Ray GCS, Serve controller, HTTP proxy, both apps' ingresses, the disaggregated
-              app's prefill replica
-    W1-W3     on two of them, one replica of each app: the decode pool's DP=4 + EP, 2 ranks on
-              each host (data_parallel_size_local 2), and the colocated pool's DP=2 x TP=2 + EP,
-              one DP rank's TP group of 2 on each host (data_parallel_size_local 1; the group's
-              second rank a local process of the DP rank's actor); a placement group of one
-              bundle per host, STRICT_SPREAD; gloo and NIXL between the hosts; room for both on any two
+              app's prefill replica (DP=2 + EP)
+    W1-W3     on two of them, one replica of each app: the decode pool's DP=2 x TP=2 + EP, one
+              DP rank's TP group of 2 on each host (data_parallel_size_local 1; the group's second
+              rank a local process of the DP rank's actor), and the colocated pool's DP=4 + EP, 2
+              ranks on each host (data_parallel_size_local 2); a placement group of one bundle per
+              host, STRICT_SPREAD; gloo and NIXL between the hosts; room for both on any two
 
-Two apps share the hosts: `/` disaggregated (prefill on the head, the wide replica as its decode pool)
-and `/colo` colocated (the DP x TP replica runs whole requests). Every answer is checked against
+Two apps share the hosts: `/` disaggregated (the DP prefill replica on the head, the DP x TP replica
+as its decode pool) and `/colo` colocated (the DP=4 replica runs whole requests). Every answer is checked against
 the cold greedy tokens of the offline single-process engine. The kill scenario first removes the
 colocated app (its equality is checked already; one gang to replace, not two, keeps the suite
 short), then SIGKILLs every process of a host of the decode replica under load: each open request
@@ -50,7 +50,7 @@ WIDE = dict(data_parallel_size=4, data_parallel_size_local=2, enable_expert_para
             num_cpus=0.25, resources={"kvmesh_wide": 0.25})    # a host's bundle: 2 ranks, kvmesh_wide 0.5
 # a host's bundle: one DP rank whose TP group holds 2 ranks' resources, kvmesh_wide 0.5
 GROUPED = dict(WIDE, data_parallel_size=2, data_parallel_size_local=1, tensor_parallel_size=2)
-DP_RANKS = {"decode": 4, "colocated": 2}
+DP_RANKS = {"decode": 2, "colocated": 4}
 
 # run on the head: every live actor of a wide replica (the replica = rank 0, its rank actors) -> host
 RANKS = """
@@ -71,18 +71,19 @@ print("RANKS " + json.dumps(out))
 
 
 def apps_config(redis_url: str) -> dict:
-    """The on-prem app (chaos_cluster.serve_config) with its decode pool wide, plus a colocated
-    app on /colo whose pool is DP x TP over the two hosts."""
+    """The on-prem app (chaos_cluster.serve_config) with a DP prefill pool on the head and its
+    decode pool DP x TP over two hosts, plus a colocated app on /colo whose pool is DP=4 over them."""
     config = serve_config(redis_url, release_timeout_s=10.0)
     disagg = config["applications"][0]
     args = disagg["args"]
-    args["prefill"].update(num_replicas=1)
-    args["decode"] = {**args["decode"], **WIDE}
+    args["prefill"].update(num_replicas=1, data_parallel_size=2, enable_expert_parallel=True,
+                           resources={"kvmesh_prefill": 0.5})       # the head's kvmesh_prefill 1: two ranks
+    args["decode"] = {**args["decode"], **GROUPED}
     args["ingress"].update(num_cpus=0.05, token_timeout_s=TOKEN_TIMEOUT_S)
     colo = json.loads(json.dumps(disagg))
     colo.update(name="kvmesh-colo", route_prefix="/colo")
-    colo["args"].update(mode="colocated", colocated={**GROUPED, "engine": {"max_batched_tokens": 128}})
     colo["args"].pop("prefill"), colo["args"].pop("decode")
+    colo["args"].update(mode="colocated", colocated={**WIDE, "engine": {"max_batched_tokens": 128}})
     config["applications"].append(colo)
     return config
 
@@ -169,18 +170,18 @@ def send_all(url: str, prompts: list, want: list) -> list:
         return list(ex.map(one, range(len(prompts))))
 
 
-def test_dp4_and_dp2_x_tp2_replicas_over_two_hosts_equal_one_process_as_decode_and_colocated(wide):
+def test_a_dp2_x_tp2_decode_pool_and_a_dp4_colocated_pool_over_two_hosts_equal_one_process(wide):
     placed = wide.placed
     for pool, url in wide.urls.items():
         (replica,) = wide.serving(pool)
         hosts = {r: placed[f"{replica}:{r}"] for r in range(DP_RANKS[pool])}
-        # decode: ranks 0-1 on one host, 2-3 on the other; colocated: a DP rank (its TP group) on each
-        assert (hosts[0] == hosts[1] != hosts[2] == hosts[3]) if pool == "decode" else hosts[0] != hosts[1], hosts
+        # colocated: ranks 0-1 on one host, 2-3 on the other; decode: a DP rank (its TP group) on each
+        assert (hosts[0] == hosts[1] != hosts[2] == hosts[3]) if pool == "colocated" else hosts[0] != hosts[1], hosts
         assert set(hosts.values()) <= set(wide.wide) and len(set(hosts.values())) == 2, hosts
         before = scrape(url)
         outcomes = send_all(url, wide.prompts, wide.want) + send_all(url, wide.prompts, wide.want)
         assert [o.kind for o in outcomes] == ["correct"] * len(outcomes), bad(outcomes)
-        if pool == "decode":      # every handoff from the head's prefill replica READ over NIXL by a decode rank
+        if pool == "decode":      # every handoff from the head's prefill ranks READ over NIXL by a decode group
             after = scrape(url)
             moved = {t: total(after, "kvmesh_handoff_bytes_total", transport=t)
                      - total(before, "kvmesh_handoff_bytes_total", transport=t) for t in ("nixl", "ray")}
@@ -196,7 +197,7 @@ def test_a_wide_host_killed_mid_stream_fails_cleanly_and_the_replica_comes_back_
     # the colocated app goes (its tokens were checked above): its replica frees room on the hosts
     wide.ray.serve_deploy({**wide.config, "applications": wide.config["applications"][:1]})
     (replica,) = old = set(wide.serving("decode"))
-    victim = wide.ranks()[f"{replica}:2"]     # ranks 2-3's host: rank 0 lives on and must fail the gang
+    victim = wide.ranks()[f"{replica}:1"]     # DP rank 1's group's host: rank 0 lives on and must fail the gang
     load = Load(wide.base, wide.prompts, wide.long, clients=2)    # long answers: streams open at the kill
     with load:
         deadline = time.monotonic() + 30

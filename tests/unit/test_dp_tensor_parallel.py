@@ -27,6 +27,7 @@ from kvmesh.workers.request import Resume
 from kvmesh.workers.sampling.params import SamplingParams
 from tests.helpers import (BLOCK_TOKENS, assert_rank_failure_is_quick, assert_same_outputs, random_prompt,
                            tiny_engine, write_tiny_checkpoint)
+from tests.quant_checkpoint import quantize_checkpoint
 
 pytestmark = pytest.mark.slow     # gloo process groups: three spawned ranks per replica
 
@@ -89,7 +90,8 @@ def test_dp2_tp2_batched_chunked_restored_and_forked_equals_tp1_and_tp1_restores
     name, path, refs, store, engine = dptp
     ps = prompts(name)
     shard = engine.local.model.layers[0].attn.shard
-    assert (shard.size, shard.dp_rank, shard.dp_size) == (2, 0, 4) and engine.local.model.layers[0].ffn.experts.w1.shape[0] == 1
+    assert (shard.size, shard.dp_rank, shard.dp_size) == (2, 0, 4)          # TP group of 2, experts over 4 ranks
+    assert engine.local.model.layers[0].ffn.experts.w1.shape[0] == 1
     out = engine.generate(ps["A_ext"] + ps["B"], GREEDY)      # A_ext from TP=1's store objects, B cold
     assert all(o.cached_tokens > 0 for o in out[:len(ps["A_ext"])])
     assert_same_outputs(out, refs["A_ext"] + refs["B"])
@@ -202,3 +204,25 @@ def test_a_stalled_or_killed_rank_of_a_group_fails_the_replica_quickly(tmp_path)
     """Rank 1 of DP rank 0's TP group (a request on DP rank 0): RankFailed within the timeout."""
     path = write_tiny_checkpoint(tmp_path, "swa_csa_hca")
     assert_rank_failure_is_quick(path, "swa_csa_hca", lambda e: e.local.ranks.launcher.procs[0].pid, **DPTP)
+
+
+def test_fp8_blocks_a_cut_would_split_replicate_the_shared_expert_or_refuse_the_attention_by_name(tmp_path):
+    """Blocks of 16 x 16 and a shared expert of intermediate 48: TP=2 would cut it at 24 rows, so
+    the loader keeps it whole on every rank of a group (each runs it on its share of the tokens)
+    and the replica still equals TP=1; in 128 x 128 blocks (as released) TP=2 would cut the
+    attention's blocks, and start-up names the tensor."""
+    dense = write_tiny_checkpoint(tmp_path / "dense", "swa_csa_hca", overrides=dict(moe_intermediate_size=48))
+    q = quantize_checkpoint(dense, tmp_path / "q", block=(16, 16), scale_fmt="float", expert_dtype="fp8")
+    ps = prompts("swa_csa_hca")["B"]
+    ref = tiny_engine(q, "swa_csa_hca", dtype="float32").generate(ps, GREEDY)
+    engine = tiny_engine(q, "swa_csa_hca", dtype="float32", **DPTP)
+    try:
+        assert engine.local.model.layers[0].ffn.shard.split_shared is False
+        assert_same_outputs(engine.generate(ps, GREEDY), ref)
+    finally:
+        engine.close()
+    released = quantize_checkpoint(write_tiny_checkpoint(tmp_path / "plain", "swa_csa_hca"), tmp_path / "released",
+                                   block=(128, 128))
+    with pytest.raises(Exception, match=r"tensor_parallel_size=2: layers\.0\.attn\.wo_a\.weight is quantized in "
+                                        r"blocks of 128"):
+        tiny_engine(released, "swa_csa_hca", dtype="float32", **DPTP)

@@ -37,16 +37,15 @@ def test_tiny_weight_split_by_hand():
     """float32; vocab 300, hidden 64, 4 heads x 32, q_lora 32, 2 output groups x o_lora 16,
     4 routed experts x intermediate 32 (and one shared), 3 layers."""
     split = split_from_config(ModelArgs.from_dict(TINY))
-    per_layer = 32 * 4 * 32 + 4 + (4 * 32 // 2) * (2 * 16) + (2 * 16) * 64                # wq_b sink wo_a wo_b
+    per_layer = 32 * 4 * 32 + 4 + (4 * 32 // 2) * (2 * 16) + (2 * 16) * 64 + 3 * 64 * 32   # wq_b sink wo_a wo_b shared
     assert split.tensor == 4 * (3 * per_layer + 2 * 300 * 64)                                # + embed, head
-    assert split.shared == 4 * 3 * (3 * 64 * 32)                                          # w1 w2 w3, one shared
     assert split.experts == 4 * 3 * (3 * 4 * 32 * 64)                                     # w1 w2 w3 x 4 experts
-    assert split.per_rank(2) == split.replicated + split.tensor // 2 + split.shared // 2 + split.experts // 2
+    assert split.per_rank(2) == split.replicated + split.tensor // 2 + split.experts // 2
     assert split.per_rank(1) == split.total
     # data-parallel attention: attention, embedding and head whole on every rank, experts split over all
-    assert split.per_rank(1, 4) == split.replicated + split.tensor + split.shared + split.experts // 4
-    # TP inside DP ranks: attention split by TP, the shared expert whole on every rank, experts over all
-    assert split.per_rank(2, 2) == split.replicated + split.tensor // 2 + split.shared + split.experts // 4
+    assert split.per_rank(1, 4) == split.replicated + split.tensor + split.experts // 4
+    # TP inside DP ranks: attention and the shared expert split by the DP rank's TP group
+    assert split.per_rank(2, 2) == split.replicated + split.tensor // 2 + split.experts // 4
 
 
 def test_weights_from_config_equal_the_checkpoints_headers(dense_dir):
@@ -54,8 +53,8 @@ def test_weights_from_config_equal_the_checkpoints_headers(dense_dir):
     (transformers declares an MTP layer in config.json but saves none)."""
     from_config = split_from_config(ModelArgs.from_file(dense_dir / "config.json"), mtp_layers=0)
     from_files = split_from_checkpoint(dense_dir)
-    assert (from_config.replicated, from_config.tensor, from_config.shared, from_config.experts, from_config.params) == \
-           (from_files.replicated, from_files.tensor, from_files.shared, from_files.experts, from_files.params)
+    assert (from_config.replicated, from_config.tensor, from_config.experts, from_config.params) == \
+           (from_files.replicated, from_files.tensor, from_files.experts, from_files.params)
 
 
 @pytest.mark.parametrize("fmt", [dict(block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4"),
@@ -68,8 +67,8 @@ def test_quantized_sizes_from_config_equal_the_released_format(dense_dir, tmp_pa
     from_config = split_from_config(ModelArgs.from_file(quant / "config.json"))
     from_files = split_from_checkpoint(quant)
     assert from_files.mtp_params > 0 and from_config.mtp_params == from_files.mtp_params
-    assert (from_config.replicated, from_config.tensor, from_config.shared, from_config.experts, from_config.params) == \
-           (from_files.replicated, from_files.tensor, from_files.shared, from_files.experts, from_files.params)
+    assert (from_config.replicated, from_config.tensor, from_config.experts, from_config.params) == \
+           (from_files.replicated, from_files.tensor, from_files.experts, from_files.params)
     dense = split_from_config(ModelArgs.from_file(dense_dir / "config.json"), mtp_layers=1)
     assert from_config.experts < dense.experts * (0.3 if fmt["expert_dtype"] == "fp4" else 0.5)
 

@@ -262,11 +262,12 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], fmt: QuantFormat | N
            kernel_backend: str, dtype_name: str, device: str) -> Transformer:
     """The model from canonical tensors; CheckpointErrors name canonical tensors (the caller
     renames them as stored)."""
-    if shard.grouped:      # TP inside a DP rank: whole experts of the D x T ranks, the shared expert replicated
-        shard.split_shared = False
+    if shard.grouped:      # TP inside a DP rank: whole experts of the D x T ranks, the rest as under TP
+        shard.split_shared = split_shared(state, shard.size, fmt)
         state = own_experts(state, *shard.owned_experts(args.n_routed_experts), whole=args.n_routed_experts,
                             slots=shard.local_placement(args.n_routed_experts))
-        state = shard_state(state, shard.rank, shard.size, True, False, fmt, whole=args.n_routed_experts)
+        state = shard_state(state, shard.rank, shard.size, True, shard.split_shared, fmt,
+                            whole=args.n_routed_experts)
     elif shard.size > 1:
         shard.split_shared = split_shared(state, shard.size, fmt)
         state = shard_state(state, shard.rank, shard.size, shard.expert_parallel, shard.split_shared, fmt,

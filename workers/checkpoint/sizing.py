@@ -6,13 +6,12 @@ parallelism; `dp` > 1: data-parallel attention, DESIGN.md §9). How it holds the
 (DeepSeek's reference sharding):
 
     split by TP      query heads (attn.wq_b, attn_sink), the grouped output projection
-                     (attn.wo_a by group, attn.wo_b by its input), the embedding and the head
-                     (by vocabulary); with `dp` > 1 these are split by the `tp` ranks inside one
-                     DP rank and replicated across DP ranks
-    shared expert    split by TP (by its intermediate size; the loader replicates it instead where
-                     a cut would split an FP8 scale block, which V4's shapes never do up to 8
-                     ranks; counted split here); replicated on every rank with `dp` > 1 (each
-                     rank of a DP rank's TP group runs it on its share of the group's tokens)
+                     (attn.wo_a by group, attn.wo_b by its input), the shared expert (by its
+                     intermediate size; the loader replicates it instead where a cut would split
+                     an FP8 scale block, which V4's shapes never do up to 8 ranks; counted split
+                     here), the embedding and the head (by vocabulary); with `dp` > 1 these
+                     are split by the `tp` ranks inside one DP rank (its TP group) and replicated
+                     across DP ranks
     routed experts   split over all tp x dp ranks: whole experts per rank with expert
                      parallelism, every expert's intermediate size split without it; 1/(tp x dp)
                      of the bytes either way (DP rows are planned with expert parallelism)
@@ -55,8 +54,8 @@ from .loader import FP32_PARAM, canonical_name, weight_files
 
 GiB = 1 << 30
 DEFAULT_RESERVE = 0.10      # of device memory: activations, CUDA context, NCCL buffers, fragmentation
-TP_SPLIT = re.compile(r"(\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)|\.attn\.attn_sink|^(embed|head)\.weight)$")
-SHARED = re.compile(r"\.shared_experts\.w[123]\.(weight|scale)$")
+TP_SPLIT = re.compile(r"(\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)|\.attn\.attn_sink"
+                      r"|\.shared_experts\.w[123]\.(weight|scale)|^(embed|head)\.weight)$")
 ROUTED = re.compile(r"\.ffn\.experts\.")
 # What the release keeps in BF16 although quantization_config is set (tests/quant_checkpoint.py
 # writes the same split); every other 2-D linear weight is FP8 with 128x128 block scales.
@@ -86,7 +85,6 @@ class WeightSplit:
     """Weight bytes by how they shard across the ranks of a replica."""
     replicated: int = 0
     tensor: int = 0          # split by TP
-    shared: int = 0          # shared experts: split by TP alone, replicated inside DP ranks
     experts: int = 0         # routed experts: split by EP or by TP
     params: int = 0          # model parameters (FP4 counted unpacked), scales excluded
     mtp_params: int = 0      # of which in the MTP layers
@@ -95,8 +93,6 @@ class WeightSplit:
     def add(self, name: str, nbytes: int, params: int, dtype: str) -> None:
         if ROUTED.search(name):
             self.experts += nbytes
-        elif SHARED.search(name):
-            self.shared += nbytes
         elif TP_SPLIT.search(name):
             self.tensor += nbytes
         else:
@@ -107,12 +103,11 @@ class WeightSplit:
 
     @property
     def total(self) -> int:
-        return self.replicated + self.tensor + self.shared + self.experts
+        return self.replicated + self.tensor + self.experts
 
     def per_rank(self, tp: int, dp: int = 1) -> int:
         """Bytes one rank holds in a replica of `dp` DP ranks of `tp` TP ranks each."""
-        shared = math.ceil(self.shared / tp) if dp == 1 else self.shared
-        return self.replicated + math.ceil(self.tensor / tp) + shared + math.ceil(self.experts / (tp * dp))
+        return self.replicated + math.ceil(self.tensor / tp) + math.ceil(self.experts / (tp * dp))
 
 
 def split_from_checkpoint(model_dir: str | Path) -> WeightSplit:
@@ -239,8 +234,8 @@ class Fit:
 
     @property
     def not_served(self) -> str | None:
-        """What kvmesh plans here but does not serve yet (None: it serves this size; every size
-        planned is served since TP inside DP ranks was built)."""
+        """What kvmesh plans here but does not serve yet (None: it serves this size; since TP inside
+        DP ranks was built, every size the plan lists is served)."""
         return None
 
 
@@ -348,8 +343,7 @@ def format_plan(p: Plan, label: str) -> str:
     lines = [f"{label}: {_count(w.params)} parameters ({_count(w.mtp_params)} of them MTP; FP4 counted unpacked), "
              f"weights {w.total / scale:,.1f} {unit}: " + ", ".join(
                  f"{d} {b / scale:,.1f}" for d, b in sorted(w.by_dtype.items(), key=lambda kv: -kv[1])),
-             f"  split by TP {w.tensor / scale:,.2f} {unit}, shared experts {w.shared / scale:,.2f} {unit} "
-             f"(split by TP alone; whole on every rank with DP), routed experts {w.experts / scale:,.2f} {unit}, "
+             f"  split by TP {w.tensor / scale:,.2f} {unit}, routed experts {w.experts / scale:,.2f} {unit}, "
              f"replicated on every rank {w.replicated / scale:,.2f} {unit}",
              f"KV cache ({kv}, block_tokens {lay.block_tokens}): {lay.bytes_per_token():,.1f} B/token compressed"
              + (f", {p.kv_bytes_per_token:,.1f} B/token resident with the `full` policy's SWA K=V"

@@ -65,8 +65,8 @@ from kvmesh.workers.parallel.replica import Liveness, LocalProcessLauncher, Rank
 from kvmesh.workers.request import HeldKV, RequestOutput, Resume
 from kvmesh.workers.sampling.params import InvalidRequestError, SamplingParams
 
-from .dp_rank import (CacheDigests, Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased, RankHandoff,
-                      ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
+from .dp_rank import (CacheDigests, Call, CallReply, HeldHandle, NewRequest, OfferHeld, OpenNixl, PollReleased,
+                      RankHandoff, ReleaseHeld, Reply, Residency, Tick, rank_config, run_call, run_dp_rank, run_tick)
 from .engine import GRAMMAR_POLL_S, Engine
 from .protocol import run_to_completion
 from .stats import EngineStats, summed

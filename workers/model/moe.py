@@ -144,16 +144,24 @@ class MoE(nn.Module):
         """Tensor parallelism inside a data-parallel rank: every rank of the group holds the
         group's tokens x [T, C]; rank t routes and exchanges its contiguous share of them (T split
         as evenly as it goes: a rank gets none when T < the group's size, and still joins the
-        exchange), adds the replicated shared expert on those rows, and the group all-gathers
-        the shares back in rank order. No reduction crosses a token: each row's output is what
-        one rank computed for it."""
+        exchange) and writes their routed output into its rows of a [T, C] partial; the shared
+        expert, split by the group like the attention, adds its partial output for every row (a
+        shared expert the loader had to replicate, since a cut would split an FP8 scale block,
+        adds its whole output on the rank's own rows only); one all-reduce in the group sums them,
+        as the plain TP layer's does."""
         comm = self.shard.comm
         counts = split_rows(x.shape[0], comm.size)
-        start = sum(counts[:comm.rank])
-        mine, ids = x[start:start + counts[comm.rank]], tokens[start:start + counts[comm.rank]]
-        w, idx = self.gate(mine, ids)
-        y = self.exchanged(mine, idx, w) + self.shared_experts(mine)
-        return comm.all_gather_rows(y, counts)
+        start, n = sum(counts[:comm.rank]), counts[comm.rank]
+        mine = x[start:start + n]
+        w, idx = self.gate(mine, tokens[start:start + n])
+        routed = self.exchanged(mine, idx, w)
+        if self.shard.split_shared:
+            y = self.shared_experts(x)
+            y[start:start + n] += routed
+        else:
+            y = torch.zeros_like(x)
+            y[start:start + n] = routed + self.shared_experts(mine)
+        return comm.all_reduce(y)
 
     def exchanged(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention: the routed experts' output for this rank's tokens x [T, C].

@@ -46,11 +46,11 @@ class Shard:
     but the routed experts, of which it owns n_routed_experts/dp_size whole experts; each MoE
     layer exchanges its tokens with the other `dp_size` - 1 ranks over `exchange` (moe.py).
     Tensor parallelism inside data-parallel ranks (`size` > 1 and `dp_size` > 1, `grouped`):
-    `rank`/`size`/`comm` are the rank's attention group (one DP rank: heads, output groups and
-    vocabulary split as above, the shared expert replicated), `dp_rank`/`dp_size`/`exchange` its
-    place among every rank of every group (D x T), over which the routed experts are split whole;
-    each MoE layer splits the group's tokens over its ranks before the exchange and gathers the
-    outputs back after it (moe.py `MoE.grouped`).
+    `rank`/`size`/`comm` are the rank's attention group (one DP rank: heads, output groups,
+    vocabulary and the shared expert split as above), `dp_rank`/`dp_size`/`exchange` its place
+    among every rank of every group (D x T), over which the routed experts are split whole; each
+    MoE layer splits the group's tokens over its ranks before the exchange and sums the outputs
+    back in the group after it (moe.py `MoE.grouped`).
     With EPLB, `placement` (phy2log [P], P = n_routed_experts + redundant) says which logical
     expert each physical one holds at start-up; the rank holds physical experts [r*P/N, (r+1)*P/N)
     (model/expert_map.py), loaded from its own block of logical ones (`owned_experts`)."""
