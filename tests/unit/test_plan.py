@@ -185,7 +185,7 @@ def test_tiny_replicas_over_several_nodes_by_hand():
         blocks = (free - p.layout.slot_bytes) // p.block_bytes
         assert f.expert_parallel and f.fits and f.weights_per_rank == split.per_rank(f.tp, f.dp)
         assert (f.free_per_rank, f.tokens, f.tokens_per_node) == (free, f.dp * blocks * 16, f.dp * blocks * 16 // 2)
-        assert f.replicas_per_node == 0.5 and f.not_served is None         # TP inside DP ranks is served
+        assert f.replicas_per_node == 0.5
     assert one.nodes == 1 and p.nodes == 3 and not p.auto_nodes
     # auto: something fits on one node, so one node's rows only
     assert plan(a, split, 0.004, 2, block_tokens=16, swa_policy="zero", nodes=None).fits == \

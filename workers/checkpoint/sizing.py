@@ -232,12 +232,6 @@ class Fit:
     def tokens_per_node(self) -> int:
         return self.tokens // self.nodes if self.nodes > 1 else self.tokens * int(self.replicas_per_node)
 
-    @property
-    def not_served(self) -> str | None:
-        """What kvmesh plans here but does not serve yet (None: it serves this size; since TP inside
-        DP ranks was built, every size the plan lists is served)."""
-        return None
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -366,7 +360,7 @@ def format_plan(p: Plan, label: str) -> str:
 
 
 def _notes(p: Plan) -> list[str]:
-    """Under the table: how far the node search went, and which fitting sizes are planned, not served."""
+    """Under the table: how far the node search went."""
     notes = [""]
     if any(f.nodes > 1 for f in p.fits):
         notes.append(f"nodes > 1: one DP + EP replica over whole nodes, {p.gpus} ranks on each "
@@ -377,9 +371,6 @@ def _notes(p: Plan) -> list[str]:
     elif p.auto_nodes and p.nodes > 1:
         notes.append(f"nothing fits on one node: rows up to {p.nodes} nodes, the fewest where one fits "
                      "(--nodes N to see more)")
-    unserved = sorted({f.not_served for f in p.fits if f.fits and f.not_served})
-    if unserved:
-        notes.append("planned here, not served yet: " + "; ".join(unserved) + " (JSON `served`)")
     return notes if len(notes) > 1 else []
 
 
