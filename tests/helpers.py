@@ -279,10 +279,11 @@ def undeletable(path: Path):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
-def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, **parallel) -> None:
+def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, hows: tuple[str, ...] = ("stall", "kill"),
+                                 **parallel) -> None:
     """A replica (`parallel`: its sizes; rank_timeout_s 3 s) whose rank 1 (`rank1_pid(engine)`) is
-    stopped, then one whose rank 1 is killed, mid-request: RankFailed within the timeout (never a
-    hang), the engine stays failed, and close() is quick."""
+    stopped, then one whose rank 1 is killed (`hows`), mid-request: RankFailed within the timeout
+    (never a hang), the engine stays failed, and close() is quick."""
     import os
     import signal
     import time
@@ -292,7 +293,7 @@ def assert_rank_failure_is_quick(path: Path, name: str, rank1_pid, **parallel) -
     from kvmesh.workers.parallel.collectives import RankFailed
     from kvmesh.workers.sampling.params import SamplingParams
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    for how, bound in (("stall", 3.0 + 5), ("kill", 5.0)):
+    for how, bound in [(h, b) for h, b in (("stall", 3.0 + 5), ("kill", 5.0)) if h in hows]:
         engine = tiny_engine(path, name, rank_timeout_s=3.0, **parallel)
         try:
             engine.add_request("r", random_prompt(40), long)
