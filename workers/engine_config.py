@@ -220,6 +220,9 @@ class EngineConfig:
     store_reads_in_flight: Count = setting(
         4, "store reads a restore may have in flight at once: once a prefetch's first objects read slowly (a "
            "network mount, an object store), it reads the rest in this many parts side by side")
+    handoff_loads_in_flight: Annotated[int, Strict(), Field(ge=0)] = setting(
+        4, "decode role: handed-off caches read at once off the engine step (each request waits with its "
+           "blocks and slot reserved while the step runs the others); 0: read inside the step")
     store_scrub_interval_s: Annotated[float, Strict(), Field(ge=0)] = setting(
         600.0, "seconds between background scrub passes over this deployment's store namespace "
                "(kvstore/store/scrub.py; 0 = off)")

@@ -75,6 +75,57 @@ def test_a_cache_that_fails_to_load_fails_only_its_request(model_dir):
     assert e.blocks.num_free == e.blocks.num_blocks and e.slots.num_free == e.slots.num_slots
 
 
+def test_a_handoff_load_runs_off_the_step_with_its_memory_reserved_and_joins_when_it_ends(model_dir):
+    """Decode role, loads off the step (the default, handoff_loads_in_flight 4): while a load is
+    slow (it waits on an event), the engine keeps stepping a running request; the loading request
+    holds its blocks and slot and is not in the batch; once the load ends it joins and its tokens
+    equal a single engine's. A request aborted mid-load gives its memory back only after the load
+    is over; a failed load fails only its request; past the in-flight limit admission waits."""
+    import threading
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = random_prompt(75, seed=5)
+    single = engine(model_dir).generate([prompt], params)[0]
+    prefill = engine(model_dir)
+    prefill.add_request("r", prompt, params, hold_kv=True)
+    first = run(prefill)[-1]
+    held, payload = prefill.held_handle("r"), prefill.export_held("r")
+    prefill.release_held("r")
+    gates = {rid: threading.Event() for rid in ("slow", "aborted", "broken", "third")}
+
+    def gated(rid, load=scatter(payload)):
+        def run_load(cache, blocks, slot, reused):
+            assert threading.current_thread() is not threading.main_thread()    # off the engine's thread
+            gates[rid].wait(30)
+            if rid == "broken":
+                raise OSError("transfer failed")
+            load(cache, blocks, slot, reused)
+        return run_load
+
+    d = engine(model_dir, handoff_loads_in_flight=3)
+    d.add_request("busy", random_prompt(20, seed=6), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    d.step()
+    for rid in gates:
+        d.add_request(rid, prompt, params, resume=Resume(first.first, gated(rid), first.cached_tokens, held.rng_state))
+    free = d.blocks.num_free
+    for _ in range(5):                                    # the running request steps; three loads hold memory
+        outs = d.step()
+        assert [o.request_id for o in outs] == ["busy"]
+    assert d.kv.loading == 3 and len(d.scheduler.waiting) == 1 and d.stats().restoring == 3   # "third" waits
+    assert d.slots.num_free == d.slots.num_slots - 4 and d.blocks.num_free < free
+    d.abort("aborted")
+    assert d.kv.landing == 1                              # its memory waits for its load
+    gates["broken"].set()
+    gates["slow"].set()
+    gates["aborted"].set()
+    gates["third"].set()
+    outs = {o.request_id: o for o in run(d) if o.finished}
+    assert outs["slow"].token_ids == single.token_ids and outs["third"].token_ids == single.token_ids
+    assert outs["broken"].finish_reason == "error" and "transfer failed" in outs["broken"].error
+    assert "aborted" not in outs and d.kv.landing == 0 and d.kv.loading == 0
+    assert d.blocks.num_free == d.blocks.num_blocks and d.slots.num_free == d.slots.num_slots
+
+
 def test_prefix_reuse_can_be_switched_off_for_baselines(model_dir):
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     prompt = random_prompt(70)

@@ -125,7 +125,7 @@ def build(config: EngineConfig, model_dir: Path, ranks: Leader | None, dp: Colle
                                     dtype_name if kv == "auto" else f"{dtype_name}/kv:{kv}", config.block_tokens,
                                     LAYOUT_VERSION * 2 + int(swa_blocks))
     prefix = prefix_cache(config, args, layout, cache, blocks, fingerprint)
-    manager = KVCacheManager(cache, blocks, slots, prefix)
+    manager = KVCacheManager(cache, blocks, slots, prefix, config.handoff_loads_in_flight)
     runner = ModelRunner(model, raw_cache, config.device, ranks)
     max_model_len = min(config.max_model_len or args.max_position_embeddings, num_blocks * config.block_tokens)
     return EngineParts(args=args, model=model, tokenizer=load_tokenizer(model_dir), layout=layout, policy=policy,

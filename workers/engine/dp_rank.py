@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -174,6 +175,7 @@ class RankHandoff:
         self.gathered = GatheredTransport(engine.fingerprint)
         self.loaded: list[tuple[str, TransferReport]] = []
         self.unread: list[str] = []
+        self._lock = threading.Lock()          # loads run on the engine's loader threads
         self.kept: dict[str, object] = {}                 # rank 0: request id -> the caller's own Resume.load
 
     def transport(self, kind: str) -> KVTransport:
@@ -194,15 +196,22 @@ class RankHandoff:
                 report = self.transport(r.offer.transport).load(r.offer, cache, block_ids, slot, reused)
             except HandoffError as e:    # over (not in flight): the front may start it again from a Ray copy
                 if r.offer.transport == "nixl" and not isinstance(e, TransferInFlight):
-                    self.unread.append(r.request_id)
+                    with self._lock:
+                        self.unread.append(r.request_id)
                 raise
-            self.loaded.append((r.request_id, report))
+            with self._lock:
+                self.loaded.append((r.request_id, report))
             return report
         return r.resume._replace(load=load)
 
-    def reports(self) -> tuple[list[tuple[str, TransferReport]], list[str]]:
-        """(loads run, NIXL READs failed) since the last call."""
-        loaded, unread, self.loaded, self.unread = self.loaded, self.unread, [], []
+    def reports(self, outputs: list[RequestOutput]) -> tuple[list[tuple[str, TransferReport]], list[str]]:
+        """(loads run, NIXL READs failed) since the last call; a failed READ is reported with the
+        step whose `outputs` end its request (a load off the step may fail before that step)."""
+        ended = {o.request_id for o in outputs if o.finished}
+        with self._lock:
+            loaded, self.loaded = self.loaded, []
+            unread = [rid for rid in self.unread if rid in ended]
+            self.unread = [rid for rid in self.unread if rid not in ended and rid in self.engine.seqs]
         return loaded, unread
 
     def run(self, op) -> object:
@@ -252,7 +261,7 @@ def run_tick(engine: Engine, tick: Tick, rank: int, residency: Residency, handof
             refused.append(RequestOutput(r.request_id, r.prompt, [], [], [], "", True, "error", len(r.prompt), 0,
                                          error=f"{type(e).__name__}: {e}"))
     outputs = refused + engine.step()
-    return Reply(outputs, engine.stats(), *residency.changes(), *handoff.reports())
+    return Reply(outputs, engine.stats(), *residency.changes(), *handoff.reports(outputs))
 
 
 def run_dp_rank(rank: int, world_size: int, init_method: str, config: EngineConfig) -> None:

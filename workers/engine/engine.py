@@ -158,6 +158,7 @@ class Engine:
         self.guides.close()
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
+        self.kv.close()
         self.prefix.close()
         if self.ranks is not None:
             self.ranks.close()
@@ -230,10 +231,12 @@ class Engine:
     def _join_compiled(self) -> list[RequestOutput]:
         """Queue the parked requests whose grammar is ready, and those whose prefetch ended or
         ran out of time; error outputs for those whose compile failed. With nothing else to run
-        (and no data-parallel lockstep to keep), first wait a little for either instead of spinning."""
-        if self.dp is None and (self.grammar_wait or self.restore_wait) and not self.scheduler.has_work():
+        (and no data-parallel lockstep to keep), first wait a little for either, or for a handoff
+        load off the step, instead of spinning."""
+        loads = self.kv.load_futures()
+        if self.dp is None and (self.grammar_wait or self.restore_wait or loads) and not self.scheduler.has_batch():
             until = self.restore_wait.next_deadline() - time.monotonic()
-            concurrent.futures.wait(self.grammar_wait.futures() + self.restore_wait.futures(),
+            concurrent.futures.wait(self.grammar_wait.futures() + self.restore_wait.futures() + loads,
                                     max(0.0, min(GRAMMAR_POLL_S, until)), return_when=concurrent.futures.FIRST_COMPLETED)
         for seq, _ in self.restore_wait.ready():        # late reads: what arrived counts, the rest is recomputed
             self._schedule(seq)
@@ -387,7 +390,7 @@ class Engine:
             counters=dataclasses.replace(self.counters), queue_time=self.queue_time.snapshot(),
             reuse=reuse, store=stored, grammar=GrammarCounters(len(self.grammar_wait), **self.guides.stats()._asdict()),
             eplb=EplbCounters(**self.balancer.counters()) if self.balancer is not None else None,
-            restoring=len(self.restore_wait), queued_prompt_tokens=self.queued_prompt_tokens(),
+            restoring=len(self.restore_wait) + self.kv.loading, queued_prompt_tokens=self.queued_prompt_tokens(),
             planner=dataclasses.replace(self.planner_counters))
 
     def queued_prompt_tokens(self) -> int:

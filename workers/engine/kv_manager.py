@@ -7,6 +7,7 @@
     kv.fork(parent, child)                        # n > 1: share full blocks, copy the rest
     kv.free(seq)
     kv.reap_landing()                             # each step: memory of abandoned transfers comes back
+    kv.loaded()                                   # handoff loads that ended off the step (loads_in_flight)
 
 The scheduler sees only this (vLLM v1's `get_computed_blocks` + `allocate_slots`). Where a
 hit comes from is the prefix cache's business: it *finds* one across its tiers (device pool,
@@ -14,6 +15,13 @@ host cache, store) and *fills* the blocks given here. A cache handed off by a pr
 (decode role) is a hit too: it covers the whole prompt and its `Resume.load` fills it, all but
 the leading full blocks this engine's device pool already holds (the same prefix hashes: shared
 by refcount like any resident hit, and not moved).
+
+With `loads_in_flight` > 0 a handed-off cache is read off the engine step: admission reserves
+the request's blocks and slot, starts `Resume.load` on a loader thread and reports the request as
+loading (`is_loading`); the scheduler keeps it out of the batch until `loaded()` says its load
+ended (written: it joins; failed: it fails alone). At most `loads_in_flight` loads hold memory at
+once (admission waits past that), so parked reservations stay bounded; a request aborted while its
+load runs gives its memory back only once the load is over (`reap_landing`).
 
 What mutates: `allocate_slots`, `fork` and `free` change the pools (refcounts, free lists) and
 the sequence's `blocks`, `slot` and restore fields (`num_computed`, `cached_tokens`,
@@ -23,6 +31,7 @@ holds nothing: nothing else may allocate between it and the `allocate_slots` it 
 """
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Callable, NamedTuple
 
 from kvmesh.kvstore.device.block_pool import BlockPool
@@ -51,11 +60,17 @@ NO_HIT = ComputedBlocks()
 
 
 class KVCacheManager:
-    def __init__(self, cache: CacheTensors, blocks: BlockPool, slots: SlotPool, prefix: PrefixCache):
+    def __init__(self, cache: CacheTensors, blocks: BlockPool, slots: SlotPool, prefix: PrefixCache,
+                 loads_in_flight: int = 0):
         self.cache, self.blocks, self.slots, self.prefix = cache, blocks, slots, prefix
         self.block_tokens = cache.layout.block_tokens
         # (blocks, slot, settled) of loads given up while a transfer may still write them
         self._landing: list[tuple[list[int], int, Callable[[], bool]]] = []
+        self.loads_in_flight = loads_in_flight
+        self._loader = (concurrent.futures.ThreadPoolExecutor(loads_in_flight, thread_name_prefix="kvmesh-handoff-load")
+                        if loads_in_flight else None)
+        # id(seq) -> (seq, hit, the load's future): handed-off caches being read off the step
+        self._loads: dict[int, tuple[Sequence, ComputedBlocks, concurrent.futures.Future]] = {}
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -103,6 +118,8 @@ class KVCacheManager:
         return True
 
     def _admit(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks) -> bool:
+        if hit.handoff is not None and self._loader is not None and len(self._loads) >= self.loads_in_flight:
+            return False              # as many loads hold memory as may: this one waits for one to end
         total = max(len(hit.resident), self.blocks_for(hit.num_tokens + num_new_tokens))
         fresh = total - sum(b is not None for b in hit.resident)
         revived = sum(1 for b in hit.resident if b is not None and self.blocks.ref[b] == 0)  # leave the free count
@@ -115,27 +132,86 @@ class KVCacheManager:
         held = [self.blocks.touch(b) if b is not None else None for b in hit.resident]
         seq.blocks = [b if b is not None else self.blocks.allocate() for b in held]
         seq.blocks += [self.blocks.allocate() for _ in range(total - len(held))]
-        if hit.handoff is not None:
+        if hit.handoff is not None and self._loader is not None:
+            blocks, reused = self._handoff_target(seq, hit)
+            self._loads[id(seq)] = (seq, hit, self._loader.submit(hit.handoff.load, self.cache.real, blocks,
+                                                                  seq.slot, reused))
+        elif hit.handoff is not None:
             self._load_handoff(seq, hit)
         elif hit.restore is not None and not self.prefix.fill(seq, hit.restore):
             self._go_cold(seq, hit.num_tokens + num_new_tokens)
         return seq.slot is not None
 
-    def _load_handoff(self, seq: Sequence, hit: ComputedBlocks) -> None:
-        blocks = seq.blocks[:len(hit.resident)]
+    @staticmethod
+    def _handoff_target(seq: Sequence, hit: ComputedBlocks) -> tuple[list[int], int]:
+        """The blocks a handed-off cache fills and how many leading ones this pool held already."""
         reused = next((i for i, b in enumerate(hit.resident) if b is None), len(hit.resident))
+        return seq.blocks[:len(hit.resident)], reused
+
+    def _load_handoff(self, seq: Sequence, hit: ComputedBlocks) -> None:
+        blocks, reused = self._handoff_target(seq, hit)
         try:
             hit.handoff.load(self.cache.real, blocks, seq.slot, reused)
-            # a NIXL READ writes rank 0's memory only: under TP the other ranks get the bytes
-            self.cache.resync(blocks[reused:], seq.slot)
         except Exception as e:     # the transfer's failure, whatever its type, ends only this request
-            if isinstance(e, TransferInFlight):
-                self._landing.append((seq.blocks, seq.slot, e.settled))
-                seq.blocks, seq.slot, seq.hashed_blocks = [], None, 0
-            else:
-                self.free(seq)
-            raise KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}") from e
+            raise self._load_failed(seq, e) from e
+        self._loaded(seq, hit)
+
+    def _loaded(self, seq: Sequence, hit: ComputedBlocks) -> None:
+        blocks, reused = self._handoff_target(seq, hit)
+        # a NIXL READ writes rank 0's memory only: under TP the other ranks get the bytes
+        self.cache.resync(blocks[reused:], seq.slot)
         seq.num_computed, seq.hashed_blocks = hit.num_tokens, reused
+
+    def _load_failed(self, seq: Sequence, e: BaseException) -> KVLoadError:
+        """seq holds nothing after it (memory a transfer may still write waits in `_landing`)."""
+        if isinstance(e, TransferInFlight):
+            self._landing.append((seq.blocks, seq.slot, e.settled))
+            seq.blocks, seq.slot, seq.hashed_blocks = [], None, 0
+        else:
+            self.free(seq)
+        return KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}")
+
+    # ---- handed-off caches read off the step (loads_in_flight > 0) ------------------------------
+    def is_loading(self, seq: Sequence) -> bool:
+        return id(seq) in self._loads
+
+    @property
+    def loading(self) -> int:
+        """Requests whose handed-off cache is being read off the step."""
+        return len(self._loads)
+
+    def load_futures(self) -> list[concurrent.futures.Future]:
+        return [f for _, _, f in self._loads.values()]
+
+    def loaded(self) -> list[tuple[Sequence, KVLoadError | None]]:
+        """The loads that ended since the last call, in the order they started: (seq, None) when
+        its cache is in (it may run), (seq, KVLoadError) when it failed (seq holds nothing)."""
+        out = []
+        for key, (seq, hit, future) in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[key]
+            error = future.exception()
+            if error is None:
+                self._loaded(seq, hit)
+                out.append((seq, None))
+            else:
+                out.append((seq, self._load_failed(seq, error)))
+        return out
+
+    def abandon(self, seq: Sequence) -> None:
+        """seq ended while its load runs: its memory comes back once the load is over."""
+        _, _, future = self._loads.pop(id(seq))
+
+        def settled() -> bool:      # a READ that timed out may still write until its own `settled`
+            error = future.done() and future.exception()
+            return future.done() and (not isinstance(error, TransferInFlight) or error.settled())
+        self._landing.append((seq.blocks, seq.slot, settled))
+        seq.blocks, seq.slot, seq.hashed_blocks = [], None, 0
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     @property
     def landing(self) -> int:

@@ -5,7 +5,9 @@ decoding gets 1 token, then running prefills and newly admitted requests share w
 left of the budget (chunked prefill). Memory (blocks + one state slot per running
 request) comes from the KV-cache manager alone; when a decode cannot get a block, the
 newest running request is preempted (its cache freed, re-run later from its tokens) so
-the process never dies of it.
+the process never dies of it. A decode-role request whose handed-off cache the manager reads
+off the step (`loads_in_flight`) waits in `loading`, its memory reserved, and joins the running
+requests at the first step after its load ended (or fails alone).
 """
 from __future__ import annotations
 
@@ -31,16 +33,25 @@ class Scheduler:
         self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []          # admitted, their handed-off cache being read
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def has_batch(self) -> bool:
+        """Something could run in the next step (not only loads in flight)."""
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
+        if seq in self.loading:                # its memory comes back once the load is over
+            self.loading.remove(seq)
+            self.kv.abandon(seq)
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -86,6 +97,16 @@ class Scheduler:
         budget = self.max_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         failed: list[tuple[Sequence, KVLoadError]] = []
+        for seq, error in self.kv.loaded():       # handed-off caches read off the step: in, or failed
+            self.loading.remove(seq)
+            if error is not None:
+                seq.status = Status.FINISHED
+                failed.append((seq, error))
+                continue
+            if self.on_admit is not None:
+                self.on_admit(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
         for seq in list(self.running):
             if seq.remaining_prefill() != 1 or seq not in self.running:
                 continue
@@ -106,7 +127,8 @@ class Scheduler:
                     break
                 batch.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.kv.can_admit:
+        while (self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs
+               and self.kv.can_admit):
             seq = self.waiting[0]
             hit = self.kv.get_computed_blocks(seq)
             try:
@@ -118,6 +140,10 @@ class Scheduler:
                 continue
             if not admitted:
                 break
+            if self.kv.is_loading(seq):          # its cache is read off the step: it joins when that ends
+                self.waiting.popleft()
+                self.loading.append(seq)
+                continue
             if self.on_admit is not None:
                 self.on_admit(seq)
             n = self.chunk(seq, budget)    # from the hit (or from 0 when it could not be written)
