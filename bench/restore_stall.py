@@ -14,6 +14,12 @@ token, their ratio, and the warm request's TTFT (arrival to first token); the lo
 beside. A third row is the floor: the same with the document already in the reader's device
 memory (the admitting step then only computes the new tokens against the cached context). --read-latency-ms adds that much to every store read call (a network mount or object
 store), on whichever thread makes it.
+
+With --handoff the warm request comes as a P/D handoff instead (decode role): a prefill engine
+holds the document's cache, and the reader gets it with a Resume whose load copies the gathered
+cache after --handoff-latency-ms (the wire: a NIXL READ or a Ray copy of that many MB at some
+bandwidth), read inside the step (`handoff_loads_in_flight` 0) or off it (the default, 4); TTFT is
+then arrival to its first decoded token. The floor row is the same without the wire's latency.
 """
 from __future__ import annotations
 
@@ -33,11 +39,13 @@ import torch  # noqa: E402
 from kvmesh.kvstore.store.tiers import nbytes  # noqa: E402
 from kvmesh.workers.engine import Engine  # noqa: E402
 from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
+from kvmesh.workers.request import Resume  # noqa: E402
 from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
 
 BEFORE = 40        # steps before the warm request comes (the first two are not counted)
 DECODE = SamplingParams(max_tokens=4_000, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+HANDOFF = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)    # prefill's token + one decoded
 
 
 def engine(store: str, policy: str, prefetch: bool, max_num_seqs: int | None = None, reads: int = 4) -> Engine:
@@ -79,11 +87,38 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, resident: bool = False) -> dict:
-    e = engine(store, args.policy, prefetch, args.running if args.queued else None, args.reads_in_flight)
-    slow_reads(e, args.read_latency_ms / 1e3, args.object_latency_ms / 1e3, args.bandwidth_mb_s * 1e6)
+def held_document(doc: list[int], policy: str) -> tuple:
+    """--handoff: a prefill engine's held cache of `doc`: (first output, held handle, gathered payload)."""
+    prefill = Engine(EngineConfig(swa_policy=policy, kv_cache_bytes=768 << 20, speculative_tokens=0))
+    prefill.add_request("warm", doc, HANDOFF, hold_kv=True)
+    first = None
+    while first is None:
+        first = next((o for o in prefill.step() if o.held), None)
+    held, payload = prefill.held_handle("warm"), prefill.export_held("warm")
+    prefill.release_held("warm")
+    prefill.close()
+    return first, held, payload
+
+
+def handoff_resume(held_doc: tuple, latency_s: float) -> Resume:
+    first, held, payload = held_doc
+
+    def load(cache, blocks, slot, reused):
+        time.sleep(latency_s)                        # the wire
+        cache.scatter(blocks[reused:], slot, cache.skip_blocks(payload, reused))
+    return Resume(first.first, load, first.cached_tokens, held.rng_state)
+
+
+def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, resident: bool = False,
+        held_doc: tuple | None = None) -> dict:
+    if held_doc is not None:            # --handoff: prefetch means the load off the step
+        e = Engine(EngineConfig(swa_policy=args.policy, kv_cache_bytes=768 << 20, speculative_tokens=0,
+                                handoff_loads_in_flight=4 if prefetch else 0))
+    else:
+        e = engine(store, args.policy, prefetch, args.running if args.queued else None, args.reads_in_flight)
+        slow_reads(e, args.read_latency_ms / 1e3, args.object_latency_ms / 1e3, args.bandwidth_mb_s * 1e6)
     e.generate([[2] * 40], FIRST)                    # first-call costs out of the way
-    if resident:                                     # the floor: the prefix already in device memory
+    if resident and held_doc is None:                # the floor: the prefix already in device memory
         e.generate([doc], FIRST)
     for i in range(args.running):       # --queued: the first one ends --queued steps after the warm request came
         params = SamplingParams(max_tokens=BEFORE + args.queued, temperature=0.0, ignore_eos=True) \
@@ -92,7 +127,11 @@ def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, r
     steps, arrived, first = [], None, None
     warm = doc + question
     while first is None:
-        if len(steps) == BEFORE:
+        if len(steps) == BEFORE and held_doc is not None:
+            e.add_request("warm", doc, HANDOFF,
+                          resume=handoff_resume(held_doc, 0.0 if resident else args.handoff_latency_ms / 1e3))
+            arrived = time.perf_counter()
+        elif len(steps) == BEFORE:
             e.add_request("warm", warm, FIRST)
             arrived = time.perf_counter()
         t = time.perf_counter()
@@ -127,29 +166,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queued", type=int, default=0,
                    help="the engine holds --running sequences at most, so the warm request queues until one "
                         "of them ends, this many steps after it came (0: it is admitted at once)")
+    p.add_argument("--handoff", action="store_true", help="the warm request comes as a P/D handoff (decode role)")
+    p.add_argument("--handoff-latency-ms", type=float, default=50.0, help="with --handoff: the wire's time per load")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     g = torch.Generator().manual_seed(a.tokens)
     doc = torch.randint(3, 500, (a.tokens,), generator=g).tolist()
     question = torch.randint(3, 500, (16,), generator=g).tolist()
     store = tempfile.mkdtemp(prefix="kvmesh-restore-stall-")
-    writer = engine(store, a.policy, True)
-    writer.generate([doc], FIRST)
-    writer.flush()
-    writer.close()
-    rows = [run(store, doc, question, a, prefetch) for prefetch in (False, True)]
-    rows.append(run(store, doc, question, a, True, resident=True))
+    held_doc = None
+    if a.handoff:
+        held_doc = held_document(doc, a.policy)
+    else:
+        writer = engine(store, a.policy, True)
+        writer.generate([doc], FIRST)
+        writer.flush()
+        writer.close()
+    rows = [run(store, doc, question, a, prefetch, held_doc=held_doc) for prefetch in (False, True)]
+    rows.append(run(store, doc, question, a, True, resident=True, held_doc=held_doc))
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{a.tokens}-token document, {a.policy}, {a.running} requests decoding, store read latency "
-          f"{a.read_latency_ms:g} ms per call + {a.object_latency_ms:g} ms per object, bandwidth "
-          f"{a.bandwidth_mb_s or 'uncapped'} MB/s, queued {a.queued} steps, {a.reads_in_flight} reads in flight; "
-          f"load average {load}")
+    if a.handoff:
+        print(f"{a.tokens}-token document handed off (decode role), {a.policy}, {a.running} requests decoding, "
+              f"the wire {a.handoff_latency_ms:g} ms per load; load average {load}")
+    else:
+        print(f"{a.tokens}-token document, {a.policy}, {a.running} requests decoding, store read latency "
+              f"{a.read_latency_ms:g} ms per call + {a.object_latency_ms:g} ms per object, bandwidth "
+              f"{a.bandwidth_mb_s or 'uncapped'} MB/s, queued {a.queued} steps, {a.reads_in_flight} reads in flight; "
+              f"load average {load}")
     print("| restore reads | running: median step ms | before it came: p95 / longest ms | while it waits: steps, "
           "p95 / longest ms | ratio (longest) | admitting step ms | ratio | warm TTFT ms | store hit tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         label = {"in_step": "in the step", "prefetch": "prefetch (off the step)",
                  "resident": "none (the prefix already in device memory: the floor)"}[r["mode"]]
+        if a.handoff:
+            label = {"in_step": "handoff load in the step", "prefetch": "handoff load off the step",
+                     "resident": "handoff load off the step, no wire time (the floor)"}[r["mode"]]
         print(f"| {label} | {r['median_step_ms']:.1f} | {r['p95_step_before_arrival_ms']:.1f} / "
               f"{r['longest_step_before_arrival_ms']:.1f} | {r['steps_during'] - 1}, "
               f"{r['p95_step_before_admission_ms']:.1f} / {r['longest_step_before_admission_ms']:.1f} | "
