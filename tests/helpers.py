@@ -172,6 +172,32 @@ def assert_same_run(out, ref, ref_logprobs: list[float] | None = None, tol: floa
     assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < tol
 
 
+def cold_references(path: Path, name: str, prompts: dict[str, list[list[int]]], greedy, forks) -> dict:
+    """A TP=1 engine's outputs without a store (what the parallel engines are compared with): each
+    group of `prompts` with `greedy`, and "forks": the first of prompts["B"] with `forks`."""
+    cold = tiny_engine(path, name)
+    refs = {k: cold.generate(ps, greedy) for k, ps in prompts.items()}
+    refs["forks"] = cold.generate(prompts["B"][:1], forks)
+    cold.close()
+    return refs
+
+
+def stored_by_tp1(path: Path, name: str, store: str, swa_policy: str, prompts: list[list[int]], params) -> str:
+    """`store` after a TP=1 engine ran `prompts` on it (what a parallel engine then restores)."""
+    writer = tiny_engine(path, name, swa_policy=swa_policy, store=store)
+    writer.generate(prompts, params)
+    writer.close()
+    return store
+
+
+def run_to_end(engine) -> list:
+    """Every output of `engine.step()` until nothing is left to run."""
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
 def assert_same_outputs(outs, refs, tol: float = 1e-4) -> None:
     """Two engines' outputs for the same requests: the same tokens, logprobs within `tol`."""
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]

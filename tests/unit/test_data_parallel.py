@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, assert_same_outputs,
-                           random_prompt, tiny_engine, write_tiny_checkpoint)
+                           cold_references, random_prompt, stored_by_tp1, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
 from kvmesh.workers.checkpoint.sharding import check_sizes
 from kvmesh.workers.engine import EngineProtocol
@@ -66,13 +66,8 @@ def dp2(request, tmp_path_factory):
     case = request.param
     name, overrides = CONFIGS[case]
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(case), name, overrides=overrides)
-    cold = tiny_engine(path, name)                    # TP=1, no store: the reference for everything below
-    refs = {k: cold.generate(ps, GREEDY) for k, ps in prompts(name).items()}
-    refs["forks"] = cold.generate(prompts(name)["B"][:1], FORKS)
-    store = str(tmp_path_factory.mktemp("store"))
-    writer = tiny_engine(path, name, swa_policy=policy(case), store=store)
-    writer.generate(prompts(name)["A"], GREEDY)
-    writer.close()
+    refs = cold_references(path, name, prompts(name), GREEDY, FORKS)     # TP=1, no store: the reference
+    store = stored_by_tp1(path, name, str(tmp_path_factory.mktemp("store")), policy(case), prompts(name)["A"], GREEDY)
     engine = tiny_engine(path, name, **DP, swa_policy=policy(case), store=store,
                          max_batched_tokens=3 * BLOCK_TOKENS[name] + 1, **eplb(case))
     yield case, name, path, refs, store, engine

@@ -26,8 +26,8 @@ from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.model.args import ConfigError
 from kvmesh.workers.request import Resume
 from kvmesh.workers.sampling.params import SamplingParams
-from tests.helpers import (BLOCK_TOKENS, assert_rank_failure_is_quick, assert_same_outputs, random_prompt,
-                           tiny_engine, write_tiny_checkpoint)
+from tests.helpers import (BLOCK_TOKENS, assert_rank_failure_is_quick, assert_same_outputs, cold_references,
+                           random_prompt, run_to_end, stored_by_tp1, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
 
 pytestmark = pytest.mark.slow     # gloo process groups: three spawned ranks per replica
@@ -59,25 +59,12 @@ def dptp(request, tmp_path_factory):
     """(name, path, refs, store, DP=2 x TP=2 engine over a store TP=1 wrote A into)."""
     name = request.param
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
-    cold = tiny_engine(path, name)                    # TP=1, no store: the reference for everything below
-    refs = {k: cold.generate(ps, GREEDY) for k, ps in prompts(name).items()}
-    refs["forks"] = cold.generate(prompts(name)["B"][:1], FORKS)
-    cold.close()
-    store = str(tmp_path_factory.mktemp("store"))
-    writer = tiny_engine(path, name, swa_policy=policy(name), store=store)
-    writer.generate(prompts(name)["A"], GREEDY)
-    writer.close()
+    refs = cold_references(path, name, prompts(name), GREEDY, FORKS)     # TP=1, no store: the reference
+    store = stored_by_tp1(path, name, str(tmp_path_factory.mktemp("store")), policy(name), prompts(name)["A"], GREEDY)
     engine = tiny_engine(path, name, **DPTP, swa_policy=policy(name), store=store,
                          max_batched_tokens=3 * BLOCK_TOKENS[name] + 1)
     yield name, path, refs, store, engine
     engine.close()
-
-
-def _run(engine) -> list:
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    return outs
 
 
 def assert_groups_agree(engine) -> None:
@@ -113,7 +100,7 @@ def test_one_group_idle_joins_the_exchanges_of_the_other(dptp):
     name, _, refs, _, engine = dptp
     steps = [s.counters.steps for s in engine.rank_stats]
     rank = engine.add_request("alone", prompts(name)["idle"][0], GREEDY, rank=1)
-    assert_same_outputs([o for o in _run(engine) if o.finished], refs["idle"])
+    assert_same_outputs([o for o in run_to_end(engine) if o.finished], refs["idle"])
     ran = [s.counters.steps - b for s, b in zip(engine.rank_stats, steps)]
     assert ran[rank] > 0 and ran[1 - rank] == 0
     assert_groups_agree(engine)
@@ -147,7 +134,7 @@ def test_speculation_with_eplb_drafts_and_accepts_what_one_process_does():
         assert eplb.rebalances >= 2 and eplb.moved_experts > 0
         steps = [s.counters.steps for s in engine.rank_stats]
         alone = engine.add_request("alone", PROMPTS[2], LONG, rank=0)   # group 1 makes idle passes only
-        assert [o for o in _run(engine) if o.finished][0].token_ids == plain[2]
+        assert [o for o in run_to_end(engine) if o.finished][0].token_ids == plain[2]
         ran = [s.counters.steps - b for s, b in zip(engine.rank_stats, steps)]
         assert ran[alone] > 0 and ran[1 - alone] == 0
         assert all(len(set(g)) == 1 for g in engine.cache_digests())
@@ -156,7 +143,7 @@ def test_speculation_with_eplb_drafts_and_accepts_what_one_process_does():
 
 
 # ---- handoffs between layouts ------------------------------------------------------------------------
-def test_handoffs_between_a_dp_pool_and_a_dp_x_tp_pool_equal_a_cold_run(dptp, tmp_path_factory):
+def test_handoffs_between_a_dp_pool_and_a_dp_x_tp_pool_equal_a_coldrun_to_end(dptp, tmp_path_factory):
     """Prefill on DP=2 rank 1 -> decode on DP=2 x TP=2 rank 1, and back, over NIXL (UCX on the CPU):
     the READ lands in the decode group's rank 0, which sends the bytes to its group."""
     name, path, _, _, engine = dptp
@@ -173,7 +160,7 @@ def test_handoffs_between_a_dp_pool_and_a_dp_x_tp_pool_equal_a_cold_run(dptp, tm
         for i, (src, dst) in enumerate(((dp, engine), (engine, dp))):
             rid, src_key = f"h{i}", "dp" if src is dp else "dptp"
             src.add_request(rid, ps[i], GREEDY, hold_kv=True, rank=1)
-            first = [o for o in _run(src) if o.request_id == rid][-1]
+            first = [o for o in run_to_end(src) if o.request_id == rid][-1]
             held = src.held_handle(rid)
             offer = src.offer_held(rid, agents[src_key])
             assert offer.location.agent_name.endswith("-dp1")
@@ -183,7 +170,7 @@ def test_handoffs_between_a_dp_pool_and_a_dp_x_tp_pool_equal_a_cold_run(dptp, tm
                              "handoff_saved_bytes": 0})
             dst.add_request(rid, ps[i], GREEDY, resume=Resume(first.first, loader, first.cached_tokens, held.rng_state),
                             rank=1)
-            done = [o for o in _run(dst) if o.request_id == rid and o.finished][-1]
+            done = [o for o in run_to_end(dst) if o.request_id == rid and o.finished][-1]
             assert done.token_ids == want[i].token_ids and loader.report.transport == "nixl"
             deadline = time.monotonic() + 10
             while src.is_held(rid) and time.monotonic() < deadline:

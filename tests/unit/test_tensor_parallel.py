@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers import (BLOCK_TOKENS, TINY_CONFIGS, assert_rank_failure_is_quick, assert_same_outputs,
-                           random_prompt, tiny_engine, write_tiny_checkpoint)
+                           cold_references, random_prompt, stored_by_tp1, tiny_engine, write_tiny_checkpoint)
 from tests.quant_checkpoint import quantize_checkpoint
 from kvmesh.workers.checkpoint.loader import load_model
 from kvmesh.workers.model.args import ConfigError
@@ -49,9 +49,7 @@ def prompts(name: str) -> dict[str, list[list[int]]]:
 def checkpoint(request, tmp_path_factory):
     name = request.param
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
-    cold = tiny_engine(path, name)           # TP=1, no store: the reference for everything below
-    refs = {k: cold.generate(ps, GREEDY) for k, ps in prompts(name).items()}
-    refs["forks"] = cold.generate(prompts(name)["B"][:1], FORKS)
+    refs = cold_references(path, name, prompts(name), GREEDY, FORKS)     # TP=1, no store: the reference
     return name, path, refs
 
 
@@ -60,10 +58,7 @@ def tp2(request, checkpoint, tmp_path_factory):
     """(name, path, refs, store, TP=2 engine over a store TP=1 wrote A into)."""
     name, path, refs = checkpoint
     swa = policy(name, request.param)
-    store = str(tmp_path_factory.mktemp("store"))
-    writer = tiny_engine(path, name, swa_policy=swa, store=store)
-    writer.generate(prompts(name)["A"], GREEDY)
-    writer.close()
+    store = stored_by_tp1(path, name, str(tmp_path_factory.mktemp("store")), swa, prompts(name)["A"], GREEDY)
     engine = tiny_engine(path, name, tensor_parallel_size=2, enable_expert_parallel=VARIANTS[request.param],
                          swa_policy=swa, store=store, max_batched_tokens=3 * BLOCK_TOKENS[name] + 1)
     yield name, path, refs, store, engine
