@@ -421,20 +421,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step. Under tensor parallelism a rank that died or stalled raises
         RankFailed (within rank_timeout_s); the engine is unusable after it."""
-        if self.ranks is None:
-            outputs = self._step()
-            if self.balancer is not None:        # every DP rank, after every step: count, rebalance when due
-                self.balancer.end_step()
-            return outputs
-        self.ranks.check()
+        if self.ranks is not None:
+            self.ranks.check()
         try:
             outputs = self._step()
-            if self.balancer is not None:        # TP inside a DP rank: the group's ranks count with this one
-                self.ranks.balance()
+            if self.balancer is not None:        # every DP rank, after every step: count, rebalance when due
+                if self.ranks is not None:       # TP inside the DP rank: the group's ranks count with this one
+                    self.ranks.balance()
                 self.balancer.end_step()
             return outputs
         except RankFailed as e:
-            self.ranks.failed(e)
+            if self.ranks is not None:
+                self.ranks.failed(e)
             raise
 
     def _step(self) -> list[RequestOutput]:

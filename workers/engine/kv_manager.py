@@ -204,8 +204,10 @@ class KVCacheManager:
         _, _, future = self._loads.pop(id(seq))
 
         def settled() -> bool:      # a READ that timed out may still write until its own `settled`
-            error = future.done() and future.exception()
-            return future.done() and (not isinstance(error, TransferInFlight) or error.settled())
+            if not future.done():
+                return False
+            error = future.exception()
+            return not isinstance(error, TransferInFlight) or error.settled()
         self._landing.append((seq.blocks, seq.slot, settled))
         seq.blocks, seq.slot, seq.hashed_blocks = [], None, 0
 
