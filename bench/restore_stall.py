@@ -41,11 +41,15 @@ from kvmesh.workers.engine import Engine  # noqa: E402
 from kvmesh.workers.engine_config import EngineConfig  # noqa: E402
 from kvmesh.workers.request import Resume  # noqa: E402
 from kvmesh.workers.sampling.params import SamplingParams  # noqa: E402
+from bench.prefix_reuse import warm_read_buffers  # noqa: E402
 
 BEFORE = 40        # steps before the warm request comes (the first two are not counted)
 DECODE = SamplingParams(max_tokens=4_000, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 HANDOFF = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)    # prefill's token + one decoded
+
+
+SLOW_STORE_GROUP = 8        # --object-latency-ms: a call with buffers of its own gets this many objects at a time
 
 
 def engine(store: str, policy: str, prefetch: bool, max_num_seqs: int | None = None, reads: int = 4) -> Engine:
@@ -71,7 +75,7 @@ def slow_reads(e: Engine, latency_s: float, object_latency_s: float = 0.0, bandw
         reads all, then waits what they would have taken."""
         t0, out = time.perf_counter(), []
         time.sleep(latency_s)
-        step = 8 if own else max(1, len(hashes))
+        step = SLOW_STORE_GROUP if own else max(1, len(hashes))
         for i in range(0, len(hashes), step):
             got = real(kind, hashes[i:i + step], expect, own)
             out += got
@@ -116,6 +120,9 @@ def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, r
                                 handoff_loads_in_flight=4 if prefetch else 0))
     else:
         e = engine(store, args.policy, prefetch, args.running if args.queued else None, args.reads_in_flight)
+        if prefetch:                     # its read buffers as a serving engine's are (no fresh memory per restore)
+            slow = args.read_latency_ms or args.object_latency_ms or args.bandwidth_mb_s
+            warm_read_buffers(e, SLOW_STORE_GROUP if slow else None)
         slow_reads(e, args.read_latency_ms / 1e3, args.object_latency_ms / 1e3, args.bandwidth_mb_s * 1e6)
     e.generate([[2] * 40], FIRST)                    # first-call costs out of the way
     if resident and held_doc is None:                # the floor: the prefix already in device memory

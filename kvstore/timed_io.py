@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -53,27 +52,19 @@ class TimedRunner:
         self._lock = threading.Lock()
         self.abandoned = 0          # workers left behind in a hung call
 
-    def run(self, fn: Callable[[], T], meanwhile: Callable[[float], None] | None = None) -> T:
-        """`fn()` on a worker; `meanwhile(deadline)` (a time.monotonic() instant), if given, runs
-        on the calling thread while `fn` does (it must return by the deadline), then this waits
-        for `fn` until the deadline."""
+    def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on a worker, waited for until the deadline."""
         if self.timeout_s is None:
-            out = fn()
-            if meanwhile is not None:
-                meanwhile(float("inf"))
-            return out
+            return fn()
         with self._slots:
             try:
                 worker = self._free.get_nowait()
             except queue.Empty:
                 worker = _Worker(self.name)
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            deadline = time.monotonic() + self.timeout_s
             worker.jobs.put((fn, fut))
             try:
-                if meanwhile is not None:
-                    meanwhile(deadline)
-                out = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                out = fut.result(timeout=self.timeout_s)
             except concurrent.futures.TimeoutError:
                 worker.jobs.put((None, None))     # it exits once the hung call returns
                 with self._lock:
@@ -82,7 +73,7 @@ class TimedRunner:
             except BaseException:
                 if fut.done():
                     self._free.put(worker)
-                else:                               # meanwhile raised with fn still running: let it go
+                else:                               # interrupted with fn still running: let it go
                     worker.jobs.put((None, None))
                 raise
             self._free.put(worker)

@@ -5,6 +5,7 @@
     store_fs.py       filesystem primitives over pyarrow.fs: atomic writes, mapped reads, listings
     object_store.py   ObjectStore: put / get / list, corrupt objects as misses
     nixl_reader.py    restore reads through NIXL's POSIX backend into registered memory
+    read_buffers.py   host buffers restore reads land in, reused once no object views them
     quarantine.py     objects no read may touch (unremovable corrupt ones), kept across restarts
     scrub.py          checks every object of a namespace, never-read ones too (`kvmesh store scrub`, background)
     persist.py        write-behind: store puts on a background thread, off the request path

@@ -178,3 +178,26 @@ def test_layout_sizes_equal_what_the_cache_tensors_allocate(swa_blocks):
     per_slot = sum(t[0].numel() * t.element_size() for lc in cache.layers for t in [lc.ring, *lc.tails.values()])
     assert per_block == layout.resident_block_bytes(swa_blocks)
     assert per_slot == layout.slot_bytes
+
+
+@pytest.mark.parametrize("blocks", [[2, 3, 4, 5], [6, 1, 4, 0], [0, 1, 5, 6], list(range(12))[::-1] + [12, 13]])
+def test_load_packed_writes_what_load_blocks_writes_for_consecutive_and_scattered_blocks(blocks):
+    """Runs of consecutive ids are copied as slices, scattered ones by index: the same bytes."""
+    layout = CacheLayout.build(LayoutParams(TYPES, head_dim=32, index_head_dim=16, csa_ratio=4, hca_ratio=16,
+                                            window=8, dtype="bfloat16", kv_dtype="auto", rope_dim=8), BT)
+    packed, plain = (CacheTensors(layout, num_blocks=16, num_slots=1, swa_blocks=True) for _ in range(2))
+    shapes = packed.block_shapes()
+    g = torch.Generator().manual_seed(len(blocks))
+    objects = [{name: torch.randn(shape, generator=g).to(dtype) for name, (shape, dtype) in shapes.items()}
+               for _ in blocks]
+    table, offset = [], 0
+    for name, (shape, dtype) in shapes.items():
+        nbytes = objects[0][name].numel() * dtype.itemsize
+        table.append((name, dtype, shape, offset, nbytes))
+        offset += nbytes
+    rows = torch.stack([torch.cat([o[name].reshape(-1).view(torch.uint8) for name in shapes]) for o in objects])
+    packed.load_packed(blocks, rows, 0, tuple(table))
+    plain.load_blocks(blocks, objects)
+    for a, b in zip(packed.layers, plain.layers):
+        for name in a.blocks:
+            assert torch.equal(a.blocks[name], b.blocks[name]), name

@@ -30,6 +30,7 @@ from kvmesh.kvstore.store.objects import (
     encode_object,
 )
 from kvmesh.kvstore.store.object_store import ObjectStore, list_namespaces
+from kvmesh.kvstore.store.read_buffers import ReadBuffers
 
 REPO = Path(__file__).resolve().parents[2]
 FP = model_fingerprint({"model_type": "deepseek_v4"}, "w0", "bfloat16", 4, 1)
@@ -484,3 +485,30 @@ def test_a_tensor_name_that_looks_like_the_table_key_still_decodes_to_its_own_ta
         obj = decode_object(bytearray(encode_object(FP, "block", 9, None, 1, tensors)), FP, 9, "block")
         assert set(obj.tensors) == set(tensors)
         assert all(torch.equal(obj.tensors[k], v) for k, v in tensors.items())
+
+
+def test_a_prefetch_read_reuses_its_buffer_once_no_object_views_it_and_never_before(tmp_path: Path) -> None:
+    """get_many(own=True)'s rows come from kept buffers (no fresh memory faulted in per restore);
+    a buffer goes back only when every object read into it is gone, and at most
+    read_buffer_bytes of them are kept."""
+    store = ObjectStore(str(tmp_path / "store"), FP, read_buffer_bytes=4 << 20)
+    for i, h in enumerate(HS[:8]):
+        store.put("block", h, None, 4, _tensors(i))
+    first = store.get_many("block", HS[:8], own=True)
+    held = first[3]                          # one object of the read still in use
+    base = held.rows.data_ptr()
+    del first
+    second = store.get_many("block", HS[:8], own=True)
+    assert second[0].rows.data_ptr() != base        # still viewed: not handed out again
+    _assert_same(_tensors(3), dict(held.items()))   # and its bytes untouched by the second read
+    del held
+    third = store.get_many("block", HS[:8], own=True)
+    assert third[0].rows.data_ptr() == base         # free again: reused
+    for i, obj in enumerate(third):
+        _assert_same(_tensors(i), dict(obj.items()))
+
+    buffers = ReadBuffers(keep_bytes=64 << 10)      # keeps one 64 KiB buffer, not two
+    a, b = buffers.take(1000), buffers.take(1000)
+    del a, b
+    assert buffers.free_bytes == 64 << 10
+    assert ReadBuffers(0).take(10).numel() == 10

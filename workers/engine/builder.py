@@ -175,7 +175,8 @@ def open_tiers(config: EngineConfig, fingerprint: str, key: StoreKey | None
                ) -> tuple[ObjectStore | None, PrefixIndex | None]:
     store = (ObjectStore(config.store, fingerprint, config.store_capacity_bytes, key=key,
                          read_timeout_s=config.store_read_timeout_s, staging_bytes=STORE_STAGING_BYTES,
-                         reader=config.store_reader, reads_in_flight=config.store_reads_in_flight)
+                         reader=config.store_reader, reads_in_flight=config.store_reads_in_flight,
+                         read_buffer_bytes=config.restore_prefetch_bytes)   # the prefetch's objects, reused
              if config.store else None)
     index = None
     if store is not None or config.index != "local":
