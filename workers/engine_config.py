@@ -221,8 +221,9 @@ class EngineConfig:
         4, "store reads a restore may have in flight at once: once a prefetch's first objects read slowly (a "
            "network mount, an object store), it reads the rest in this many parts side by side")
     handoff_loads_in_flight: Annotated[int, Strict(), Field(ge=0)] = setting(
-        4, "decode role: handed-off caches read at once off the engine step (each request waits with its "
-           "blocks and slot reserved while the step runs the others); 0: read inside the step")
+        4, "caches written into requests' blocks at once off the engine step (each request waits with its "
+           "blocks and slot reserved while the step runs the others): handed-off caches (decode role) and "
+           "prefix hits from host memory or the store admitted while others run; 0: inside the step")
     store_scrub_interval_s: Annotated[float, Strict(), Field(ge=0)] = setting(
         600.0, "seconds between background scrub passes over this deployment's store namespace "
                "(kvstore/store/scrub.py; 0 = off)")

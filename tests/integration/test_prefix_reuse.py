@@ -302,3 +302,64 @@ def test_more_store_hits_than_the_pool_holds_all_finish_exactly(model_dir, cold,
     for i, name in enumerate(names):
         assert_same_run(outs[f"r{i}"], cold[name])
     assert reader.prefix.stats.tier_hit_tokens["store"] > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_restore_beside_running_requests_is_copied_off_the_step_and_a_failed_copy_recomputes(
+        model_dir, cold, tmp_path, policy):
+    """Issue 45: a store hit admitted while others run is written into its reserved blocks on a
+    loader thread — the running request keeps stepping, the restoring one is out of the batch
+    with its memory held — and joins with the cold run's tokens; a copy that fails makes it
+    recompute from scratch (same tokens), never fail. Nobody running: the copy is in the step."""
+    writer = engine(model_dir, policy, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    reader = engine(model_dir, policy, store=str(tmp_path))
+    real, gate, threads = reader.prefix.write, threading.Event(), []
+
+    def gated(*args, **kw):
+        threads.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(30)
+        return real(*args, **kw)
+    reader.prefix.write = gated
+    busy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reader.add_request("busy", other(20, 9), busy)
+    reader.step()
+    prompt, shared = CASES["whole_prompt"]
+    reader.add_request("warm", prompt, GREEDY)
+    for _ in range(40):                        # its prefetch, then admission: the copy waits on the gate
+        outs = reader.step()
+        assert [o.request_id for o in outs] == ["busy"]
+        if reader.kv.loading:
+            break
+    assert reader.kv.loading == 1 and reader.scheduler.loading and threads[-1].startswith("kvmesh-cache-load")
+    held = reader.blocks.num_used
+    for _ in range(3):                         # the running request goes on; the restoring one holds its memory
+        assert [o.request_id for o in reader.step()] == ["busy"] and reader.blocks.num_used >= held
+    gate.set()
+    outs = {o.request_id: o for o in run_all(reader) if o.finished}
+    assert_same_run(outs["warm"], cold["whole_prompt"])
+    assert outs["warm"].cached_tokens == expected_cached(policy, len(prompt), shared) > 0
+
+    failing = engine(model_dir, policy, store=str(tmp_path))
+    works = failing.prefix.write
+
+    def broken(*args, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError("copy failed")
+        return works(*args, **kw)
+    failing.prefix.write = broken
+    failing.add_request("busy", other(20, 9), busy)
+    failing.step()
+    failing.add_request("warm", prompt, GREEDY)
+    outs = {o.request_id: o for o in run_all(failing) if o.finished}
+    assert_same_run(outs["warm"], cold["whole_prompt"])
+    assert outs["warm"].cached_tokens == 0 and failing.prefix.stats.errors == 1 and failing.kv.loading == 0
+
+
+def run_all(e: Engine) -> list:
+    out = []
+    while e.has_unfinished():
+        out += e.step()
+    return out

@@ -23,6 +23,12 @@ ended (written: it joins; failed: it fails alone). At most `loads_in_flight` loa
 once (admission waits past that), so parked reservations stay bounded; a request aborted while its
 load runs gives its memory back only once the load is over (`reap_landing`).
 
+A prefix hit found in host memory or read from the store (issue 45) is written the same way when
+others are running (`allocate_slots(..., off_step=True)`): its copies into the reserved blocks and
+slot run on a loader thread (`PrefixCache.write`), the request loading meanwhile; once they are in
+it is named and joins (`PrefixCache.publish`), and a copy that failed makes it recompute, never
+fail. With no loader free, or nobody running, the copy is made in the step as before.
+
 What mutates: `allocate_slots`, `fork` and `free` change the pools (refcounts, free lists) and
 the sequence's `blocks`, `slot` and restore fields (`num_computed`, `cached_tokens`,
 `hashed_blocks`, `ring_from`, `keep_tokens`); on admission the slot is reset and the hit is
@@ -32,6 +38,7 @@ holds nothing: nothing else may allocate between it and the `allocate_slots` it 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Callable, NamedTuple
 
 from kvmesh.kvstore.device.block_pool import BlockPool
@@ -67,7 +74,7 @@ class KVCacheManager:
         # (blocks, slot, settled) of loads given up while a transfer may still write them
         self._landing: list[tuple[list[int], int, Callable[[], bool]]] = []
         self.loads_in_flight = loads_in_flight
-        self._loader = (concurrent.futures.ThreadPoolExecutor(loads_in_flight, thread_name_prefix="kvmesh-handoff-load")
+        self._loader = (concurrent.futures.ThreadPoolExecutor(loads_in_flight, thread_name_prefix="kvmesh-cache-load")
                         if loads_in_flight else None)
         # id(seq) -> (seq, hit, the load's future): handed-off caches being read off the step
         self._loads: dict[int, tuple[Sequence, ComputedBlocks, concurrent.futures.Future]] = {}
@@ -100,15 +107,18 @@ class KVCacheManager:
             return NO_HIT
         return ComputedBlocks(found.plan.recompute_from, found.resident, restore=found)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks | None = None) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks | None = None,
+                       off_step: bool = False) -> bool:
         """Memory for seq's next `num_new_tokens` tokens. A running seq (`hit` None) gets the
         blocks it lacks; a waiting one (`hit` from get_computed_blocks) gets a slot and the
         hit's blocks as well, all or nothing, and the hit is written into them. False: not
         enough free memory, nothing changed. Raises KVLoadError when a handed-off cache fails
-        to load (seq then holds nothing)."""
+        to load (seq then holds nothing). `off_step` (others are running, whom a copy in the
+        step would stall): a restore that copies objects is written on a loader thread, seq
+        loading (`is_loading`) until it is in."""
         if hit is None:
             return self._grow(seq, seq.num_computed + num_new_tokens)
-        return self._admit(seq, num_new_tokens, hit)
+        return self._admit(seq, num_new_tokens, hit, off_step)
 
     def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
         need = self.blocks_for(upto_tokens) - len(seq.blocks)
@@ -117,7 +127,7 @@ class KVCacheManager:
         seq.blocks += [self.blocks.allocate() for _ in range(need)]
         return True
 
-    def _admit(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks) -> bool:
+    def _admit(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks, off_step: bool = False) -> bool:
         if hit.handoff is not None and self._loader is not None and len(self._loads) >= self.loads_in_flight:
             return False              # as many loads hold memory as may: this one waits for one to end
         total = max(len(hit.resident), self.blocks_for(hit.num_tokens + num_new_tokens))
@@ -138,9 +148,36 @@ class KVCacheManager:
                                                                   seq.slot, reused))
         elif hit.handoff is not None:
             self._load_handoff(seq, hit)
+        elif (hit.restore is not None and off_step and self._loader is not None
+              and len(self._loads) < self.loads_in_flight and self.prefix.copies(hit.restore)):
+            self._loads[id(seq)] = (seq, hit, self._loader.submit(self._write_restore, hit.restore, list(seq.blocks),
+                                                                  seq.slot))
         elif hit.restore is not None and not self.prefix.fill(seq, hit.restore):
             self._go_cold(seq, hit.num_tokens + num_new_tokens)
         return seq.slot is not None
+
+    def _write_restore(self, found: Restore, blocks: list[int], slot: int) -> float:
+        """On a loader thread: a restore's copies into the real cache (under TP, `_restored`
+        sends the bytes to the other ranks); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.prefix.write(found, blocks, slot, self.cache.real)
+        return time.perf_counter() - t0
+
+    def _restored(self, seq: Sequence, hit: ComputedBlocks, future: concurrent.futures.Future) -> None:
+        """A restore written off the step: named and counted, seq resumes after it; or, when its
+        copy failed, seq recomputes from scratch in blocks of its own (it keeps its slot; the
+        running requests' loop gives it blocks as it computes) — never a failure of the request."""
+        error = future.exception()
+        if error is None:
+            found = hit.restore
+            written = [b for b, tier in zip(seq.blocks, found.tiers) if tier != "device"]
+            self.cache.resync(written, seq.slot)
+            self.prefix.publish(seq, found, future.result())
+            return
+        self.prefix.failed_restore(error)
+        self._release_blocks(seq)
+        self.cache.reset_slot(seq.slot)
+        seq.num_computed = seq.cached_tokens = seq.ring_from = seq.keep_tokens = 0
 
     @staticmethod
     def _handoff_target(seq: Sequence, hit: ComputedBlocks) -> tuple[list[int], int]:
@@ -171,13 +208,13 @@ class KVCacheManager:
             self.free(seq)
         return KVLoadError(f"the handed-off cache could not be loaded: {type(e).__name__}: {e}")
 
-    # ---- handed-off caches read off the step (loads_in_flight > 0) ------------------------------
+    # ---- handed-off caches and restores written off the step (loads_in_flight > 0) --------------
     def is_loading(self, seq: Sequence) -> bool:
         return id(seq) in self._loads
 
     @property
     def loading(self) -> int:
-        """Requests whose handed-off cache is being read off the step."""
+        """Requests whose handed-off cache is being read, or whose restore written, off the step."""
         return len(self._loads)
 
     def load_futures(self) -> list[concurrent.futures.Future]:
@@ -191,6 +228,10 @@ class KVCacheManager:
             if not future.done():
                 continue
             del self._loads[key]
+            if hit.restore is not None:
+                self._restored(seq, hit, future)
+                out.append((seq, None))
+                continue
             error = future.exception()
             if error is None:
                 self._loaded(seq, hit)

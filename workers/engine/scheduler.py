@@ -7,7 +7,8 @@ request) comes from the KV-cache manager alone; when a decode cannot get a block
 newest running request is preempted (its cache freed, re-run later from its tokens) so
 the process never dies of it. A decode-role request whose handed-off cache the manager reads
 off the step (`loads_in_flight`) waits in `loading`, its memory reserved, and joins the running
-requests at the first step after its load ended (or fails alone).
+requests at the first step after its load ended (or fails alone); so does a request whose prefix
+hit is copied into its blocks off the step because others are running.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Scheduler:
         self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.loading: list[Sequence] = []          # admitted, their handed-off cache being read
+        self.loading: list[Sequence] = []          # admitted, their cache being read / written off the step
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -97,7 +98,7 @@ class Scheduler:
         budget = self.max_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         failed: list[tuple[Sequence, KVLoadError]] = []
-        for seq, error in self.kv.loaded():       # handed-off caches read off the step: in, or failed
+        for seq, error in self.kv.loaded():       # caches read / written off the step: in, or failed
             self.loading.remove(seq)
             if error is not None:
                 seq.status = Status.FINISHED
@@ -132,7 +133,8 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.kv.get_computed_blocks(seq)
             try:
-                admitted = self.kv.allocate_slots(seq, self.chunk(seq, budget, hit.num_tokens), hit)
+                admitted = self.kv.allocate_slots(seq, self.chunk(seq, budget, hit.num_tokens), hit,
+                                                  off_step=bool(self.running))
             except KVLoadError as e:      # its handed-off cache failed to load: only it fails
                 self.waiting.popleft()
                 self.finish(seq)
@@ -140,7 +142,7 @@ class Scheduler:
                 continue
             if not admitted:
                 break
-            if self.kv.is_loading(seq):          # its cache is read off the step: it joins when that ends
+            if self.kv.is_loading(seq):          # its cache is written off the step: it joins when that ends
                 self.waiting.popleft()
                 self.loading.append(seq)
                 continue

@@ -367,24 +367,48 @@ class PrefixCache:
         counted); the caller serves seq cold."""
         t0 = time.perf_counter()
         try:
-            self._write(seq, found)
+            self.write(found, seq.blocks, seq.slot)
         except Exception as e:
-            self._failed("restore", e)
+            self.failed_restore(e)
             return False
-        self._apply(seq, found, found.read_s + time.perf_counter() - t0)
+        self.publish(seq, found, time.perf_counter() - t0)
         return True
 
-    def _write(self, seq: Sequence, found: Restore) -> None:
+    @staticmethod
+    def copies(found: Restore) -> bool:
+        """Whether writing `found` copies anything (objects from the host cache or the store, a
+        checkpoint's state): a hit all in device blocks (`full`: and its slot rebuilt) does not."""
+        return bool(found.loaded) or found.state is not None
+
+    def write(self, found: Restore, blocks: list[int], slot: int, cache=None) -> None:
+        """The memory copies of a fill alone — the hit's objects into `blocks` (blocks[i] is hit
+        block i) and its state into `slot` of `cache` (default: this cache) — touching nothing
+        else, so it may run on another thread while the engine steps (the KV-cache manager's
+        restores off the step); `publish` then names the blocks, on the engine's thread."""
+        cache = self.cache if cache is None else cache
         host = [i for i, t in enumerate(found.tiers) if t == "host"]
         store = [i for i, t in enumerate(found.tiers) if t == "store"]
-        self.cache.load_blocks([seq.blocks[i] for i in host], [found.loaded[i] for i in host])
+        cache.load_blocks([blocks[i] for i in host], [found.loaded[i] for i in host])
         if store:
-            ids, objs = [seq.blocks[i] for i in store], [found.loaded[i] for i in store]
+            ids, objs = [blocks[i] for i in store], [found.loaded[i] for i in store]
             for start, stop, packed in packed_runs(objs):
                 if packed is not None:
-                    self.cache.load_packed(ids[start:stop], *packed)
+                    cache.load_packed(ids[start:stop], *packed)
                 else:
-                    self.cache.load_blocks(ids[start:stop], objs[start:stop])
+                    cache.load_blocks(ids[start:stop], objs[start:stop])
+        if found.state is not None:
+            cache.load_slot(slot, found.plan.keep_tokens, found.state)
+        elif self.policy.kind == "full":
+            cache.rebuild_slot(slot, found.plan.keep_tokens, blocks)
+
+    def failed_restore(self, error: BaseException) -> None:
+        self._failed("restore", error)
+
+    def publish(self, seq: Sequence, found: Restore, seconds: float) -> None:
+        """After `write`: name the written blocks in the pool, tell the routers, count it and set
+        where seq's computation resumes (engine thread)."""
+        host = [i for i, t in enumerate(found.tiers) if t == "host"]
+        store = [i for i, t in enumerate(found.tiers) if t == "store"]
         for i in host + store:
             self.pool.set_hash(seq.blocks[i], found.hashes[i])
         if self.events is not None:
@@ -392,10 +416,7 @@ class PrefixCache:
         self.stats.blocks_from_store += len(store)
         self.stats.blocks_from_memory += len(found.hashes) - len(store)
         self.stats.blocks_from_host += len(host)
-        if found.state is not None:
-            self.cache.load_slot(seq.slot, found.plan.keep_tokens, found.state)
-        elif self.policy.kind == "full":
-            self.cache.rebuild_slot(seq.slot, found.plan.keep_tokens, seq.blocks)
+        self._apply(seq, found, found.read_s + seconds)
 
     def _apply(self, seq: Sequence, found: Restore, load_s: float) -> None:
         plan = found.plan
