@@ -1,9 +1,11 @@
 """What a store restore costs the requests already running (issue 45 items 1 and 5): their
-step times while a warm request arrives, with the restore's reads in the engine step (prefetch
-off: `restore_prefetch_bytes` 0) and off it (prefetch on, the default).
+step times while a warm request arrives, with the restore in the engine step (its reads and its
+copy into the cache: `restore_prefetch_bytes` 0, `handoff_loads_in_flight` 0) and off it (the
+defaults: the reads on a prefetch thread while the request waits outside the batch, the copy on a
+loader thread while it waits with its memory reserved).
 
     python bench/restore_stall.py [--tokens 16384] [--running 4] [--policy full]
-                                  [--read-latency-ms 0] [--out FILE]
+                                  [--read-latency-ms 0] [--out FILE] [--plot FILE.png]
 
 A writer engine (the built-in model) prefills a --tokens document and persists it to a fresh
 local store. Then, for each mode, a fresh reader engine on that store (nothing in memory)
@@ -53,7 +55,8 @@ SLOW_STORE_GROUP = 8        # --object-latency-ms: a call with buffers of its ow
 
 
 def engine(store: str, policy: str, prefetch: bool, max_num_seqs: int | None = None, reads: int = 4) -> Engine:
-    extra = {"store_reads_in_flight": reads} if prefetch else {"restore_prefetch_bytes": 0}
+    # in the step: the reads and the copy into the cache, as every restore was before issue 45
+    extra = {"store_reads_in_flight": reads} if prefetch else {"restore_prefetch_bytes": 0, "handoff_loads_in_flight": 0}
     if max_num_seqs is not None:
         extra["max_num_seqs"] = max_num_seqs
     return Engine(EngineConfig(store=store, swa_policy=policy, kv_cache_bytes=768 << 20, speculative_tokens=0,
@@ -158,6 +161,7 @@ def run(store: str, doc: list[int], question: list[int], args, prefetch: bool, r
             "p95_step_before_admission_ms": percentile(reading, 95) * 1e3,
             "longest_step_before_arrival_ms": max(before) * 1e3, "p95_step_before_arrival_ms": percentile(before, 95) * 1e3,
             "admitting_step_ms": during[-1] * 1e3,
+            "series": [(t - arrived, d) for t, d in steps[2:]],
             "warm_ttft_ms": (first - arrived) * 1e3, "steps_during": len(during), "store_hit_tokens": cached}
 
 
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handoff", action="store_true", help="the warm request comes as a P/D handoff (decode role)")
     p.add_argument("--handoff-latency-ms", type=float, default=50.0, help="with --handoff: the wire's time per load")
     p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None, help="write the step times around the restore as a PNG here")
     a = p.parse_args(argv)
     g = torch.Generator().manual_seed(a.tokens)
     doc = torch.randint(3, 500, (a.tokens,), generator=g).tolist()
@@ -216,7 +221,36 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['warm_ttft_ms']:.1f} | {r['store_hit_tokens']} |")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
+    if a.plot:
+        plot(rows, a, Path(a.plot))
+        print(f"wrote {a.plot}", file=sys.stderr)
     return 0
+
+
+def plot(rows: list[dict], a, path: Path) -> None:
+    """The running requests' step times around the warm request's arrival, one line per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = {"in_step": "restore in the step", "prefetch": "reads and copy off the step (default)",
+              "resident": "floor: prefix already in device memory"}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in rows:
+        xs, ys = (list(v) for v in zip(*r["series"]))
+        xs.append(xs[-1] + ys[-1])        # each step drawn from its start to its end
+        ys.append(ys[-1])
+        ax.step([x * 1e3 for x in xs], [y * 1e3 for y in ys], where="post", label=labels[r["mode"]])
+    ax.axvline(0, color="grey", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("ms since the warm request arrived (each mark: one engine step)")
+    ax.set_ylabel("step time, ms (log)")
+    store = "handoff" if a.handoff else (f"{a.object_latency_ms:g} ms/object, {a.bandwidth_mb_s or 'uncapped'} MB/s"
+                                          if a.object_latency_ms or a.bandwidth_mb_s else "local files")
+    ax.set_title(f"{a.tokens}-token restore beside {a.running} decoding requests ({store})")
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ class KVCacheManager:
         self.loads_in_flight = loads_in_flight
         self._loader = (concurrent.futures.ThreadPoolExecutor(loads_in_flight, thread_name_prefix="kvmesh-cache-load")
                         if loads_in_flight else None)
-        # id(seq) -> (seq, hit, the load's future): handed-off caches being read off the step
+        # id(seq) -> (seq, hit, the load's future): handed-off caches read, restores written, off the step
         self._loads: dict[int, tuple[Sequence, ComputedBlocks, concurrent.futures.Future]] = {}
 
     def blocks_for(self, tokens: int) -> int:
