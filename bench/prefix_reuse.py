@@ -55,11 +55,11 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 QUESTION_TOKENS = 16
 
 
-def engine(policy: str, store: str, args, kv: str = "auto", reader: str = "auto") -> Engine:
+def engine(policy: str, store: str, args, kv: str = "auto", reader: str = "auto", **extra) -> Engine:
     """A fresh engine, warmed up on an unrelated short prompt (first-call costs excluded)."""
     e = Engine(EngineConfig(model=args.model, block_tokens=args.block_tokens, swa_policy=policy, store=store,
                             kv_cache_bytes=args.kv_cache_bytes, max_batched_tokens=args.chunk,
-                            kv_cache_dtype=kv, speculative_tokens=0, store_reader=reader))
+                            kv_cache_dtype=kv, speculative_tokens=0, store_reader=reader, **extra))
     e.generate([[2] * 40], FIRST_TOKEN)
     return e
 
@@ -157,6 +157,72 @@ def run_one(policy: str, size: int, args, doc: list[int], question: list[int], k
         shutil.rmtree(root, ignore_errors=True)
 
 
+def miss_cost(args, tokens: int) -> list[dict]:
+    """Issue 45 item 2: what prefetch costs a request whose prefix no tier holds. A writer stores a
+    document (the index is not empty); then, alone on an idle engine and beside four decoding
+    requests, fresh prompts of `tokens` tokens that share nothing with it arrive, with prefetch on
+    (the default: its index lookup on a loader thread, the request parked until it answers) and off
+    (`restore_prefetch_bytes: 0`: the lookup in the step), the two engines taking turns. Per row: the
+    median time from its arrival to the start of the forward that computes it (what a lookup can add:
+    the forward itself varies 1.5x from run to run on this machine), the median TTFT, and the blocks
+    the parked request held (a miss must hold none)."""
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-miss-"))
+    try:
+        writer = engine("full", str(root), args)
+        writer.generate([torch.randint(3, 500, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()],
+                        FIRST_TOKEN)
+        writer.flush()
+        writer.close()
+        engines = {"on": engine("full", str(root), args), "off": engine("full", str(root), args,
+                                                                        restore_prefetch_bytes=0)}
+        decode = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        got: dict[tuple[str, str], list] = {}
+        seed = 100
+        for i in range(args.repeat):
+            for beside in ("idle", "4 decoding"):
+                for how, e in engines.items():
+                    seed += 1
+                    prompt = torch.randint(3, 500, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+                    if beside != "idle":
+                        for j in range(4):
+                            e.add_request(f"run{seed}-{j}", [3 + j] * 24, decode)
+                        for _ in range(5):
+                            e.step()
+                    used = e.blocks.num_used
+                    started, run = [], e.runner.run
+
+                    def noted(batch, *a, rid=f"miss{seed}", run=run, **kw):
+                        if not started and any(seq.request_id == rid for seq, _ in batch):
+                            started.append(time.perf_counter())
+                        return run(batch, *a, **kw)
+                    e.runner.run = noted
+                    t0 = time.perf_counter()
+                    e.add_request(f"miss{seed}", prompt, FIRST_TOKEN)
+                    parked = e.blocks.num_used - used
+                    first = None
+                    while first is None:
+                        outs = e.step()
+                        if any(o.request_id == f"miss{seed}" for o in outs):
+                            first = time.perf_counter() - t0
+                    e.runner.run = run
+                    for j in range(4 if beside != "idle" else 0):
+                        e.abort(f"run{seed}-{j}")
+                    while e.has_unfinished():
+                        e.step()
+                    got.setdefault((beside, how), []).append((first, parked, e.prefix.stats.hits, started[0] - t0))
+        rows = []
+        for (beside, how), runs in got.items():
+            rows.append({"beside": beside, "prefetch": how, "tokens": tokens, "runs": len(runs),
+                         "ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
+                         "to_forward_ms": statistics.median(r[3] for r in runs) * 1e3,
+                         "parked_blocks": max(r[1] for r in runs), "hits": runs[-1][2]})
+        for e in engines.values():
+            e.close()
+        return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| policy | kv | reader | tokens | hit | cold TTFT s | warm TTFT s | speedup | stored KB/1K tok | cached "
             "| recomputed | loaded MB | load s | compute s | floor s | warm/floor |")
@@ -211,8 +277,24 @@ def main() -> int:
     p.add_argument("--drop-page-cache", action="store_true",
                    help="evict the store's files from the page cache before each warm run (and the bandwidth "
                         "measurement): reads from the device, not from memory")
+    p.add_argument("--miss-cost", type=int, default=0, metavar="TOKENS",
+                   help="instead: what prefetch costs a request whose prefix no tier holds (issue 45 item 2), "
+                        "prompts of this many tokens, --repeat of each")
     p.add_argument("--out", default="bench/out/prefix_reuse")
     args = p.parse_args()
+    if args.miss_cost:
+        rows = miss_cost(args, args.miss_cost)
+        print("| beside | prefetch | prompt tokens | runs | arrival to its forward ms | TTFT ms "
+              "| blocks held while parked | hits |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['beside']} | {r['prefetch']} | {r['tokens']} | {r['runs']} | {r['to_forward_ms']:.2f} | "
+                  f"{r['ttft_ms']:.1f} | {r['parked_blocks']} | {r['hits']} |")
+        on = {r["beside"]: r["to_forward_ms"] for r in rows if r["prefetch"] == "on"}
+        off = {r["beside"]: r["to_forward_ms"] for r in rows if r["prefetch"] == "off"}
+        print("\n" + "; ".join(f"{b}: prefetch adds {on[b] - off[b]:+.2f} ms" for b in on))
+        print(f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
+        return 0
     torch.manual_seed(0)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -363,3 +363,44 @@ def run_all(e: Engine) -> list:
     while e.has_unfinished():
         out += e.step()
     return out
+
+
+def test_a_miss_joins_the_next_step_and_a_hit_that_reads_is_not_waited_for(model_dir, cold, tmp_path, monkeypatch):
+    """Issue 45 item 2: a request parked for its prefetch whose lookup finds nothing to read (a
+    miss) is scheduled by the first step after it arrives — the step waits for new lookups (at
+    most MISS_WAIT_S; long here, so the test does not race the loader thread) — holding no memory
+    while parked; one whose hit reads the store is left to its reads, the step not waiting for them."""
+    from kvmesh.workers.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "MISS_WAIT_S", 30.0)
+    writer = engine(model_dir, store=str(tmp_path))
+    writer.generate([BASE], GREEDY)
+    writer.flush()
+    reader = engine(model_dir, store=str(tmp_path))
+    reader.add_request("busy", other(20, 9), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    reader.step()
+    gate, real = threading.Event(), reader.prefix.store.get_many
+
+    def gated(*args, **kw):
+        gate.wait(30)
+        return real(*args, **kw)
+    reader.prefix.store.get_many = gated
+    lookup = reader.prefix._lookup
+
+    def slow_lookup(hashes):         # an index that answers after the step would have begun
+        time.sleep(0.2)
+        return lookup(hashes)
+    reader.prefix._lookup = slow_lookup
+    used = reader.blocks.num_used
+    miss, _ = CASES["miss"]
+    reader.add_request("miss", miss, GREEDY)
+    reader.add_request("hit", CASES["many_blocks"][0], GREEDY)
+    assert len(reader.restore_wait) == 2 and reader.blocks.num_used == used    # parked: they hold nothing
+    t0 = time.monotonic()
+    reader.step()
+    assert time.monotonic() - t0 < 10             # the hit's reads (held back) were not waited for
+    assert reader.seqs["miss"].num_computed > 0 and len(reader.restore_wait) == 1     # the miss ran at once
+    gate.set()
+    outs = {o.request_id: o for o in run_all(reader) if o.finished}
+    assert_same_run(outs["miss"], cold["miss"])
+    assert_same_run(outs["hit"], cold["many_blocks"])
+    assert outs["hit"].cached_tokens == 10 * BT

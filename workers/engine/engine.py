@@ -55,6 +55,7 @@ from .stats import (
 __all__ = ["Engine", "EngineConfig", "StoreUnavailable"]
 log = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.01    # an engine with nothing to run but parked requests waits this long for a compile or a read
+MISS_WAIT_S = 0.001      # a step waits at most this long for new requests' lookups to tell a miss (issue 45 item 2)
 LOADER_THREADS = 4       # prefetches (index lookup + store reads) in flight at once
 
 
@@ -103,6 +104,7 @@ class Engine:
                                                   config.grammar_compile_memory_bytes, config.grammar_compile_workers))
         self.grammar_wait = GrammarWait()
         self.restore_wait = Parked()        # requests whose hit's store reads run on a loader thread
+        self._just_parked: list[Sequence] = []     # ... parked since the last step (a miss need not wait one)
         self._loader = (ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kvmesh-prefetch")
                         if self.prefix.staged is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, eos, self.table, self.scheduler, self.prefix,
@@ -220,6 +222,7 @@ class Engine:
             future = self._loader.submit(self.prefix.prefetch, self.prefix.prefetch_chain(seq), len(seq.prompt), job)
             seq.prefetched = job
             self.restore_wait.park(seq, future, time.monotonic() + budget)
+            self._just_parked.append(seq)
             return
         self._schedule(seq)
 
@@ -233,6 +236,7 @@ class Engine:
         ran out of time; error outputs for those whose compile failed. With nothing else to run
         (and no data-parallel lockstep to keep), first wait a little for either, or for a handoff
         load off the step, instead of spinning."""
+        self._schedule_misses()
         loads = self.kv.load_futures()
         if self.dp is None and (self.grammar_wait or self.restore_wait or loads) and not self.scheduler.has_batch():
             until = self.restore_wait.next_deadline() - time.monotonic()
@@ -248,6 +252,19 @@ class Engine:
                 seq.status = Status.FINISHED
                 failed.append(self.outputs.failure(seq, e))
         return failed
+
+    def _schedule_misses(self) -> None:
+        """The requests parked for a prefetch since the last step whose lookup found nothing to
+        read from the store (a miss, or a hit all in memory) join this step: wait up to
+        MISS_WAIT_S in all for their lookups to say so, instead of a whole step (a hit that reads
+        is left to its reads)."""
+        fresh, self._just_parked = self._just_parked, []
+        until = time.monotonic() + MISS_WAIT_S
+        for seq in fresh:
+            job = seq.prefetched
+            if job.decided.wait(max(0.0, until - time.monotonic())) and not job.reads \
+                    and self.restore_wait.drop(seq.request_id):
+                self._schedule(seq)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids once the request is checked (InvalidRequestError /

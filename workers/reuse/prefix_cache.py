@@ -21,6 +21,7 @@ request (`fill`, memory copies only).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,10 +82,14 @@ class Restore(NamedTuple):
 class Prefetch:
     """One request's reads ahead of its admission: the index's answer once looked up (None: no
     index, or it failed; the objects themselves go to PrefixCache.staged). Written by the loader
-    thread, read by the engine's once the request is released (done, or past its deadline)."""
+    thread, read by the engine's once the request is released (done, or past its deadline), or
+    once `decided` is set and `reads` is False (a miss, or a hit no store object of which is needed:
+    nothing to wait for, so it need not wait for the next step)."""
 
     def __init__(self):
         self.looked = None          # the index lookup (IndexLookup) or None
+        self.reads = False          # whether it reads store objects (set before `decided`)
+        self.decided = threading.Event()
 
 
 class PrefixCache:
@@ -216,6 +221,8 @@ class PrefixCache:
                     if self.pool.lookup(h) is None and not self.host.contains("block", h)]
             if plan.checkpoint is not None and not self.host.contains("checkpoint", hashes[plan.checkpoint]):
                 want.append(("checkpoint", hashes[plan.checkpoint]))
+            job.reads = any(not self.staged.contains(k, h) for k, h in want)
+            job.decided.set()
             for kind in ("block", "checkpoint"):
                 keys = [h for k, h in want if k == kind and not self.staged.contains(k, h)]
                 if not keys:
@@ -227,6 +234,8 @@ class PrefixCache:
                     self.staged.put(kind, h, None, 0, obj)
         except Exception as e:
             self._failed("prefetch", e)
+        finally:
+            job.decided.set()
         return job
 
     def _read_parts(self, kind: str, keys: list[int], shapes) -> list:
