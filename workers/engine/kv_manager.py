@@ -175,9 +175,7 @@ class KVCacheManager:
             self.prefix.publish(seq, found, future.result())
             return
         self.prefix.failed_restore(error)
-        self._release_blocks(seq)
-        self.cache.reset_slot(seq.slot)
-        seq.num_computed = seq.cached_tokens = seq.ring_from = seq.keep_tokens = 0
+        self._go_cold(seq)
 
     @staticmethod
     def _handoff_target(seq: Sequence, hit: ComputedBlocks) -> tuple[list[int], int]:
@@ -273,9 +271,10 @@ class KVCacheManager:
                 self.blocks.release(b)
             self.slots.release(slot)
 
-    def _go_cold(self, seq: Sequence, upto_tokens: int) -> None:
+    def _go_cold(self, seq: Sequence, upto_tokens: int = 0) -> None:
         """The hit could not be written: seq starts from scratch, in fresh blocks (shared
-        ones must not be written), or waits when they are not there."""
+        ones must not be written) for `upto_tokens`, or waits when they are not there (0: it
+        keeps only its slot; a running request gets its blocks as it computes)."""
         self._release_blocks(seq)
         self.cache.reset_slot(seq.slot)
         seq.num_computed = seq.cached_tokens = seq.ring_from = seq.keep_tokens = 0
